@@ -1,0 +1,74 @@
+"""Shard plan of Lookahead Parallelism: which window columns and candidates each worker runs.
+
+Contract: plain Python, deterministic, so every rank computes the same plan from
+the same (replicated) state without communicating.
+
+Costs, in packed rows: every worker runs the ``num_pending`` uncached rows. A
+worker owning the contiguous columns [a, b) runs the base stripe up to column
+b - 1 (b - 1 rows: column 0 is the current token itself) plus ``depth`` deeper
+rows per owned column. Each candidate costs R rows. The plan minimizes the
+largest per-worker row count: it finds the smallest load L for which filling
+workers in order with columns, then handing each candidate to the worker with
+the most room, fits everything. W smaller than the worker count, G not divisible
+by it and workers with nothing but the pending rows are all valid plans.
+
+    >>> [(s.columns, s.candidates) for s in plan_shards(2, 1, 5, 3, 5, 4)]
+    [(range(0, 3), [1]), (range(3, 5), [0, 2, 3, 4])]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+@dataclass(frozen=True)
+class Shard:
+    columns: range
+    candidates: list[int]
+    rows: int
+
+
+def column_rows(columns: range, depth: int) -> int:
+    if len(columns) == 0:
+        return 0
+    return (columns.stop - 1) + len(columns) * depth
+
+
+@lru_cache(maxsize=1024)
+def plan_shards(
+    num_workers: int, num_pending: int, num_columns: int, depth: int, num_candidates: int, R: int
+) -> tuple[Shard, ...]:
+    assert num_workers >= 1 and num_pending >= 1 and num_columns >= 0 and R >= 1
+    upper = num_pending + column_rows(range(num_columns), depth) + num_candidates * R
+    for load in range(num_pending, upper + 1):
+        plan = _try_load(load, num_workers, num_pending, num_columns, depth, num_candidates, R)
+        if plan is not None:
+            return plan
+    raise AssertionError("unreachable: one worker can always take everything")
+
+
+def _try_load(load, num_workers, num_pending, num_columns, depth, num_candidates, R):
+    room = [load - num_pending] * num_workers
+    columns = []
+    start = 0
+    for k in range(num_workers):
+        stop = start
+        while stop < num_columns and column_rows(range(start, stop + 1), depth) <= room[k]:
+            stop += 1
+        columns.append(range(start, stop))
+        room[k] -= column_rows(columns[-1], depth)
+        start = stop
+    if start < num_columns:
+        return None
+    cands: list[list[int]] = [[] for _ in range(num_workers)]
+    for c in range(num_candidates):
+        k = max(range(num_workers), key=lambda i: (room[i], -i))
+        if room[k] < R:
+            return None
+        cands[k].append(c)
+        room[k] -= R
+    return tuple(
+        Shard(columns[k], cands[k], num_pending + column_rows(columns[k], depth) + R * len(cands[k]))
+        for k in range(num_workers)
+    )
