@@ -157,6 +157,9 @@ class LookaheadDecoder:
         while not done:
             t0 = time.perf_counter()
             x = pending[-1]
+            if self.group is not None:
+                fp = (pool.fingerprint() ^ window.fingerprint() ^ hash(tuple(out))) if self.group.check_divergence else 0
+                self.group.set_state(fp & 0x7FFFFFFFFFFF, cfg.N)
             candidates = pool.get(x, cfg.G) if cfg.G > 0 else []
             plan = plan_shards(self.workers, len(pending), window.num_columns, window.depth, len(candidates), R)
             mine = plan[self.rank]
@@ -205,8 +208,6 @@ class LookaheadDecoder:
                 else:
                     runner.crop(cache, cache_len + len(pending))
                     pending = list(emitted)
-                if self.group is not None and self.group.check_divergence:
-                    self.group.check_same_state(step, pool.fingerprint() ^ window.fingerprint() ^ hash(tuple(out)))
             t4 = time.perf_counter()
 
             stats.steps += 1
@@ -251,11 +252,9 @@ class LookaheadDecoder:
         table = self.group.exchange_greedy(local.hits, winner, local.emitted, z_local, plan)
         ex_s = time.perf_counter() - t
         # longest hit wins, lowest rank on ties
-        best = max(range(self.workers), key=lambda k: (table[k].hits, -k))
-        path = table[best]
+        best = table[max(range(self.workers), key=lambda k: (table[k].hits, -k))]
         z_all = [t for k in range(self.workers) for t in table[k].z]
-        # local candidate index is meaningless across ranks; keep the global one
-        return Path(path.emitted, path.winner if path.winner >= 0 else None, path.hits), z_all, ex_s
+        return Path(best.emitted, best.winner if best.winner >= 0 else None, best.hits), z_all, ex_s
 
     # -- sampled decision ---------------------------------------------------
 

@@ -1,0 +1,68 @@
+"""Launch ``lp.generate`` under torchrun: ``python launch/lp_run.py parallel.workers=K [overrides]``.
+
+Takes the same Hydra overrides as ``python -m lp.generate``, plus ``parallel.workers=K``
+(workers per node). Multi-node: pass ``--nnodes``, ``--node-rank`` and
+``--rdzv-endpoint HOST:PORT`` (or set LP_NNODES / LP_NODE_RANK / LP_RDZV_ENDPOINT); they
+go to torchrun unchanged. Sets one run dir (LP_RUN_DIR) for every rank and
+``OMP_NUM_THREADS`` (LP_THREADS, default 1 per worker on CPU).
+
+    python launch/lp_run.py parallel.workers=2 prompt="def quicksort(arr):" raw_prompt=true
+    python launch/lp_run.py --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500 parallel.workers=8
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+
+def build_command(argv: list[str]) -> tuple[list[str], dict]:
+    torchrun_flags: list[str] = []
+    overrides: list[str] = []
+    workers = None
+    it = iter(argv)
+    for arg in it:
+        if arg.startswith("--"):
+            name, _, value = arg.partition("=")
+            if name not in ("--nnodes", "--node-rank", "--node_rank", "--rdzv-endpoint", "--rdzv_endpoint",
+                            "--master-addr", "--master-port", "--rdzv-id", "--rdzv-backend"):
+                raise SystemExit(f"lp_run: unknown flag {name}; use Hydra overrides (key=value) or torchrun node flags")
+            torchrun_flags += [name, value if value else next(it)]
+        else:
+            overrides.append(arg)
+            if arg.startswith("parallel.workers="):
+                workers = arg.split("=", 1)[1]
+    if workers is None:
+        raise SystemExit("lp_run: pass parallel.workers=K (workers per node)")
+    if not workers.isdigit() or int(workers) < 1:
+        raise SystemExit(f"lp_run: parallel.workers must be an integer >= 1, got {workers!r}")
+    nnodes = os.environ.get("LP_NNODES")
+    if nnodes and "--nnodes" not in torchrun_flags:
+        torchrun_flags += ["--nnodes", nnodes, "--node-rank", os.environ.get("LP_NODE_RANK", "0")]
+        if os.environ.get("LP_RDZV_ENDPOINT"):
+            torchrun_flags += ["--rdzv-endpoint", os.environ["LP_RDZV_ENDPOINT"], "--rdzv-backend", "c10d"]
+    n = 1
+    if "--nnodes" in torchrun_flags:
+        n = int(torchrun_flags[torchrun_flags.index("--nnodes") + 1])
+    # parallel.workers is the world size seen by lp.generate
+    overrides = [o if not o.startswith("parallel.workers=") else f"parallel.workers={int(workers) * n}" for o in overrides]
+    if n == 1 and "--rdzv-endpoint" not in torchrun_flags:
+        torchrun_flags += ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_flags, "--nproc-per-node", workers,
+           "-m", "lp.generate", *overrides]
+    env = dict(os.environ)
+    env.setdefault("LP_RUN_DIR", time.strftime("outputs/lp_run/%Y-%m-%d_%H-%M-%S"))
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("LP_THREADS", "1"))
+    return cmd, env
+
+
+def main() -> int:
+    cmd, env = build_command(sys.argv[1:])
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

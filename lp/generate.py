@@ -1,0 +1,217 @@
+"""CLI: ``python -m lp.generate [overrides]``, or ``torchrun --nproc-per-node K -m lp.generate``.
+
+Contract: the Hydra main is thin: it turns the composed config into
+``lp.config.GenerateConfig`` and calls ``run``, which tests call directly. Under
+torchrun only rank 0 prints, streams and writes ``output=``; the other ranks
+run with Hydra's output and logging off, so one run dir is written.
+
+    python -m lp.generate prompt="Write a haiku about caches" decoding.W=7 decoding.G=7
+    python -m lp.generate decoding.mode=ar            # plain transformers generate
+    python launch/lp_run.py parallel.workers=2 ...    # LP on 2 workers (torchrun)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from lp.config import DecodingConfig, GenerateConfig, ModelConfig, ParallelConfig
+from lp.dist import WorkerFailure, init_worker_group, torchrun_env, worker_device
+
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a test."
+
+
+def build_prompt_ids(tokenizer, cfg: GenerateConfig) -> list[int]:
+    if cfg.prompt_file:
+        p = Path(cfg.prompt_file)
+        if not p.is_file():
+            raise ValueError(f"prompt_file must be a readable file, got {cfg.prompt_file!r}")
+        text = p.read_text()
+    else:
+        text = cfg.prompt if cfg.prompt is not None else DEFAULT_PROMPT
+    if not text or not text.strip():
+        raise ValueError("prompt must be a non-empty string (set prompt=... or prompt_file=PATH)")
+    if not cfg.raw_prompt and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(text)["input_ids"]
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    for e in [gen_eos, tokenizer.eos_token_id]:
+        if e is None:
+            continue
+        for t in e if isinstance(e, (list, tuple)) else [e]:
+            if t not in ids:
+                ids.append(int(t))
+    return ids
+
+
+def run(cfg: GenerateConfig) -> dict | None:
+    """Load the model, decode one prompt, report. Returns the result dict on rank 0."""
+    from transformers import TextStreamer
+
+    from lp.decoding import LookaheadDecoder
+    from lp.model import ModelRunner, load_model, resolve_model_path
+
+    cfg.validate()
+    rank, world, _ = torchrun_env()
+    if cfg.decoding.mode == "ar" and world > 1:
+        raise ValueError("decoding.mode=ar runs in one process; launch it without torchrun")
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    device = worker_device(cfg.model.device)
+    group = init_worker_group(cfg.parallel, device)
+    lead = rank == 0
+    try:
+        path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
+        model, tokenizer = load_model(path, cfg.model.dtype, str(device))
+        prompt_ids = build_prompt_ids(tokenizer, cfg)
+        eos = eos_ids(model, tokenizer)
+        streamer = TextStreamer(tokenizer, skip_prompt=True) if (lead and cfg.stream) else None
+        dcfg = cfg.decoding
+        if dcfg.mode == "ar":
+            ids, stats = _run_ar(model, tokenizer, prompt_ids, dcfg, eos, streamer)
+        else:
+            on_step = _step_logger() if (lead and cfg.log_steps) else None
+            decoder = LookaheadDecoder(ModelRunner(model), dcfg, group)
+            res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)
+            ids, stats = res.output_ids, res.stats.summary()
+    except WorkerFailure as e:
+        print(f"[lp] rank {rank}: {e}; stopping this worker", file=sys.stderr, flush=True)
+        os._exit(3)
+    if group is not None:
+        group.close()
+    if not lead:
+        return None
+    result = {
+        "prompt_ids": prompt_ids,
+        "output_ids": ids,
+        "text": tokenizer.decode(ids, skip_special_tokens=True),
+        **stats,
+        "mode": dcfg.mode,
+        "W": dcfg.W,
+        "N": dcfg.N,
+        "G": dcfg.G,
+        "workers": world,
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "model": str(path),
+    }
+    print(
+        f"\n[lp] {dcfg.mode} W={dcfg.W} N={dcfg.N} G={dcfg.G} workers={world} dtype={result['dtype']}: "
+        f"{result['new_tokens']} tokens in {result['steps']} steps (S={result['compression_ratio']:.2f}), "
+        f"{result['decode_time_s']:.2f} s, {result['tokens_per_second']:.1f} tok/s",
+        flush=True,
+    )
+    if dcfg.mode == "lookahead":
+        print(
+            f"[lp] forward {result['forward_time_s']:.2f} s, exchange {result['exchange_time_s']:.3f} s, "
+            f"host {result['host_time_s']:.3f} s, rows/step per rank {result['mean_rows_per_rank']}, "
+            f"accepted-length histogram {result['accept_hist']}",
+            flush=True,
+        )
+    if cfg.output:
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output).write_text(json.dumps(result) + "\n")
+    return result
+
+
+def _run_ar(model, tokenizer, prompt_ids, dcfg: DecodingConfig, eos, streamer):
+    kwargs = dict(max_new_tokens=dcfg.max_new_tokens, do_sample=dcfg.do_sample, eos_token_id=eos)
+    if dcfg.do_sample:
+        torch.manual_seed(dcfg.seed)
+        kwargs.update(temperature=dcfg.temperature, top_k=dcfg.top_k or None, top_p=dcfg.top_p)
+    if dcfg.stop_strings:
+        kwargs.update(stop_strings=list(dcfg.stop_strings), tokenizer=tokenizer)
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **kwargs)
+    dt = time.perf_counter() - t
+    ids = out[0, len(prompt_ids) :].tolist()
+    n = len(ids)
+    return ids, {
+        "steps": n,
+        "new_tokens": n,
+        "compression_ratio": 1.0,
+        "decode_time_s": round(dt, 4),
+        "tokens_per_second": round(n / dt, 3) if dt > 0 else 0.0,
+    }
+
+
+def _step_logger():
+    def log(step, rec):
+        print(
+            f"[lp] step {step}: +{rec.emitted} tokens, rows/rank {rec.rows_per_rank}, "
+            f"forward {rec.forward_s * 1e3:.1f} ms, exchange {rec.exchange_s * 1e3:.2f} ms, "
+            f"host {rec.host_s * 1e3:.2f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return log
+
+
+# ---------------------------------------------------------------------------
+# Hydra entry point
+
+
+def _register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="generate_schema", node=GenerateConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="decoding", name="decoding_schema", node=DecodingConfig)
+    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+
+
+def to_config(dcfg) -> GenerateConfig:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(dcfg)
+
+
+def main() -> None:
+    import hydra
+
+    _register_configs()
+    rank, _, _ = torchrun_env()
+    if rank != 0:  # one run dir, written by rank 0 only
+        sys.argv += [
+            "hydra.output_subdir=null",
+            "hydra.run.dir=.",
+            "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled",
+        ]
+    conf_dir = str(Path(__file__).resolve().parent.parent / "conf")
+    if not Path(conf_dir).is_dir():  # installed without the repo: schemas only
+        conf_dir = None
+
+    @hydra.main(version_base="1.3", config_path=conf_dir, config_name="generate")
+    def _main(dcfg) -> None:
+        try:
+            run(to_config(dcfg))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()
