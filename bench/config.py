@@ -1,0 +1,144 @@
+"""Typed configuration of the benchmark runner: one dataclass per Hydra group.
+
+Contract: plain dataclasses, registered in Hydra's ConfigStore by ``bench.run``
+and filled from ``conf/bench/``. ``validate()`` raises ValueError naming the
+field and the allowed values; nothing below ``bench.run.main`` sees a DictConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROMPT_SETS = ("humaneval", "mt_bench", "gsm8k", "classeval")
+CHAT_SETS = ("mt_bench", "gsm8k")  # chat template unless prompts.raw=true
+METHODS = ("ar", "prompt_lookup", "lookahead", "lp", "tp", "pp")
+MULTI_WORKER = ("lp", "tp", "pp")  # run under torchrun when workers > 1
+TP_ENGINES = ("dtensor", "manual")
+
+
+@dataclass
+class PromptsConfig:
+    sets: list[str] = field(default_factory=lambda: ["humaneval", "mt_bench"])
+    num_prompts: int = 10  # per set
+    sample: str = "first"  # first: the first num_prompts; seeded: a seeded random sample
+    seed: int = 0
+    raw: bool | None = None  # null: chat template for chat sets (mt_bench, gsm8k), raw text for code sets
+    data_dir: str = "../shared/data"  # mt_bench/gsm8k/classeval files; relative to the repo root
+    max_new_tokens: dict[str, int] = field(
+        default_factory=lambda: {"humaneval": 128, "mt_bench": 128, "gsm8k": 128, "classeval": 256}
+    )
+
+    def validate(self) -> "PromptsConfig":
+        if not self.sets:
+            raise ValueError(f"prompts.sets must be a non-empty subset of {list(PROMPT_SETS)}, got []")
+        for s in self.sets:
+            if s not in PROMPT_SETS:
+                raise ValueError(f"prompts.sets must be a subset of {list(PROMPT_SETS)}, got {s!r}")
+            n = self.max_new_tokens.get(s)
+            if not _is_int(n) or n < 1:
+                raise ValueError(f"prompts.max_new_tokens.{s} must be an integer >= 1, got {n!r}")
+        if not _is_int(self.num_prompts) or self.num_prompts < 1:
+            raise ValueError(f"prompts.num_prompts must be an integer >= 1, got {self.num_prompts!r}")
+        if self.sample not in ("first", "seeded"):
+            raise ValueError(f"prompts.sample must be 'first' or 'seeded', got {self.sample!r}")
+        return self
+
+
+@dataclass
+class LookaheadConfig:
+    W: int = 5  # base window: lookahead (1 worker) runs it; lp with K workers runs W*K
+    N: int = 4
+    G: int = 5  # base verification set; lp with K workers runs G*K
+    prompt_pool: bool = True
+    scale_with_workers: bool = True  # lp: W and G grow with K (fixed packed rows per worker)
+
+    def validate(self) -> "LookaheadConfig":
+        for name, lo in (("W", 1), ("N", 2), ("G", 0)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < lo:
+                raise ValueError(f"lookahead.{name} must be an integer >= {lo}, got {v!r}")
+        return self
+
+    def for_workers(self, workers: int) -> tuple[int, int, int]:
+        k = workers if self.scale_with_workers else 1
+        return self.W * k, self.N, self.G * k
+
+
+@dataclass
+class SweepConfig:
+    """Extra lookahead runs at several W (G = W) for the S-vs-W plot and fit."""
+
+    W: list[int] = field(default_factory=lambda: [1, 3, 8, 12])  # [] : no sweep
+    sets: list[str] = field(default_factory=lambda: ["humaneval"])
+    num_prompts: int = 5  # the first prompts of the main selection
+
+    def validate(self) -> "SweepConfig":
+        for w in self.W:
+            if not _is_int(w) or w < 1:
+                raise ValueError(f"sweep.W must be a list of integers >= 1, got {self.W!r}")
+        for s in self.sets:
+            if s not in PROMPT_SETS:
+                raise ValueError(f"sweep.sets must be a subset of {list(PROMPT_SETS)}, got {s!r}")
+        if not _is_int(self.num_prompts) or self.num_prompts < 1:
+            raise ValueError(f"sweep.num_prompts must be an integer >= 1, got {self.num_prompts!r}")
+        return self
+
+
+@dataclass
+class BenchConfig:
+    name: str = "default"
+    out_dir: str | None = None  # null: bench/results/<name>; relative paths are taken from the repo root
+    model: str = "smollm2"  # the embedded SmolLM2-135M-Instruct; ignored when model_path is set
+    model_path: str | None = None  # any local transformers folder (Llama-style for tp/pp)
+    dtype: str = "float32"  # float32 | bfloat16 | auto
+    methods: list[str] = field(default_factory=lambda: ["ar", "prompt_lookup", "lookahead", "lp", "tp", "pp"])
+    workers: list[int] = field(default_factory=lambda: [1, 2])  # K for lp/tp/pp (strong scaling)
+    threads: int = 1  # torch threads per worker, for every method
+    reference_threads: int = 2  # also run ar and lookahead in one process with this many threads (0: off)
+    prompt_lookup_num_tokens: int = 10
+    tp_engine: str = "dtensor"  # dtensor: torch parallelize_module; manual: sharded Linear + all_reduce hooks
+    warmup: bool = True  # one untimed short generation before each timed configuration
+    worker_timeout_s: float = 7200.0  # a torchrun job that runs longer is stopped
+    dist_timeout_s: float = 300.0  # collectives (gloo) give up after this
+    plots: bool = True
+    scaling_check: bool = True  # measure t(Q) and compare the scaling model with the lp runs
+    tq_qs: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
+    tq_repeats: int = 5
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+
+    def validate(self) -> "BenchConfig":
+        self.prompts.validate()
+        self.lookahead.validate()
+        self.sweep.validate()
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        if not self.methods:
+            raise ValueError(f"methods must be a non-empty subset of {list(METHODS)}, got []")
+        for m in self.methods:
+            if m not in METHODS:
+                raise ValueError(f"methods must be a subset of {list(METHODS)}, got {m!r}")
+        if not self.workers or any(not _is_int(k) or k < 1 for k in self.workers):
+            raise ValueError(f"workers must be a non-empty list of integers >= 1, got {self.workers!r}")
+        if not _is_int(self.threads) or self.threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if not _is_int(self.reference_threads) or self.reference_threads < 0:
+            raise ValueError(f"reference_threads must be an integer >= 0 (0: off), got {self.reference_threads!r}")
+        if not _is_int(self.prompt_lookup_num_tokens) or self.prompt_lookup_num_tokens < 1:
+            raise ValueError(
+                f"prompt_lookup_num_tokens must be an integer >= 1, got {self.prompt_lookup_num_tokens!r}"
+            )
+        if self.tp_engine not in TP_ENGINES:
+            raise ValueError(f"tp_engine must be one of {list(TP_ENGINES)}, got {self.tp_engine!r}")
+        if not self.tq_qs or any(not _is_int(q) or q < 1 for q in self.tq_qs) or len(self.tq_qs) < 2:
+            raise ValueError(f"tq_qs must list at least 2 integers >= 1, got {self.tq_qs!r}")
+        if not _is_int(self.tq_repeats) or self.tq_repeats < 1:
+            raise ValueError(f"tq_repeats must be an integer >= 1, got {self.tq_repeats!r}")
+        if not self.worker_timeout_s > 0 or not self.dist_timeout_s > 0:
+            raise ValueError("worker_timeout_s and dist_timeout_s must be > 0")
+        return self
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
