@@ -96,7 +96,7 @@ class BenchConfig:
     threads: int = 1  # torch threads per worker, for every method
     reference_threads: int = 2  # also run ar and lookahead in one process with this many threads (0: off)
     prompt_lookup_num_tokens: int = 10
-    tp_engine: str = "dtensor"  # dtensor: torch parallelize_module; manual: sharded Linear + all_reduce hooks
+    tp_engines: list[str] = field(default_factory=lambda: ["dtensor"])  # dtensor: parallelize_module; manual: shards + all_reduce hooks
     warmup: bool = True  # one untimed short generation before each timed configuration
     worker_timeout_s: float = 7200.0  # a torchrun job that runs longer is stopped
     dist_timeout_s: float = 300.0  # collectives (gloo) give up after this
@@ -129,8 +129,8 @@ class BenchConfig:
             raise ValueError(
                 f"prompt_lookup_num_tokens must be an integer >= 1, got {self.prompt_lookup_num_tokens!r}"
             )
-        if self.tp_engine not in TP_ENGINES:
-            raise ValueError(f"tp_engine must be one of {list(TP_ENGINES)}, got {self.tp_engine!r}")
+        if not self.tp_engines or any(e not in TP_ENGINES for e in self.tp_engines):
+            raise ValueError(f"tp_engines must be a non-empty subset of {list(TP_ENGINES)}, got {self.tp_engines!r}")
         if not self.tq_qs or any(not _is_int(q) or q < 1 for q in self.tq_qs) or len(self.tq_qs) < 2:
             raise ValueError(f"tq_qs must list at least 2 integers >= 1, got {self.tq_qs!r}")
         if not _is_int(self.tq_repeats) or self.tq_repeats < 1:

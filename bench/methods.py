@@ -73,6 +73,8 @@ def _generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequen
                 pad_token_id=eos[0] if eos else None,
                 **kwargs,
             )
+        if out.is_cuda:
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t
     finally:
         counter.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.scaling import compression, fit_law, fit_rmse, law_points, load_rows
 
-GROUP = ("method", "workers", "threads", "W", "N", "G")
+GROUP = ("method", "workers", "threads", "W", "N", "G", "tp_engine")
 
 
 def _key(r: dict) -> tuple:
@@ -109,7 +109,9 @@ def summary_markdown(groups: list[dict], rows: list[dict], machine: dict, errors
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in groups:
-        method = g["method"] + (" †" if g["same_as"] else "") + (f" ({g['tp_sharded']})" if g["tp_sharded"] else "")
+        method = g["method"] + (" †" if g["same_as"] else "")
+        if g["tp_sharded"]:
+            method += f" ({g['tp_engine']}, {g['tp_sharded']})"
         lines.append(
             f"| {g['set']} | {method} | {g['workers']} | {g['threads']} | {_f(g['W'], '{}')} | {_f(g['N'], '{}')} "
             f"| {_f(g['G'], '{}')} | {g['prompts']} | {g['mean_S']:.2f} | {g['tokens']} | {g['time_s']:.1f} "
@@ -123,10 +125,13 @@ def summary_markdown(groups: list[dict], rows: list[dict], machine: dict, errors
                   "| method | " + " | ".join(f"{k} worker{'s' if k > 1 else ''}" for k in ks) + " |",
                   "|---|" + "---|" * len(ks)]
         for m in ("lp", "tp", "pp"):
-            by_k = {g["workers"]: g for g in scaling if g["method"] == m}
-            if by_k:
-                lines.append(f"| {m} | " + " | ".join(_f(by_k[k]["speedup"], "{:.2f}x") if k in by_k else "–"
-                                                      for k in ks) + " |")
+            for engine in sorted({g["tp_engine"] or "" for g in scaling if g["method"] == m and g["workers"] > 1}) or [""]:
+                by_k = {g["workers"]: g for g in scaling
+                        if g["method"] == m and (g["workers"] == 1 or (g["tp_engine"] or "") == engine)}
+                if by_k:
+                    label = f"{m} ({engine})" if engine else m
+                    lines.append(f"| {label} | " + " | ".join(
+                        _f(by_k[k]["speedup"], "{:.2f}x") if k in by_k else "–" for k in ks) + " |")
     if fit:
         rmse = fit_rmse(law_points(rows), fit)
         lines += ["", f"Paper's law fitted to the lookahead/lp runs (b = G, γ = N − 1): α = {fit[0]:.3f}, "
@@ -159,9 +164,12 @@ def plot_speedup(groups: list[dict], path: Path) -> None:
     for ax, s in zip(axes[0], sets):
         gs = [g for g in groups if g["set"] == s]
         for m, style in (("lp", "o-"), ("tp", "s--"), ("pp", "^:")):
-            pts = sorted((g["workers"], g["speedup"]) for g in gs if g["method"] == m and g["speedup"] is not None)
-            if pts:
-                ax.plot(*zip(*pts), style, label=m)
+            engines = sorted({g["tp_engine"] or "" for g in gs if g["method"] == m and g["workers"] > 1}) or [""]
+            for engine in engines:
+                pts = sorted((g["workers"], g["speedup"]) for g in gs if g["method"] == m and g["speedup"] is not None
+                             and (g["workers"] == 1 or (g["tp_engine"] or "") == engine))
+                if pts:
+                    ax.plot(*zip(*pts), style, label=f"{m} ({engine})" if engine else m)
         for g in gs:  # single-process references on more threads, plotted at their core count
             if g["method"] in ("ar", "lookahead", "prompt_lookup") and g["speedup"] is not None and g["W"] in (None, _base_W(gs)):
                 cores = g["threads"] // max(1, min(x["threads"] for x in gs))

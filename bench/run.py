@@ -74,7 +74,8 @@ class Job:
     @property
     def label(self) -> str:
         wng = f" W={self.W} N={self.N} G={self.G}" if self.W is not None else ""
-        return f"{self.method} x{self.workers} t{self.threads}{wng}"
+        engine = f" {self.engine}" if self.engine else ""
+        return f"{self.method}{engine} x{self.workers} t{self.threads}{wng}"
 
 
 def plan_jobs(cfg: BenchConfig) -> list[tuple[Job, str]]:
@@ -97,8 +98,10 @@ def plan_jobs(cfg: BenchConfig) -> list[tuple[Job, str]]:
             if m == "lp":
                 W, N, G = la.for_workers(k)
                 jobs.append((Job("lp", k, t, W, N, G), "main"))
+            elif m == "tp" and k > 1:
+                jobs += [(Job("tp", k, t, engine=e), "main") for e in cfg.tp_engines]
             else:
-                jobs.append((Job(m, k, t, engine=cfg.tp_engine if m == "tp" else None), "main"))
+                jobs.append((Job(m, k, t), "main"))
     if "lookahead" in cfg.methods or "lp" in cfg.methods:
         for w in cfg.sweep.W:
             jobs.append((Job("lookahead", 1, t, w, la.N, w), "sweep"))
@@ -194,11 +197,12 @@ class Runner:
         jobs_dir = self.out / "jobs"
         jobs_dir.mkdir(parents=True, exist_ok=True)
         stem = f"{job.method}_x{job.workers}_t{job.threads}" + (f"_W{job.W}N{job.N}G{job.G}" if job.W else "")
+        stem += f"_{job.engine}" if job.engine else ""
         spec_path, out_path = jobs_dir / f"{stem}.spec.json", jobs_dir / f"{stem}.out.json"
         out_path.unlink(missing_ok=True)
         spec = {
             "method": job.method, "model_path": str(self.model_path), "dtype": cfg.dtype, "threads": job.threads,
-            "W": job.W, "N": job.N, "G": job.G, "prompt_pool": la.prompt_pool, "tp_engine": cfg.tp_engine,
+            "W": job.W, "N": job.N, "G": job.G, "prompt_pool": la.prompt_pool, "tp_engine": job.engine,
             "dist_timeout_s": cfg.dist_timeout_s, "warmup": cfg.warmup, "eos": self.eos,
             "prompts": [
                 {"key": [p.set, p.index], "ids": self.prompt_ids(p), "max_new_tokens": self.max_new(p)}
@@ -294,7 +298,7 @@ def make_row(cfg: BenchConfig, job: Job, p: Prompt, run: dict, ar: dict | None, 
         "host_time_s": run.get("extra", {}).get("host_time_s"),
         "dtype": dtype,
         "same_as": job.same_as,
-        "tp_engine": info.get("tp_engine"),
+        "tp_engine": job.engine,
         "tp_sharded": info.get("tp_sharded"),
         "ranks_agree": info.get("ranks_agree"),
         "output_ids": ids,
@@ -379,7 +383,8 @@ def run_bench(cfg: BenchConfig) -> Path:
             ar = runner.memo.get((ar_kernel, p.set, p.index))
             new_rows.append(make_row(cfg, job, p, r, ar, runner.info.get(job.kernel, {}), runner.dtype,
                                      len(runner.prompt_ids(p)), runner.max_new(p)))
-        key = lambda r: (r["method"], r["workers"], r["threads"], r["W"], r["G"], r["set"], r["prompt_index"])  # noqa: E731
+        key = lambda r: (r["method"], r["workers"], r["threads"], r["W"], r["G"], r["tp_engine"], r["set"],  # noqa: E731
+                         r["prompt_index"])
         have = {key(r) for r in rows}
         new_rows = [r for r in new_rows if key(r) not in have]  # sweep rows already in the main run
         rows += new_rows

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random causal LMs of several families and the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lp.model import ModelRunner
+from tests.helpers import TINY_VOCAB, make_tiny_model
+
+# The suite runs on a 2-core CPU box; keep torch from oversubscribing it.
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_factory():
+    """Memoized tiny model builder: tiny_factory(family, attn=..., vocab=..., seed=...)."""
+    cache = {}
+
+    def get(family="llama", attn="sdpa", vocab=TINY_VOCAB, seed=0, max_positions=512, **overrides):
+        key = (family, attn, vocab, seed, max_positions, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_tiny_model(family, attn, vocab, seed, max_positions, **overrides)
+        return cache[key]
+
+    return get
+
+
+# ---------------------------------------------------------------------------
+# SmolLM2 (real model)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of SmolLM2-135M-Instruct in float32 (converted once under ~/.cache/lp)."""
+    from lp.model import load_model, resolve_model_path
+
+    path = resolve_model_path("smollm2", None)
+    model, tokenizer = load_model(path, "float32")
+    model.eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_runner(smollm2):
+    return ModelRunner(smollm2[0])
