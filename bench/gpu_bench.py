@@ -1,7 +1,7 @@
 """One-GPU benchmark, under 8 minutes: t(Q) and single-device lookahead vs ar on SmolLM2.
 
     python -m bench.gpu_bench --out bench/results/gpu                 # cuda, bf16
-    python -m bench.gpu_bench --out /tmp/gpu_cpu --device cpu --quick # CPU fallback, seconds
+    python -m bench.gpu_bench --out /tmp/gpu_cpu --device cpu --quick --threads 1  # CPU fallback
 
 Contract: loads the model once on one device and writes, into ``--out``:
 tq.json (median forward seconds per packed-row count Q on a 200-token cache),
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (fallback path)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA (and AMX CPUs), else float32")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--num-prompts", type=int, default=10, help="per set (humaneval, mt_bench)")
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     num_prompts, max_new, qs, repeats, configs = args.num_prompts, args.max_new_tokens, GPU_QS, 20, CONFIGS
     if args.quick:
         num_prompts, max_new, qs, repeats, configs = 1, 8, [1, 2, 4], 2, CONFIGS[:1]
-    if args.device == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     path = resolve_model_path(args.model, args.model_path)
     model, tokenizer = load_model(path, args.dtype, args.device)

@@ -26,6 +26,7 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -65,7 +66,9 @@ def fit_law(points: Sequence[tuple[int, float, float]]) -> tuple[float, float] |
         return np.array([compression(alpha, f, int(g), b) for g, b in x_2M.T])
 
     try:
-        (alpha, f), _ = curve_fit(model, x, y, p0=[0.4, 3.0], bounds=([1e-4, 1.0], [0.9999, 1e3]))
+        with warnings.catch_warnings():  # a flat S(b) leaves the covariance undefined: fine, see fit_rmse
+            warnings.simplefilter("ignore")
+            (alpha, f), _ = curve_fit(model, x, y, p0=[0.4, 3.0], bounds=([1e-4, 1.0], [0.9999, 1e3]))
     except (RuntimeError, ValueError):
         return None
     return float(alpha), float(f)

@@ -1,0 +1,125 @@
+"""Benchmark runner: plain-arithmetic checks, and one tiny end-to-end run (ar, lookahead, lp on 2 workers).
+
+The end-to-end test composes conf/bench with Hydra and calls ``bench.run.run_bench``
+directly (lp with 2 workers goes through torchrun + gloo): 2 HumanEval prompts,
+16 new tokens; it checks the JSONL fields and that every output equals ar's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import scaling
+from bench.config import BenchConfig
+from bench.methods import stage_bounds, tp_shards_attention
+from bench.run import ROOT, Job, first_mismatch, plan_jobs, register_configs, run_bench, to_config
+
+ROW_FIELDS = {
+    "method", "workers", "threads", "W", "N", "G", "set", "prompt_index", "prompt_id", "new_tokens", "steps", "S",
+    "decode_time_s", "tokens_per_second", "matches_ar", "first_mismatch", "exchange_time_s",
+    "exchange_time_per_step_s", "rows_per_step", "rows_per_rank_per_step", "accept_hist", "dtype", "output_ids",
+}
+
+
+def compose(overrides: list[str]) -> BenchConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf" / "bench"), version_base="1.3"):
+        return to_config(hydra_compose("bench", overrides=overrides))
+
+
+# ---------------------------------------------------------------------------
+# arithmetic
+
+
+def test_law_reproduces_paper_fit():
+    # alpha=0.425, f=3.106 (LLaMA-2-7B-chat, MT-Bench) at W=G=15, N=5 gives the paper's S ~ 2
+    assert scaling.compression(0.425, 3.106, 4, 15) == pytest.approx(1.98, abs=0.01)
+    assert scaling.expected_tokens(0.5, 3, 1) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert scaling.compression(0.3, 2.0, 3, 0) == pytest.approx(1.0)  # no candidates: one token per step
+
+
+def test_fit_recovers_parameters():
+    points = [(3, float(b), scaling.compression(0.4, 2.5, 3, b)) for b in (1, 3, 5, 8, 12, 20)]
+    alpha, f = scaling.fit_law(points)
+    assert alpha == pytest.approx(0.4, abs=1e-3) and f == pytest.approx(2.5, abs=1e-2)
+    assert scaling.fit_law(points[:1]) is None
+
+
+def test_rows_and_curve():
+    assert scaling.packed_rows(5, 4, 5) == 1 + 4 + 10 + 15
+    assert scaling.rows_per_device(1, 5, 4, 5) == 30
+    assert scaling.rows_per_device(2, 10, 4, 10) <= 31  # W, G doubled over 2 workers: about the same rows
+    tq = scaling.TQCurve({1: 1.0, 4: 2.0, 8: 4.0})
+    assert tq(2) == pytest.approx(1 + 1 / 3) and tq(16) == pytest.approx(8.0) and tq(0.5) == 1.0
+    assert scaling.predict_speedup(2.0, tq, 4, 0.0) == pytest.approx(1.0)
+
+
+def test_plan_reuses_equal_computations():
+    cfg = BenchConfig(methods=["ar", "lookahead", "lp", "tp", "pp"], workers=[1, 2], reference_threads=2).validate()
+    plan = plan_jobs(cfg)
+    jobs = [j for j, which in plan if which == "main"]
+    assert jobs[0] == Job("ar", 1, 1)
+    assert sorted(j.W for j, which in plan if which == "sweep") == sorted(cfg.sweep.W)
+    by = {(j.method, j.workers, j.threads): j for j in jobs}
+    assert by[("lp", 1, 1)].kernel == by[("lookahead", 1, 1)].kernel
+    assert by[("tp", 1, 1)].kernel == by[("pp", 1, 1)].kernel == by[("ar", 1, 1)].kernel
+    assert (by[("lp", 2, 1)].W, by[("lp", 2, 1)].G) == (10, 10)
+    assert ("lookahead", 1, 2) in by and ("ar", 1, 2) in by
+
+
+def test_tp_and_pp_splits():
+    class Cfg:
+        num_attention_heads, num_key_value_heads = 9, 3
+
+    assert not tp_shards_attention(Cfg, 2) and tp_shards_attention(Cfg, 3)
+    assert stage_bounds(30, 2) == [(0, 15), (15, 30)]
+    assert stage_bounds(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1 and first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="methods"):
+        BenchConfig(methods=["beam"]).validate()
+    with pytest.raises(ValueError, match="prompts.sets"):
+        compose(["prompts.sets=[squad]"]).validate()
+
+
+# ---------------------------------------------------------------------------
+# end to end
+
+
+@pytest.mark.slow
+def test_runner_smoke(tmp_path):
+    cfg = compose([
+        "prompts=smoke", "methods=[ar,lookahead,lp]", "workers=[1,2]", "reference_threads=0", "sweep=none",
+        "tq_qs=[1,4]", "tq_repeats=1", f"out_dir={tmp_path}", "name=smoke",
+    ])
+    out = run_bench(cfg)
+    assert json.loads((out / "errors.json").read_text()) == []
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    by = {}
+    for r in rows:
+        assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
+        by.setdefault((r["method"], r["workers"]), []).append(r)
+    assert set(by) == {("ar", 1), ("lookahead", 1), ("lp", 1), ("lp", 2)}
+    ar = {r["prompt_index"]: r["output_ids"] for r in by[("ar", 1)]}
+    assert sorted(ar) == [0, 1]
+    for r in rows:
+        assert r["set"] == "humaneval" and r["new_tokens"] == len(r["output_ids"]) <= 16
+        assert r["output_ids"] == ar[r["prompt_index"]] and r["matches_ar"] is True
+        assert r["steps"] >= 1 and r["S"] == pytest.approx(r["new_tokens"] / r["steps"], abs=1e-3)
+    for r in by[("lp", 2)]:
+        assert (r["W"], r["N"], r["G"]) == (10, 4, 10)
+        assert len(r["rows_per_rank_per_step"]) == 2 and r["exchange_time_per_step_s"] is not None
+        assert r["ranks_agree"] is True
+    assert by[("lp", 1)][0]["same_as"] == "lookahead"
+    for name in ("summary.md", "machine.json", "fit.json", "tq.json", "scaling_check.md",
+                 "speedup_vs_workers.png", "s_vs_w.png", "accept_hist.png"):
+        assert (out / name).is_file(), name
+    assert "| lp | 2 | 1 | 10 | 4 | 10 |" in (out / "summary.md").read_text()
