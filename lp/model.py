@@ -114,14 +114,15 @@ def resolve_model_path(name: str, path: str | None, cache_dir: str | None = None
 
 
 def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
-    """Load (model, tokenizer) from a transformers folder with the sdpa attention."""
+    """Load (model, tokenizer or None) from a transformers folder with the sdpa attention."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
     model.to(dev).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    has_tokenizer = any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None  # id-only models in tests
     return model, tokenizer
 
 
