@@ -28,7 +28,7 @@ class PromptsConfig:
         default_factory=lambda: {"humaneval": 128, "mt_bench": 128, "gsm8k": 128, "classeval": 256}
     )
 
-    def validate(self) -> "PromptsConfig":
+    def validate(self) -> PromptsConfig:
         if not self.sets:
             raise ValueError(f"prompts.sets must be a non-empty subset of {list(PROMPT_SETS)}, got []")
         for s in self.sets:
@@ -52,7 +52,7 @@ class LookaheadConfig:
     prompt_pool: bool = True
     scale_with_workers: bool = True  # lp: W and G grow with K (fixed packed rows per worker)
 
-    def validate(self) -> "LookaheadConfig":
+    def validate(self) -> LookaheadConfig:
         for name, lo in (("W", 1), ("N", 2), ("G", 0)):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:
@@ -72,7 +72,7 @@ class SweepConfig:
     sets: list[str] = field(default_factory=lambda: ["humaneval"])
     num_prompts: int = 5  # the first prompts of the main selection
 
-    def validate(self) -> "SweepConfig":
+    def validate(self) -> SweepConfig:
         for w in self.W:
             if not _is_int(w) or w < 1:
                 raise ValueError(f"sweep.W must be a list of integers >= 1, got {self.W!r}")
@@ -96,7 +96,8 @@ class BenchConfig:
     threads: int = 1  # torch threads per worker, for every method
     reference_threads: int = 2  # also run ar and lookahead in one process with this many threads (0: off)
     prompt_lookup_num_tokens: int = 10
-    tp_engines: list[str] = field(default_factory=lambda: ["dtensor"])  # dtensor: parallelize_module; manual: shards + all_reduce hooks
+    # dtensor: torch parallelize_module; manual: sharded nn.Linear + all_reduce hooks (gpt-fast style)
+    tp_engines: list[str] = field(default_factory=lambda: ["dtensor", "manual"])
     warmup: bool = True  # one untimed short generation before each timed configuration
     worker_timeout_s: float = 7200.0  # a torchrun job that runs longer is stopped
     dist_timeout_s: float = 300.0  # collectives (gloo) give up after this
@@ -108,7 +109,7 @@ class BenchConfig:
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
-    def validate(self) -> "BenchConfig":
+    def validate(self) -> BenchConfig:
         self.prompts.validate()
         self.lookahead.validate()
         self.sweep.validate()

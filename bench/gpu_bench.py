@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # prompts
     data_dir = repo_path(args.data_dir) if not Path(args.data_dir).is_absolute() else Path(args.data_dir)
-    sets = ["humaneval"] + (["mt_bench"] if (data_dir / "mt_bench_questions.jsonl").is_file() and not args.quick else [])
+    has_mt_bench = (data_dir / "mt_bench_questions.jsonl").is_file()
+    sets = ["humaneval"] + (["mt_bench"] if has_mt_bench and not args.quick else [])
     pc = PromptsConfig(sets=sets, num_prompts=num_prompts, data_dir=str(data_dir),
                        max_new_tokens={s: max_new for s in ("humaneval", "mt_bench", "gsm8k", "classeval")})
     prompts = select(pc, data_dir)
@@ -120,15 +121,19 @@ def main(argv: list[str] | None = None) -> int:
             with results.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         last = rows[-len(jobs):]
-        print(f"[gpu_bench] {p.set}#{p.index}: " + ", ".join(
-            f"{r['method']}{'' if r['W'] is None else ' W=%d' % r['W']} {r['tokens_per_second']:.0f} tok/s S={r['S']:.2f}"
-            + ("" if r["matches_ar"] else " MISMATCH") for r in last), flush=True)
+        print(f"[gpu_bench] {p.set}#{p.index}: " + ", ".join(_brief(r) for r in last), flush=True)
 
     elapsed = time.perf_counter() - t_start
     report.write_all(rows, out, None, machine, [], elapsed)
     scaling.write_check(out, tq, rows)
     print(f"[gpu_bench] wrote {out} ({len(rows)} rows, {elapsed:.0f} s)", flush=True)
     return 0
+
+
+def _brief(row: dict) -> str:
+    name = row["method"] if row["W"] is None else f"{row['method']} W={row['W']} N={row['N']} G={row['G']}"
+    flag = "" if row["matches_ar"] else " MISMATCH"
+    return f"{name} {row['tokens_per_second']:.0f} tok/s S={row['S']:.2f}{flag}"
 
 
 if __name__ == "__main__":

@@ -121,7 +121,9 @@ StepFn = Callable[[list[int], int], int]  # (new token ids, their first position
 
 
 @torch.inference_mode()
-def greedy_loop(step: StepFn, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int]) -> tuple[list[int], int, float]:
+def greedy_loop(
+    step: StepFn, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int]
+) -> tuple[list[int], int, float]:
     """prefill, then one token per forward until eos or the budget; returns (ids, steps, seconds)."""
     eos_set = set(eos)
     out: list[int] = []
@@ -176,7 +178,8 @@ def apply_tp(model, world: int, rank: int, engine: str = "dtensor") -> tuple[str
     sharded = "attn+mlp" if attn else "mlp"
     if world == 1:
         return "none", None
-    cols = ["mlp.gate_proj", "mlp.up_proj"] + (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] if attn else [])
+    cols = ["mlp.gate_proj", "mlp.up_proj"]
+    cols += ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] if attn else []
     rows = ["mlp.down_proj"] + (["self_attn.o_proj"] if attn else [])
     if engine == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh

@@ -89,6 +89,13 @@ def _f(x, fmt="{:.2f}", none="–") -> str:
     return none if x is None else fmt.format(x)
 
 
+def _load_note(machine: dict) -> str:
+    if "loadavg_start" not in machine:
+        return ""
+    return (f"Load average at start / end: {machine['loadavg_start']} / {machine.get('loadavg_end')} "
+            "(well above the benchmark's own processes: other work shared the cores, timings are unreliable).")
+
+
 def summary_markdown(groups: list[dict], rows: list[dict], machine: dict, errors: list[dict],
                      fit: tuple[float, float] | None, elapsed_s: float | None = None) -> str:
     lines = [
@@ -97,7 +104,8 @@ def summary_markdown(groups: list[dict], rows: list[dict], machine: dict, errors
         f"{machine.get('cpu_model')} ({machine.get('usable_cores')} usable cores), torch {machine.get('torch')}, "
         f"transformers {machine.get('transformers')}, dtype {machine.get('dtype')}, "
         f"{machine.get('threads_per_worker')} thread(s) per worker. "
-        + (f"Wall time {elapsed_s / 60:.1f} min." if elapsed_s else ""),
+        + (f"Wall time {elapsed_s / 60:.1f} min. " if elapsed_s else "")
+        + _load_note(machine),
         "",
         "Speedup = throughput (total new tokens / total decode time, prefill included) over `ar` with the same",
         "threads per worker on the same prompts; *same cores* divides by `ar` with workers x threads threads",
@@ -105,7 +113,8 @@ def summary_markdown(groups: list[dict], rows: list[dict], machine: dict, errors
         "differs from `ar`'s (token by token). Rows marked † reuse another method's runs (at 1 worker lp is",
         "lookahead, tp and pp are plain greedy decoding).",
         "",
-        "| set | method | workers | threads | W | N | G | prompts | mean S | tokens | time s | tok/s | speedup | same cores | exchange ms/step | rows/rank/step | mismatches |",
+        "| set | method | workers | threads | W | N | G | prompts | mean S | tokens | time s | tok/s | speedup "
+        "| same cores | exchange ms/step | rows/rank/step | mismatches |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in groups:
@@ -125,7 +134,8 @@ def summary_markdown(groups: list[dict], rows: list[dict], machine: dict, errors
                   "| method | " + " | ".join(f"{k} worker{'s' if k > 1 else ''}" for k in ks) + " |",
                   "|---|" + "---|" * len(ks)]
         for m in ("lp", "tp", "pp"):
-            for engine in sorted({g["tp_engine"] or "" for g in scaling if g["method"] == m and g["workers"] > 1}) or [""]:
+            engines = sorted({g["tp_engine"] or "" for g in scaling if g["method"] == m and g["workers"] > 1})
+            for engine in engines or [""]:
                 by_k = {g["workers"]: g for g in scaling
                         if g["method"] == m and (g["workers"] == 1 or (g["tp_engine"] or "") == engine)}
                 if by_k:
@@ -171,7 +181,8 @@ def plot_speedup(groups: list[dict], path: Path) -> None:
                 if pts:
                     ax.plot(*zip(*pts), style, label=f"{m} ({engine})" if engine else m)
         for g in gs:  # single-process references on more threads, plotted at their core count
-            if g["method"] in ("ar", "lookahead", "prompt_lookup") and g["speedup"] is not None and g["W"] in (None, _base_W(gs)):
+            single = g["method"] in ("ar", "lookahead", "prompt_lookup") and g["W"] in (None, _base_W(gs))
+            if single and g["speedup"] is not None:
                 cores = g["threads"] // max(1, min(x["threads"] for x in gs))
                 marker = {"ar": "x", "lookahead": "*", "prompt_lookup": "d"}[g["method"]]
                 ax.scatter([cores], [g["speedup"]], marker=marker, s=60,
@@ -180,7 +191,8 @@ def plot_speedup(groups: list[dict], path: Path) -> None:
         ax.set_title(s)
         ax.set_xlabel("workers (cores)")
         ax.set_ylabel("speedup over ar (1 worker)")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -219,7 +231,8 @@ def plot_s_vs_w(rows: list[dict], fit: tuple[float, float] | None, path: Path) -
     ax.set_xlabel("W (= G)")
     ax.set_ylabel("S = tokens / step")
     ax.set_title("step compression vs window")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -250,7 +263,8 @@ def plot_accept_hist(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("tokens published in a step")
     ax.set_ylabel("fraction of steps")
     ax.set_title("accepted length per step")
-    ax.legend(fontsize=6)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -152,7 +152,7 @@ class Runner:
     def run(self, job: Job, prompts: list[Prompt]) -> list[tuple[Prompt, dict]]:
         todo = [p for p in prompts if (job.kernel, p.set, p.index) not in self.memo]
         if todo:
-            print(f"[bench] {job.label}: {len(todo)} prompts", file=sys.stderr, flush=True)
+            print(f"[bench]   running {job.label} on {len(todo)} prompts", file=sys.stderr, flush=True)
             try:
                 if job.kernel[1] == 1:
                     runs = self._in_process(job, todo)
@@ -173,17 +173,16 @@ class Runner:
 
         kind = job.kernel[0]
         torch.set_num_threads(job.threads)
-        m, eos = self.model, self.eos
-        if kind == "ar":
-            decode = lambda ids, n: methods.run_ar(m, ids, n, eos)  # noqa: E731
-        elif kind == "prompt_lookup":
-            k = self.cfg.prompt_lookup_num_tokens
-            decode = lambda ids, n: methods.run_prompt_lookup(m, ids, n, eos, k)  # noqa: E731
-        elif kind == "lookahead":
-            pool = self.cfg.lookahead.prompt_pool
-            decode = lambda ids, n: methods.run_lookahead(m, ids, n, eos, job.W, job.N, job.G, pool)  # noqa: E731
-        else:
-            raise AssertionError(kind)
+        m, eos, cfg = self.model, self.eos, self.cfg
+
+        def decode(ids: list[int], n: int) -> methods.Run:
+            if kind == "ar":
+                return methods.run_ar(m, ids, n, eos)
+            if kind == "prompt_lookup":
+                return methods.run_prompt_lookup(m, ids, n, eos, cfg.prompt_lookup_num_tokens)
+            assert kind == "lookahead", kind
+            return methods.run_lookahead(m, ids, n, eos, job.W, job.N, job.G, cfg.lookahead.prompt_pool)
+
         if self.cfg.warmup:
             decode(self.prompt_ids(prompts[0]), min(8, self.max_new(prompts[0])))
         self.info[job.kernel] = {"workers": 1, "threads": torch.get_num_threads()}
@@ -306,6 +305,10 @@ def make_row(cfg: BenchConfig, job: Job, p: Prompt, run: dict, ar: dict | None, 
     return row
 
 
+def _row_key(r: dict) -> tuple:
+    return (r["method"], r["workers"], r["threads"], r["W"], r["G"], r["tp_engine"], r["set"], r["prompt_index"])
+
+
 def machine_info(cfg: BenchConfig, dtype: str, model_path: Path) -> dict:
     import transformers
 
@@ -333,10 +336,18 @@ def machine_info(cfg: BenchConfig, dtype: str, model_path: Path) -> dict:
         "reference_threads": cfg.reference_threads,
         "model_path": str(model_path),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "loadavg_start": _loadavg(),
     }
 
 
-def scaling_check(runner: "Runner", cfg: BenchConfig, out: Path, rows: list[dict]) -> None:
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def scaling_check(runner: Runner, cfg: BenchConfig, out: Path, rows: list[dict]) -> None:
     """t(Q) at the per-worker thread count -> tq.json; model vs measurement -> scaling_check.md."""
     from bench import scaling
 
@@ -373,7 +384,9 @@ def run_bench(cfg: BenchConfig) -> Path:
     rows: list[dict] = []
     ar_kernel = Job("ar", 1, cfg.threads).kernel
     t0 = time.perf_counter()
-    for job, which in plan_jobs(cfg):
+    plan = plan_jobs(cfg)
+    for i, (job, which) in enumerate(plan):
+        print(f"[bench] job {i + 1}/{len(plan)}: {job.label} ({which} prompts)", file=sys.stderr, flush=True)
         prompts = main_prompts if which == "main" else sw_prompts
         if job.kernel != ar_kernel:  # outputs are compared with ar's: make sure ar ran on these prompts
             runner.run(Job("ar", 1, cfg.threads), prompts)
@@ -383,10 +396,8 @@ def run_bench(cfg: BenchConfig) -> Path:
             ar = runner.memo.get((ar_kernel, p.set, p.index))
             new_rows.append(make_row(cfg, job, p, r, ar, runner.info.get(job.kernel, {}), runner.dtype,
                                      len(runner.prompt_ids(p)), runner.max_new(p)))
-        key = lambda r: (r["method"], r["workers"], r["threads"], r["W"], r["G"], r["tp_engine"], r["set"],  # noqa: E731
-                         r["prompt_index"])
-        have = {key(r) for r in rows}
-        new_rows = [r for r in new_rows if key(r) not in have]  # sweep rows already in the main run
+        have = {_row_key(r) for r in rows}
+        new_rows = [r for r in new_rows if _row_key(r) not in have]  # sweep rows already in the main run
         rows += new_rows
         with results.open("a") as f:
             for r in new_rows:
@@ -394,6 +405,8 @@ def run_bench(cfg: BenchConfig) -> Path:
     if cfg.scaling_check:
         scaling_check(runner, cfg, out, rows)
     elapsed = time.perf_counter() - t0
+    machine["loadavg_end"] = _loadavg()
+    (out / "machine.json").write_text(json.dumps(machine, indent=2) + "\n")
     (out / "errors.json").write_text(json.dumps(runner.errors, indent=2) + "\n")
     report.write_all(rows, out, cfg, machine, runner.errors, elapsed)
     print(f"[bench] wrote {out} ({len(rows)} rows, {elapsed:.0f} s)", file=sys.stderr, flush=True)

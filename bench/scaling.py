@@ -88,10 +88,27 @@ def packed_rows(W: int, N: int, G: int, pending: int = 1) -> int:
 
 
 def rows_per_device(P: int, W: int, N: int, G: int, pending: int = 1) -> int:
-    """The most rows any of P workers runs (lp.shard's balanced plan); every worker runs the pending rows."""
-    from lp.shard import plan_shards
+    """The most rows any of P workers runs under lp.shard's balanced plan (every worker runs the pending rows).
 
-    return max(s.rows for s in plan_shards(P, pending, W, N - 2, G, N - 1))
+    lp.shard.plan_shards tries every load from the smallest up, which is slow for the
+    large W and G of a search; this bisects on the same feasibility test (lp.shard._try_load)
+    when it exists, and falls back to plan_shards otherwise."""
+    from lp import shard
+
+    depth, R = N - 2, N - 1
+    if P == 1:
+        return pending + shard.column_rows(range(W), depth) + G * R
+    try_load = getattr(shard, "_try_load", None)
+    if try_load is None:
+        return max(s.rows for s in shard.plan_shards(P, pending, W, depth, G, R))
+    lo, hi = pending, pending + shard.column_rows(range(W), depth) + G * R  # hi is always feasible
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if try_load(mid, P, pending, W, depth, G, R) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return max(s.rows for s in try_load(lo, P, pending, W, depth, G, R))
 
 
 # ---------------------------------------------------------------------------
@@ -120,7 +137,7 @@ class TQCurve:
         return {str(q): t for q, t in sorted(self.points.items())}
 
     @classmethod
-    def load(cls, path: Path) -> "TQCurve":
+    def load(cls, path: Path) -> TQCurve:
         data = json.loads(Path(path).read_text())
         return cls({int(q): float(t) for q, t in data["t_s"].items()})
 
@@ -260,7 +277,8 @@ def check_markdown(checks: list[dict], tq: TQCurve, fit: tuple[float, float] | N
     if fit:
         lines += [f"Fitted law over the lookahead/lp runs: α = {fit[0]:.3f}, f = {fit[1]:.3f} (b = G, γ = N − 1).", ""]
     lines += [
-        "| method | workers | threads | W | N | G | S | Q/device | t(Q) ms | exchange ms/step | host ms/step | predicted | predicted +host | measured |",
+        "| method | workers | threads | W | N | G | S | Q/device | t(Q) ms | exchange ms/step | host ms/step "
+        "| predicted | predicted +host | measured |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in checks:
@@ -317,7 +335,7 @@ def paper_table(gpu_key: str, params: float, alpha: float, f: float, overhead_ms
     gpu = GPUS[gpu_key]
     tq = roofline_tq(gpu, params, overhead_ms=overhead_ms)
     rows = [
-        f"**{gpu.name}**, {params / 1e9:.0f}B params in bf16, per-step overhead {overhead_ms:g} ms, "
+        f"**{gpu.name}**, {_count(params)} params in bf16, per-step overhead {overhead_ms:g} ms, "
         f"α = {alpha}, f = {f}: t(1) = {tq(1) * 1e3:.2f} ms, compute-bound from Q ≈ "
         f"{_knee(gpu, params):.0f} rows",
         "",
@@ -331,6 +349,10 @@ def paper_table(gpu_key: str, params: float, alpha: float, f: float, overhead_ms
             f"| {tq(best['Q_dev']) * 1e3:.2f} | {best['speedup']:.2f}x |"
         )
     return "\n".join(rows) + "\n"
+
+
+def _count(params: float) -> str:
+    return f"{params / 1e9:g}B" if params >= 1e9 else f"{params / 1e6:g}M"
 
 
 def _knee(gpu: GPU, params: float, bw_eff: float = 0.8, flop_eff: float = 0.5) -> float:
@@ -382,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--f", type=float, default=3.106)
     s.add_argument("--t-exchange-ms", type=float, default=0.2)
     p = sub.add_parser("paper", help="on-paper prediction for an 8-GPU node (bench/SCALING.md)")
-    p.add_argument("--params", type=float, default=7e9)
+    p.add_argument("--params", type=float, nargs="+", default=[7e9, 135e6])
     p.add_argument("--alpha", type=float, default=0.425)
     p.add_argument("--f", type=float, default=3.106)
     args = ap.parse_args(argv)
@@ -407,9 +429,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"W={r['W']:3d} N={r['N']} G={r['G']:3d} S={r['S']:.2f} Q/dev={r['Q_dev']:4d} "
                   f"-> {r['speedup']:.2f}x")
     elif args.cmd == "paper":
-        for gpu in ("a100-40gb", "h100"):
-            for overhead in (0.0, 10.0):
-                print(paper_table(gpu, args.params, args.alpha, args.f, overhead))
+        for params in args.params:
+            for gpu in ("a100-40gb", "h100"):
+                for overhead in (0.0, 10.0):
+                    print(paper_table(gpu, params, args.alpha, args.f, overhead))
     return 0
 
 

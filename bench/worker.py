@@ -39,7 +39,8 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
     if method == "lp":
 
         def decode(ids, n):
-            return methods.run_lookahead(model, ids, n, eos, spec["W"], spec["N"], spec["G"], spec["prompt_pool"], group)
+            W, N, G = spec["W"], spec["N"], spec["G"]
+            return methods.run_lookahead(model, ids, n, eos, W, N, G, spec["prompt_pool"], group)
 
     elif method == "tp":
         sharded, timer = methods.apply_tp(model, world, rank, spec["tp_engine"])
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     spec = json.loads(Path(args.spec).read_text())
-    rank = int(os.environ.get("RANK", 0))
+    rank = int(os.environ.get("RANK", "0"))
     try:
         runs, info = decode_all(spec, progress=rank == 0)
     except WorkerFailure as e:
