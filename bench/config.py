@@ -91,6 +91,7 @@ class BenchConfig:
     model: str = "smollm2"  # the embedded SmolLM2-135M-Instruct; ignored when model_path is set
     model_path: str | None = None  # any local transformers folder (Llama-style for tp/pp)
     dtype: str = "float32"  # float32 | bfloat16 | auto
+    device: str = "cpu"  # cpu | cuda (workers use cuda:LOCAL_RANK and nccl)
     methods: list[str] = field(default_factory=lambda: ["ar", "prompt_lookup", "lookahead", "lp", "tp", "pp"])
     workers: list[int] = field(default_factory=lambda: [1, 2])  # K for lp/tp/pp (strong scaling)
     threads: int = 1  # torch threads per worker, for every method
@@ -115,6 +116,8 @@ class BenchConfig:
         self.sweep.validate()
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if not self.methods:
             raise ValueError(f"methods must be a non-empty subset of {list(METHODS)}, got []")
         for m in self.methods:

@@ -132,7 +132,7 @@ class Runner:
         self.cfg = cfg
         self.out = out
         self.model_path = resolve_model_path(cfg.model, cfg.model_path)
-        self.model, self.tokenizer = load_model(self.model_path, cfg.dtype, "cpu")
+        self.model, self.tokenizer = load_model(self.model_path, cfg.dtype, cfg.device)
         self.dtype = str(self.model.dtype).replace("torch.", "")
         self.eos = eos_ids(self.model, self.tokenizer)
         self.memo: dict[tuple, dict] = {}  # (kernel, set, index) -> run dict
@@ -200,8 +200,9 @@ class Runner:
         spec_path, out_path = jobs_dir / f"{stem}.spec.json", jobs_dir / f"{stem}.out.json"
         out_path.unlink(missing_ok=True)
         spec = {
-            "method": job.method, "model_path": str(self.model_path), "dtype": cfg.dtype, "threads": job.threads,
-            "W": job.W, "N": job.N, "G": job.G, "prompt_pool": la.prompt_pool, "tp_engine": job.engine,
+            "method": job.method, "model_path": str(self.model_path), "dtype": cfg.dtype, "device": cfg.device,
+            "threads": job.threads, "W": job.W, "N": job.N, "G": job.G, "prompt_pool": la.prompt_pool,
+            "tp_engine": job.engine,
             "dist_timeout_s": cfg.dist_timeout_s, "warmup": cfg.warmup, "eos": self.eos,
             "prompts": [
                 {"key": [p.set, p.index], "ids": self.prompt_ids(p), "max_new_tokens": self.max_new(p)}
@@ -335,9 +336,19 @@ def machine_info(cfg: BenchConfig, dtype: str, model_path: Path) -> dict:
         "threads_per_worker": cfg.threads,
         "reference_threads": cfg.reference_threads,
         "model_path": str(model_path),
+        "device": cfg.device,
+        **_gpu_info(cfg.device),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "loadavg_start": _loadavg(),
     }
+
+
+def _gpu_info(device: str) -> dict:
+    if device != "cuda" or not torch.cuda.is_available():
+        return {}
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "gpus": torch.cuda.device_count(),
+            "gpu_memory_GiB": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda}
 
 
 def _loadavg() -> float | None:
@@ -355,7 +366,7 @@ def scaling_check(runner: Runner, cfg: BenchConfig, out: Path, rows: list[dict])
     print(f"[bench] measuring t(Q) for Q in {cfg.tq_qs}", file=sys.stderr, flush=True)
     t = scaling.measure_tq(runner.model, cfg.tq_qs, repeats=cfg.tq_repeats)
     tq = scaling.TQCurve(t)
-    (out / "tq.json").write_text(json.dumps({"t_s": tq.to_json(), "dtype": runner.dtype, "device": "cpu",
+    (out / "tq.json").write_text(json.dumps({"t_s": tq.to_json(), "dtype": runner.dtype, "device": cfg.device,
                                              "threads": cfg.threads, "cache_len": 200,
                                              "repeats": cfg.tq_repeats}, indent=2) + "\n")
     scaling.write_check(out, tq, rows)

@@ -31,7 +31,7 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
 
     torch.set_num_threads(spec["threads"])
     rank, world, _ = torchrun_env()
-    device = worker_device("cpu")
+    device = worker_device(spec.get("device", "cpu"))
     group = init_worker_group(ParallelConfig(timeout_s=spec["dist_timeout_s"]), device)
     model, _ = load_model(Path(spec["model_path"]), spec["dtype"], str(device))
     method, eos = spec["method"], spec["eos"]
