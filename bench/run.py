@@ -369,7 +369,7 @@ def scaling_check(runner: Runner, cfg: BenchConfig, out: Path, rows: list[dict])
     (out / "tq.json").write_text(json.dumps({"t_s": tq.to_json(), "dtype": runner.dtype, "device": cfg.device,
                                              "threads": cfg.threads, "cache_len": 200,
                                              "repeats": cfg.tq_repeats}, indent=2) + "\n")
-    scaling.write_check(out, tq, rows)
+    scaling.write_check(out, tq, rows, threads=cfg.threads)
 
 
 # ---------------------------------------------------------------------------

@@ -224,8 +224,12 @@ def law_points(rows: list[dict]) -> list[tuple[int, float, float]]:
     return [(N - 1, float(G), tok / steps) for (_, _, N, G), (tok, steps) in sorted(acc.items()) if steps]
 
 
-def check(rows: list[dict], tq: TQCurve) -> list[dict]:
-    """Predicted vs measured speedup over ar (same threads per worker) of every lookahead/lp config."""
+def check(rows: list[dict], tq: TQCurve, threads: int | None = None) -> list[dict]:
+    """Predicted vs measured speedup over ar (same threads per worker) of every lookahead/lp config.
+
+    Only runs at ``threads`` threads per worker when given (t(Q) was measured at that count);
+    rows that reuse another method's runs (``same_as``) are skipped. Q/device is the
+    steady-state rows of the busiest worker: the first step (the prompt's prefill) is left out."""
     ar = defaultdict(lambda: [0, 0.0])
     for r in rows:
         if r["method"] == "ar":
@@ -233,7 +237,7 @@ def check(rows: list[dict], tq: TQCurve) -> list[dict]:
             a[0], a[1] = r["new_tokens"], r["decode_time_s"]
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        if r["method"] in ("lookahead", "lp"):
+        if r["method"] in ("lookahead", "lp") and not r.get("same_as") and threads in (None, r["threads"]):
             groups[(r["method"], r["workers"], r["threads"], r["W"], r["N"], r["G"])].append(r)
     out = []
     for (method, workers, threads, W, N, G), rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
@@ -244,9 +248,9 @@ def check(rows: list[dict], tq: TQCurve) -> list[dict]:
         steps = sum(r["steps"] for r in rs)
         time_s = sum(r["decode_time_s"] for r in rs)
         S = tokens / steps
-        per_rank = [r["rows_per_rank_per_step"] or [r["rows_per_step"]] for r in rs]
-        w = [r["steps"] for r in rs]
-        q_dev = sum(max(p) * s for p, s in zip(per_rank, w)) / steps
+        busiest = [max(r["rows_per_rank_per_step"] or [r["rows_per_step"]]) * r["steps"] for r in rs]
+        prefill = sum(r["prompt_tokens"] for r in rs if r["steps"] > 1)
+        q_dev = (sum(busiest) - prefill) / max(1, steps - sum(1 for r in rs if r["steps"] > 1))
         t_ex = sum((r["exchange_time_s"] or 0.0) for r in rs) / steps
         t_host = sum((r["host_time_s"] or 0.0) for r in rs) / steps
         measured = (tokens / time_s) / (sum(a[0] for a in ar_rs) / sum(a[1] for a in ar_rs))
@@ -266,7 +270,8 @@ def check_markdown(checks: list[dict], tq: TQCurve, fit: tuple[float, float] | N
     lines = [
         "# Scaling model vs measurement",
         "",
-        "Predicted speedup over `ar` (same threads per worker) = S · t(1) / (t(Q_dev) + t_exchange);",
+        "Predicted speedup over `ar` (same threads per worker) = S · t(1) / (t(Q_dev) + t_exchange), with",
+        "Q_dev the busiest worker's packed rows per step after the prefill step;",
         "`+host` also adds the measured per-step host time (pool, window, layout, mask) the paper's",
         "model leaves out. t(Q) was measured in one process (see tq.json); during LP the workers",
         "share the machine's memory bandwidth, which the model does not see.",
@@ -290,10 +295,11 @@ def check_markdown(checks: list[dict], tq: TQCurve, fit: tuple[float, float] | N
     return "\n".join(lines) + "\n"
 
 
-def write_check(results_dir: Path, tq: TQCurve, rows: list[dict] | None = None) -> list[dict]:
+def write_check(results_dir: Path, tq: TQCurve, rows: list[dict] | None = None,
+                threads: int | None = None) -> list[dict]:
     results_dir = Path(results_dir)
     rows = rows if rows is not None else load_rows(results_dir)
-    checks = check(rows, tq)
+    checks = check(rows, tq, threads)
     fit = fit_law(law_points(rows))
     (results_dir / "scaling_check.json").write_text(json.dumps({"checks": checks, "fit": fit}, indent=2) + "\n")
     (results_dir / "scaling_check.md").write_text(check_markdown(checks, tq, fit))
@@ -412,8 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "measure":
         _measure_cmd(args)
     elif args.cmd == "check":
-        tq = TQCurve.load(Path(args.tq) if args.tq else Path(args.results) / "tq.json")
-        checks = write_check(Path(args.results), tq)
+        tq_path = Path(args.tq) if args.tq else Path(args.results) / "tq.json"
+        tq = TQCurve.load(tq_path)
+        checks = write_check(Path(args.results), tq, threads=json.loads(tq_path.read_text()).get("threads"))
         print(check_markdown(checks, tq, fit_law(law_points(load_rows(Path(args.results))))))
     elif args.cmd == "search":
         tq = TQCurve.load(Path(args.tq))
