@@ -92,8 +92,11 @@ def _f(x, fmt="{:.2f}", none="–") -> str:
 def _load_note(machine: dict) -> str:
     if "loadavg_start" not in machine:
         return ""
-    return (f"Load average at start / end: {machine['loadavg_start']} / {machine.get('loadavg_end')} "
-            "(well above the benchmark's own processes: other work shared the cores, timings are unreliable).")
+    start = machine["loadavg_start"]
+    note = f"Load average (1 min) at start / end: {start} / {machine.get('loadavg_end')}"
+    if start is not None and start > 0.5:  # before the benchmark started anything
+        note += " — other processes were using the cores: timings are unreliable"
+    return note + "."
 
 
 def summary_markdown(groups: list[dict], rows: list[dict], machine: dict, errors: list[dict],
