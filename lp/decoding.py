@@ -32,7 +32,7 @@ import torch
 from lp.config import DecodingConfig
 from lp.layout import build_layout
 from lp.model import ModelRunner
-from lp.pool import NGramPool
+from lp.pool import ContextIndex, NGramPool
 from lp.sampling import node_generator, verify_node, warp
 from lp.shard import Shard, plan_shards
 from lp.verify import Path, children, greedy_walk, sharing_prefix, walk
@@ -140,6 +140,7 @@ class LookaheadDecoder:
         rng = random.Random(cfg.seed)
         window = Window(cfg.W, cfg.N, [rng.choice(prompt_ids) for _ in range(Window.seed_size(cfg.W, cfg.N))])
         pool = NGramPool(cfg.N, cfg.G)
+        context = ContextIndex(prompt_ids) if cfg.prompt_pool else None
         if cfg.prompt_pool:
             pool.add_sequence(prompt_ids)
 
@@ -160,7 +161,7 @@ class LookaheadDecoder:
             if self.group is not None:
                 fp = (pool.fingerprint() ^ window.fingerprint() ^ hash(tuple(out))) if self.group.check_divergence else 0
                 self.group.set_state(fp & 0x7FFFFFFFFFFF, cfg.N)
-            candidates = pool.get(x, cfg.G) if cfg.G > 0 else []
+            candidates = _select_candidates(pool, context, x, cfg.G, R)
             plan = plan_shards(self.workers, len(pending), window.num_columns, window.depth, len(candidates), R)
             mine = plan[self.rank]
             layout = build_layout(pending, window.levels, mine.columns, [candidates[c] for c in mine.candidates])
@@ -197,6 +198,7 @@ class LookaheadDecoder:
             pool.add_ngrams(window.update(x, z_all))
             if cfg.prompt_pool:
                 pool.add_sequence(tokens, start=len(tokens) - len(emitted) - (cfg.N - 1))
+                context.extend(emitted)
 
             # K/V publication
             if not done:
@@ -230,9 +232,10 @@ class LookaheadDecoder:
         stats.forward_time_s = sum(r.forward_s for r in stats.records)
         stats.exchange_time_s = sum(r.exchange_s for r in stats.records)
         stats.host_time_s = sum(r.host_s for r in stats.records)
-        stats.mean_rows = sum(r.rows for r in stats.records) / max(stats.steps, 1)
+        decode_records = stats.records[1:] or stats.records  # the first step also prefills the prompt
+        stats.mean_rows = sum(r.rows for r in decode_records) / len(decode_records)
         stats.mean_rows_per_rank = [
-            sum(r.rows_per_rank[k] for r in stats.records) / max(stats.steps, 1) for k in range(self.workers)
+            sum(r.rows_per_rank[k] for r in decode_records) / len(decode_records) for k in range(self.workers)
         ]
         return GenerationResult(out, stats)
 
@@ -284,6 +287,22 @@ class LookaheadDecoder:
         ex_s = time.perf_counter() - t
         path = walk(candidates, roots[0], lambda depth, c: table[c][depth - 1])
         return path, [t for z in zs for t in z], ex_s
+
+
+def _select_candidates(pool: NGramPool, context: ContextIndex | None, x: int, G: int, R: int) -> list:
+    """Up to G suffixes keyed by ``x``: prompt/output n-grams ranked by shared left context
+    first (when the prompt pool is on), then the pool's most recent entries."""
+    if G == 0:
+        return []
+    if context is None:
+        return pool.get(x, G)
+    out = context.lookup(R, G)
+    for suffix in pool.get(x):
+        if len(out) == G:
+            break
+        if suffix not in out:
+            out.append(suffix)
+    return out
 
 
 def _cut_at_stop_string(tokenizer, out: list[int], emitted: list[int], stop_strings) -> tuple[list[int], bool]:

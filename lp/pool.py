@@ -73,3 +73,50 @@ class NGramPool:
             for suffix in bucket:
                 h = hash((h, key, suffix))
         return h & 0x7FFFFFFFFFFF
+
+
+class ContextIndex:
+    """Ranks prompt/output n-grams by how much left context they share with the live frontier.
+
+    Keeps every position of every token of the committed sequence. ``lookup(R, limit)``
+    returns up to ``limit`` distinct R-token continuations that followed earlier
+    occurrences of the sequence's last ``m`` tokens, longest context ``m`` first
+    (m = max_context .. 1), most recent occurrence first. With m = 1 these are exactly
+    the prompt/output n-grams keyed by the current token; longer m only orders them
+    better (prompt-lookup style), so the verifier tries the likeliest ones first.
+
+        >>> ix = ContextIndex([5, 6, 7, 9, 6, 7, 8, 1, 6, 7])
+        >>> ix.lookup(2, 3)
+        [(8, 1), (9, 6)]
+    """
+
+    def __init__(self, tokens: Sequence[int] = (), max_context: int = 3):
+        self.tokens: list[int] = []
+        self.positions: dict[int, list[int]] = {}
+        self.max_context = max_context
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.positions.setdefault(t, []).append(len(self.tokens))
+            self.tokens.append(t)
+
+    def lookup(self, R: int, limit: int) -> list[tuple[int, ...]]:
+        toks = self.tokens
+        end = len(toks) - 1
+        if end < 1 or limit <= 0:
+            return []
+        out: list[tuple[int, ...]] = []
+        seen: set[tuple[int, ...]] = set()
+        starts = [i for i in reversed(self.positions.get(toks[end], [])) if i < end and i + R < len(toks)]
+        for m in range(min(self.max_context, end + 1), 0, -1):
+            for i in starts:
+                if i - m + 1 < 0 or toks[i - m + 1 : i + 1] != toks[end - m + 1 : end + 1]:
+                    continue
+                suffix = tuple(toks[i + 1 : i + 1 + R])
+                if suffix not in seen:
+                    seen.add(suffix)
+                    out.append(suffix)
+                    if len(out) == limit:
+                        return out
+        return out

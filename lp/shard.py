@@ -12,8 +12,10 @@ workers in order with columns, then handing each candidate to the worker with
 the most room, fits everything. W smaller than the worker count, G not divisible
 by it and workers with nothing but the pending rows are all valid plans.
 
-    >>> [(s.columns, s.candidates) for s in plan_shards(2, 1, 5, 3, 5, 4)]
-    [(range(0, 3), [1]), (range(3, 5), [0, 2, 3, 4])]
+    >>> [(s.columns, s.candidates, s.rows) for s in plan_shards(2, 1, 5, 3, 5, 4)]
+    [(range(0, 5), [], 20), (range(5, 5), [0, 1, 2, 3, 4], 21)]
+    >>> [(s.columns, s.candidates, s.rows) for s in plan_shards(3, 1, 2, 2, 1, 3)]
+    [(range(0, 1), [], 3), (range(1, 2), [], 4), (range(2, 2), [0], 4)]
 """
 
 from __future__ import annotations
@@ -40,12 +42,18 @@ def plan_shards(
     num_workers: int, num_pending: int, num_columns: int, depth: int, num_candidates: int, R: int
 ) -> tuple[Shard, ...]:
     assert num_workers >= 1 and num_pending >= 1 and num_columns >= 0 and R >= 1
-    upper = num_pending + column_rows(range(num_columns), depth) + num_candidates * R
-    for load in range(num_pending, upper + 1):
-        plan = _try_load(load, num_workers, num_pending, num_columns, depth, num_candidates, R)
-        if plan is not None:
-            return plan
-    raise AssertionError("unreachable: one worker can always take everything")
+    args = (num_workers, num_pending, num_columns, depth, num_candidates, R)
+    lo, hi = num_pending, num_pending + column_rows(range(num_columns), depth) + num_candidates * R
+    best = _try_load(hi, *args)
+    assert best is not None  # one worker can always take everything
+    while lo < hi:  # feasibility is monotone in the load
+        mid = (lo + hi) // 2
+        plan = _try_load(mid, *args)
+        if plan is None:
+            lo = mid + 1
+        else:
+            best, hi = plan, mid
+    return best
 
 
 def _try_load(load, num_workers, num_pending, num_columns, depth, num_candidates, R):
