@@ -16,11 +16,16 @@ from omegaconf import MISSING  # noqa: F401  (re-exported for schemas)
 @dataclass
 class DecodingConfig:
     mode: str = "lookahead"  # lookahead | ar (plain transformers generate)
-    W: int = 5  # window columns
-    N: int = 4  # n-gram size: N-1 trajectory levels, candidates of N-1 tokens
-    G: int = 5  # verification candidates per step (0: lookahead branch only)
+    # W/N/G/window_policy left None are filled for the hardware: see hardware_defaults()
+    W: int | None = None  # window columns
+    N: int | None = None  # n-gram size: N-1 trajectory levels, candidates of N-1 tokens
+    G: int | None = None  # verification candidates per step (0: lookahead branch only)
     max_new_tokens: int = 256
     prompt_pool: bool = True  # seed the pool from the prompt and the generated output
+    # always: the window runs every step (the paper). with_candidates: only on steps that
+    # verify candidates anyway, plain one-row steps otherwise (for hardware where Q=2 rows
+    # already cost much more than one).
+    window_policy: str | None = None
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0  # 0: off
@@ -28,15 +33,31 @@ class DecodingConfig:
     seed: int = 0
     stop_strings: list[str] = field(default_factory=list)
 
+    def with_hardware_defaults(self, device_type: str, dtype_name: str, amx: bool) -> "DecodingConfig":
+        """A copy with every unset W/N/G/window_policy taken from ``hardware_defaults``."""
+        import dataclasses
+
+        auto = hardware_defaults(device_type, dtype_name, amx)
+        if self.window_policy is None and not (self.W is None and self.N is None and self.G is None):
+            auto["window_policy"] = "always"  # an explicit shape gets the paper's always-on window
+        return dataclasses.replace(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
+
     def validate(self) -> "DecodingConfig":
         def need(ok: bool, name: str, allowed: str, value) -> None:
             if not ok:
                 raise ValueError(f"decoding.{name} must be {allowed}, got {value!r}")
 
         need(self.mode in ("lookahead", "ar"), "mode", "'lookahead' or 'ar'", self.mode)
-        need(_is_int(self.W) and self.W >= 1, "W", "an integer >= 1", self.W)
-        need(_is_int(self.N) and self.N >= 2, "N", "an integer >= 2", self.N)
-        need(_is_int(self.G) and self.G >= 0, "G", "an integer >= 0", self.G)
+        need(
+            self.window_policy in (None, "always", "with_candidates"),
+            "window_policy",
+            "'always' or 'with_candidates'",
+            self.window_policy,
+        )
+        # None: chosen for the hardware by with_hardware_defaults()
+        need(self.W is None or (_is_int(self.W) and self.W >= 1), "W", "an integer >= 1", self.W)
+        need(self.N is None or (_is_int(self.N) and self.N >= 2), "N", "an integer >= 2", self.N)
+        need(self.G is None or (_is_int(self.G) and self.G >= 0), "G", "an integer >= 0", self.G)
         need(
             _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
             "max_new_tokens",
@@ -110,6 +131,22 @@ class GenerateConfig:
         if self.prompt is not None and self.prompt_file is not None:
             raise ValueError("set only one of prompt and prompt_file")
         return self
+
+
+def hardware_defaults(device_type: str, dtype_name: str, amx: bool) -> dict:
+    """W/N/G/window_policy for the hardware, from measured forward-time curves t(Q).
+
+    * CUDA: extra rows are nearly free up to hundreds: the paper's W=15, N=5, G=15.
+    * CPU in bf16 with AMX: ~32 extra rows cost ~1.4x one row: W=5, N=4, G=5 (~30 rows).
+    * CPU otherwise (fp32, or bf16 without AMX): two rows already cost ~1.4x one and 16
+      rows ~2x, so the step is kept small (W=1, N=5, G=2, ~12 rows) and the window rows
+      ride only on steps that verify candidates anyway.
+    """
+    if device_type == "cuda":
+        return {"W": 15, "N": 5, "G": 15, "window_policy": "always"}
+    if dtype_name == "bfloat16" and amx:
+        return {"W": 5, "N": 4, "G": 5, "window_policy": "always"}
+    return {"W": 1, "N": 5, "G": 2, "window_policy": "with_candidates"}
 
 
 def _is_int(x) -> bool:

@@ -97,7 +97,10 @@ class GenerationResult:
 class LookaheadDecoder:
     def __init__(self, runner: ModelRunner, cfg: DecodingConfig, group=None):
         self.runner = runner
-        self.cfg = cfg.validate()
+        from lp.model import cpu_has_amx_bf16
+
+        dtype_name = str(runner.dtype).replace("torch.", "")
+        self.cfg = cfg.validate().with_hardware_defaults(runner.device.type, dtype_name, cpu_has_amx_bf16())
         self.group = group  # lp.dist.WorkerGroup or None
         self.workers = group.world_size if group is not None else 1
         self.rank = group.rank if group is not None else 0
@@ -162,7 +165,12 @@ class LookaheadDecoder:
                 fp = (pool.fingerprint() ^ window.fingerprint() ^ hash(tuple(out))) if self.group.check_divergence else 0
                 self.group.set_state(fp & 0x7FFFFFFFFFFF, cfg.N)
             candidates = _select_candidates(pool, context, x, cfg.G, R)
-            plan = plan_shards(self.workers, len(pending), window.num_columns, window.depth, len(candidates), R)
+            # window_policy=with_candidates: on hardware where any extra row is dear, the window
+            # rows ride only on steps that already verify candidates (or prefill); other steps
+            # are plain one-row decodes and leave the window as it is.
+            use_window = cfg.window_policy == "always" or bool(candidates) or len(pending) > 1
+            num_columns = window.num_columns if use_window else 0
+            plan = plan_shards(self.workers, len(pending), num_columns, window.depth, len(candidates), R)
             mine = plan[self.rank]
             layout = build_layout(pending, window.levels, mine.columns, [candidates[c] for c in mine.candidates])
             cache_len = cache.get_seq_length()
@@ -195,7 +203,8 @@ class LookaheadDecoder:
                 streamer.put(torch.tensor(emitted))
 
             # collect + advance (identical on every worker: z_all and path are shared)
-            pool.add_ngrams(window.update(x, z_all))
+            if use_window:
+                pool.add_ngrams(window.update(x, z_all))
             if cfg.prompt_pool:
                 pool.add_sequence(tokens, start=len(tokens) - len(emitted) - (cfg.N - 1))
                 context.extend(emitted)

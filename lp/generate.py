@@ -87,6 +87,7 @@ def run(cfg: GenerateConfig) -> dict | None:
         else:
             on_step = _step_logger() if (lead and cfg.log_steps) else None
             decoder = LookaheadDecoder(ModelRunner(model), dcfg, group)
+            dcfg = decoder.cfg  # W/N/G resolved for the hardware
             res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)
             ids, stats = res.output_ids, res.stats.summary()
     except WorkerFailure as e:
@@ -105,6 +106,8 @@ def run(cfg: GenerateConfig) -> dict | None:
         "W": dcfg.W,
         "N": dcfg.N,
         "G": dcfg.G,
+        "window_policy": dcfg.window_policy,
+        "prompt_pool": dcfg.prompt_pool,
         "workers": world,
         "dtype": str(model.dtype).replace("torch.", ""),
         "device": str(device),

@@ -18,6 +18,7 @@ Legend: Q packed rows this step, K cached rows, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import logging
@@ -39,6 +40,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # loading
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_has_amx_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
