@@ -51,6 +51,7 @@ class LookaheadConfig:
     G: int = 5  # base verification set; lp with K workers runs G*K
     prompt_pool: bool = True
     scale_with_workers: bool = True  # lp: W and G grow with K (fixed packed rows per worker)
+    window_policy: str = "always"  # always | with_candidates (lp.config.DecodingConfig)
 
     def validate(self) -> LookaheadConfig:
         for name, lo in (("W", 1), ("N", 2), ("G", 0)):

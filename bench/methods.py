@@ -94,12 +94,17 @@ def run_prompt_lookup(model, prompt_ids, max_new_tokens, eos, num_tokens: int = 
 # lookahead decoding (one process) and Lookahead Parallelism (a WorkerGroup)
 
 
-def run_lookahead(model, prompt_ids, max_new_tokens, eos, W: int, N: int, G: int, prompt_pool: bool, group=None) -> Run:
+def run_lookahead(
+    model, prompt_ids, max_new_tokens, eos, W: int, N: int, G: int, prompt_pool: bool, group=None,
+    window_policy: str = "always",
+) -> Run:
     from lp.config import DecodingConfig
     from lp.decoding import LookaheadDecoder
     from lp.model import ModelRunner
 
-    cfg = DecodingConfig(W=W, N=N, G=G, max_new_tokens=max_new_tokens, prompt_pool=prompt_pool)
+    cfg = DecodingConfig(
+        W=W, N=N, G=G, max_new_tokens=max_new_tokens, prompt_pool=prompt_pool, window_policy=window_policy
+    )
     res = LookaheadDecoder(ModelRunner(model), cfg, group).generate(list(prompt_ids), eos_token_ids=list(eos))
     s = res.stats
     return Run(

@@ -181,7 +181,10 @@ class Runner:
             if kind == "prompt_lookup":
                 return methods.run_prompt_lookup(m, ids, n, eos, cfg.prompt_lookup_num_tokens)
             assert kind == "lookahead", kind
-            return methods.run_lookahead(m, ids, n, eos, job.W, job.N, job.G, cfg.lookahead.prompt_pool)
+            return methods.run_lookahead(
+                m, ids, n, eos, job.W, job.N, job.G, cfg.lookahead.prompt_pool,
+                window_policy=cfg.lookahead.window_policy,
+            )
 
         if self.cfg.warmup:
             decode(self.prompt_ids(prompts[0]), min(8, self.max_new(prompts[0])))
@@ -202,6 +205,7 @@ class Runner:
         spec = {
             "method": job.method, "model_path": str(self.model_path), "dtype": cfg.dtype, "device": cfg.device,
             "threads": job.threads, "W": job.W, "N": job.N, "G": job.G, "prompt_pool": la.prompt_pool,
+            "window_policy": la.window_policy,
             "tp_engine": job.engine,
             "dist_timeout_s": cfg.dist_timeout_s, "warmup": cfg.warmup, "eos": self.eos,
             "prompts": [

@@ -40,7 +40,10 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
 
         def decode(ids, n):
             W, N, G = spec["W"], spec["N"], spec["G"]
-            return methods.run_lookahead(model, ids, n, eos, W, N, G, spec["prompt_pool"], group)
+            return methods.run_lookahead(
+                model, ids, n, eos, W, N, G, spec["prompt_pool"], group,
+                window_policy=spec.get("window_policy", "always"),
+            )
 
     elif method == "tp":
         sharded, timer = methods.apply_tp(model, world, rank, spec["tp_engine"])
