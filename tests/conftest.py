@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from lp.model import ModelRunner
 from tests.helpers import TINY_VOCAB, make_tiny_model
 
-# The suite runs on a 2-core CPU box; keep torch from oversubscribing it.
-torch.set_num_threads(2)
+# The suite runs on a 2-core CPU box. Tiny models run fastest (and stay fast on a busy
+# machine) with one intra-op thread; the SmolLM2 tests (marked slow) use two.
+SLOW_THREADS = int(os.environ.get("LP_TEST_THREADS", "2"))
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(SLOW_THREADS if request.node.get_closest_marker("slow") else 1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="session")

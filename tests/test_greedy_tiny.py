@@ -90,3 +90,38 @@ def test_refuses_non_mask_attention(tiny_factory):
     model = make_tiny_model("gemma3", attn="flex_attention")
     with pytest.raises(ValueError, match="sdpa"):
         ModelRunner(model)
+
+
+def _tiny_gpt2(n_positions=32):
+    """GPT-2: learned absolute position embeddings (an index per position, no extrapolation)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=n_positions,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_learned_positions_greedy_equals_generate():
+    model = _tiny_gpt2(n_positions=128)
+    ref = hf_greedy(model, REPETITIVE_PROMPT, 30)
+    for W, N, G in [(5, 4, 5), (3, 3, 2)]:
+        res = lookahead(model, REPETITIVE_PROMPT, W=W, N=N, G=G, max_new_tokens=30)
+        assert res.output_ids == ref, (W, N, G)
+
+
+def test_learned_positions_request_filling_the_context():
+    """A request that fits the context (prompt + max_new_tokens == n_positions) is accepted by
+    the decoder's check, and plain generate serves it; lookahead must serve it too even though
+    its window and candidate rows would sit at positions beyond the last one."""
+    model = _tiny_gpt2(n_positions=32)
+    prompt = REPETITIVE_PROMPT[:20]
+    ref = hf_greedy(model, prompt, 12)
+    res = lookahead(model, prompt, W=5, N=4, G=5, max_new_tokens=12)
+    assert res.output_ids == ref

@@ -148,3 +148,20 @@ def test_refuses_attention_without_custom_masks(tiny_factory):
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation"):
         ModelRunner(model)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_window_mask_is_needed(tiny_factory, family):
+    """Guards the sliding-window comparison: without the window the packed rows are wrong."""
+    model = tiny_factory(family)
+    runner = ModelRunner(model)
+    assert runner.sliding_window == 8
+    assert runner.mixed_layers == (family == "gemma3")
+    runner.sliding_window = None  # pretend the model had no window
+    layout = build_layout(PENDING, LEVELS, range(0, 4), CANDIDATES)
+    logits = runner.forward(layout, _prefill(model, PREFIX))
+    errs = [
+        (logits[i] - _plain_last_logits(model, PREFIX + _path_tokens(layout, row))).abs().max().item()
+        for i, row in enumerate(layout.keep)
+    ]
+    assert max(errs) > 1e-3, errs

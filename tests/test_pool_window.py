@@ -242,3 +242,62 @@ def test_window_fingerprint_tracks_state():
     assert a.fingerprint() != b.fingerprint()
     b.update(0, [4, 5, 6, 7])
     assert a.fingerprint() == b.fingerprint()
+
+
+# ---------------------------------------------------------------------------
+# ContextIndex (prompt-lookup ranking of prompt/output n-grams)
+
+
+def test_context_index_docstring_example():
+    from lp.pool import ContextIndex
+
+    ix = ContextIndex([5, 6, 7, 9, 6, 7, 8, 1, 6, 7])
+    assert ix.lookup(2, 3) == [(8, 1), (9, 6)]
+    assert ix.lookup(2, 1) == [(8, 1)]
+    assert ix.lookup(2, 0) == []
+
+
+def test_context_index_longest_context_first():
+    from lp.pool import ContextIndex
+
+    # last token 3 with left context (1, 2, 3); earlier 3s at index 2 (context 1,2,3),
+    # index 6 (context 9,2,3) and index 10 (context 4,4,3)
+    toks = [1, 2, 3, 7, 9, 2, 3, 8, 4, 4, 3, 5, 1, 2, 3]
+    ix = ContextIndex(toks, max_context=3)
+    # m=3 matches only position 2 -> (7, 9); m=2 adds position 6 -> (8, 4); m=1 adds position 10 -> (5, 1)
+    assert ix.lookup(2, 5) == [(7, 9), (8, 4), (5, 1)]
+    # with one token of context only, the most recent occurrence comes first
+    assert ContextIndex(toks, max_context=1).lookup(2, 5) == [(5, 1), (8, 4), (7, 9)]
+
+
+def test_context_index_suffixes_are_complete_and_distinct():
+    from lp.pool import ContextIndex
+
+    ix = ContextIndex([4, 1, 2, 4, 1, 2, 4, 1])
+    # both earlier 1s continue with (2, 4, 1): proposed once
+    assert ix.lookup(3, 5) == [(2, 4, 1)]
+    assert ix.lookup(2, 5) == [(2, 4)]
+    # an occurrence too close to the end cannot give a full R-token suffix
+    assert ix.lookup(6, 5) == [(2, 4, 1, 2, 4, 1)]
+    assert ix.lookup(7, 5) == []
+    ix.extend([9])
+    assert ix.lookup(2, 5) == []
+    assert ContextIndex([]).lookup(2, 3) == [] and ContextIndex([7]).lookup(1, 3) == []
+
+
+def test_context_index_agrees_with_pool_for_unit_context():
+    """With one token of context the index proposes exactly the pool's suffixes for the last token."""
+    from lp.pool import ContextIndex
+
+    toks = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+    for n in (2, 3, 4):
+        pool = NGramPool(n=n, capacity=100)
+        prefix = toks[:-1]
+        pool.add_sequence(prefix)
+        got = ContextIndex(toks, max_context=1).lookup(n - 1, 100)
+        # the pool also holds n-grams ending at the last prefix token; those need the whole
+        # sequence: compare the sets over the full sequence instead
+        full = NGramPool(n=n, capacity=100)
+        full.add_sequence(toks)
+        expected = [s for s in full.get(toks[-1])]
+        assert sorted(got) == sorted(expected), n

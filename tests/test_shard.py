@@ -67,10 +67,19 @@ def test_plan_single_worker_takes_everything():
 
 
 def test_plan_docstring_example():
-    # seeds the documented example: two workers, W=5, depth 3, five 4-token candidates
     plan = plan_shards(2, 1, 5, 3, 5, 4)
     _check_valid(plan, 2, 1, 5, 3, 5, 4)
-    assert [(s.columns, s.candidates) for s in plan] == [(range(0, 3), [1]), (range(3, 5), [0, 2, 3, 4])]
+    assert [(s.columns, s.candidates, s.rows) for s in plan] == [
+        (range(0, 5), [], 20),
+        (range(5, 5), [0, 1, 2, 3, 4], 21),
+    ]
+    plan = plan_shards(3, 1, 2, 2, 1, 3)
+    _check_valid(plan, 3, 1, 2, 2, 1, 3)
+    assert [(s.columns, s.candidates, s.rows) for s in plan] == [
+        (range(0, 1), [], 3),
+        (range(1, 2), [], 4),
+        (range(2, 2), [0], 4),
+    ]
 
 
 def test_plan_docstring_example_is_balanced():

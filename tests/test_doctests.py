@@ -1,0 +1,18 @@
+"""The usage examples in the module docstrings run as written."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+import lp.pool
+import lp.shard
+import lp.verify
+
+
+@pytest.mark.parametrize("module", [lp.pool, lp.verify, lp.shard], ids=lambda m: m.__name__)
+def test_module_doctests(module):
+    result = doctest.testmod(module, verbose=False, report=True)
+    assert result.attempted > 0
+    assert result.failed == 0, f"{result.failed} docstring example(s) of {module.__name__} fail"
