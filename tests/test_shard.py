@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 from lp.shard import Shard, column_rows, plan_shards
 
 
