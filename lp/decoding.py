@@ -169,6 +169,14 @@ class LookaheadDecoder:
             # rows ride only on steps that already verify candidates (or prefill); other steps
             # are plain one-row decodes and leave the window as it is.
             use_window = cfg.window_policy == "always" or bool(candidates) or len(pending) > 1
+            # near the end of the context, leave out rows whose positions would pass it
+            # (models with learned position tables cannot embed them)
+            p = cache.get_seq_length() + len(pending) - 1
+            limit = runner.max_positions
+            if limit is not None and p + R >= limit:
+                candidates = []
+            if limit is not None and p + window.depth + window.num_columns - 1 >= limit:
+                use_window = False
             num_columns = window.num_columns if use_window else 0
             plan = plan_shards(self.workers, len(pending), num_columns, window.depth, len(candidates), R)
             mine = plan[self.rank]

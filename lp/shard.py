@@ -7,9 +7,9 @@ Costs, in packed rows: every worker runs the ``num_pending`` uncached rows. A
 worker owning the contiguous columns [a, b) runs the base stripe up to column
 b - 1 (b - 1 rows: column 0 is the current token itself) plus ``depth`` deeper
 rows per owned column. Each candidate costs R rows. The plan minimizes the
-largest per-worker row count: it finds the smallest load L for which filling
-workers in order with columns, then handing each candidate to the worker with
-the most room, fits everything. W smaller than the worker count, G not divisible
+largest per-worker row count: it finds the smallest load L for which some split
+of the columns into contiguous ranges leaves room for every candidate, then
+hands each candidate to the worker with the most room. W smaller than the worker count, G not divisible
 by it and workers with nothing but the pending rows are all valid plans.
 
     >>> [(s.columns, s.candidates, s.rows) for s in plan_shards(2, 1, 5, 3, 5, 4)]
@@ -57,23 +57,45 @@ def plan_shards(
 
 
 def _try_load(load, num_workers, num_pending, num_columns, depth, num_candidates, R):
-    room = [load - num_pending] * num_workers
-    columns = []
-    start = 0
-    for k in range(num_workers):
-        stop = start
-        while stop < num_columns and column_rows(range(start, stop + 1), depth) <= room[k]:
-            stop += 1
-        columns.append(range(start, stop))
-        room[k] -= column_rows(columns[-1], depth)
-        start = stop
-    if start < num_columns:
+    """A plan with every worker at most ``load`` rows, or None.
+
+    Column split points are chosen (dynamic programming over workers x columns) to
+    maximize the candidates that fit in the rooms left; candidates then go one by one
+    to the worker with the most room.
+    """
+    budget = load - num_pending
+    if budget < 0:
         return None
+    neg = -1
+    # best[k][j]: most candidate slots when workers < k cover columns [0, j)
+    best = [[neg] * (num_columns + 1) for _ in range(num_workers + 1)]
+    choice = [[0] * (num_columns + 1) for _ in range(num_workers + 1)]
+    best[0][0] = 0
+    for k in range(num_workers):
+        for j in range(num_columns + 1):
+            if best[k][j] == neg:
+                continue
+            for stop in range(j, num_columns + 1):
+                cost = column_rows(range(j, stop), depth)
+                if cost > budget:
+                    break
+                slots = best[k][j] + (budget - cost) // R
+                if slots >= best[k + 1][stop]:  # ties: earlier workers take the columns
+                    best[k + 1][stop] = slots
+                    choice[k + 1][stop] = j
+    if best[num_workers][num_columns] < num_candidates:
+        return None
+    columns = [range(0)] * num_workers
+    stop = num_columns
+    for k in range(num_workers, 0, -1):
+        start = choice[k][stop]
+        columns[k - 1] = range(start, stop)
+        stop = start
+    room = [budget - column_rows(c, depth) for c in columns]
     cands: list[list[int]] = [[] for _ in range(num_workers)]
     for c in range(num_candidates):
         k = max(range(num_workers), key=lambda i: (room[i], -i))
-        if room[k] < R:
-            return None
+        assert room[k] >= R
         cands[k].append(c)
         room[k] -= R
     return tuple(
