@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from lp import generate
+
 from bench.config import BenchConfig, LookaheadConfig, PromptsConfig, SweepConfig
 from bench.prompts import Prompt, select, to_ids
 
@@ -443,9 +445,7 @@ def register_configs() -> None:
 
 
 def to_config(dcfg) -> BenchConfig:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_object(dcfg)
+    return generate.to_config(dcfg)  # the same DictConfig -> dataclass conversion as lp.generate
 
 
 def main() -> None:

@@ -171,7 +171,8 @@ class LookaheadDecoder:
             use_window = cfg.window_policy == "always" or bool(candidates) or len(pending) > 1
             # near the end of the context, leave out rows whose positions would pass it
             # (models with learned position tables cannot embed them)
-            p = cache.get_seq_length() + len(pending) - 1
+            cache_len = cache.get_seq_length()
+            p = cache_len + len(pending) - 1
             limit = runner.max_positions
             if limit is not None and p + R >= limit:
                 candidates = []
@@ -181,7 +182,6 @@ class LookaheadDecoder:
             plan = plan_shards(self.workers, len(pending), num_columns, window.depth, len(candidates), R)
             mine = plan[self.rank]
             layout = build_layout(pending, window.levels, mine.columns, [candidates[c] for c in mine.candidates])
-            cache_len = cache.get_seq_length()
             t1 = time.perf_counter()
             logits_KV = runner.forward(layout, cache)
             t2 = time.perf_counter()
