@@ -92,6 +92,9 @@ class GenerationStats:
 class GenerationResult:
     output_ids: list[int]
     stats: GenerationStats
+    # "stop": an eos id or a stop string ended it; "length": max_new_tokens;
+    # "cancelled": the caller's ``cancel()`` returned True (rank 0's decides under LP)
+    finish_reason: str = "length"
 
 
 class LookaheadDecoder:
@@ -130,7 +133,14 @@ class LookaheadDecoder:
         streamer=None,
         tokenizer=None,
         on_step=None,
+        cancel=None,
     ) -> GenerationResult:
+        """Decode up to ``cfg.max_new_tokens`` tokens after ``prompt_ids``.
+
+        ``cancel``: a callable polled once per step; when it returns True the step's
+        verified tokens are still published and generation ends (finish_reason
+        "cancelled"). Under LP only rank 0's answer counts; it rides in the per-step
+        exchange so every rank stops at the same step."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_request(prompt_ids)
         cfg = self.cfg
@@ -158,12 +168,14 @@ class LookaheadDecoder:
         t_start = time.perf_counter()
         step = 0
         done = False
+        finish = "length"
         while not done:
             t0 = time.perf_counter()
             x = pending[-1]
             if self.group is not None:
                 fp = (pool.fingerprint() ^ window.fingerprint() ^ hash(tuple(out))) if self.group.check_divergence else 0
-                self.group.set_state(fp & 0x7FFFFFFFFFFF, cfg.N)
+                want_cancel = self.rank == 0 and cancel is not None and bool(cancel())
+                self.group.set_state(fp & 0x7FFFFFFFFFFF, cfg.N, want_cancel)
             candidates = _select_candidates(pool, context, x, cfg.G, R)
             # window_policy=with_candidates: on hardware where any extra row is dear, the window
             # rows ride only on steps that already verify candidates (or prefill); other steps
@@ -203,10 +215,16 @@ class LookaheadDecoder:
             if cfg.stop_strings:
                 emitted, hit = _cut_at_stop_string(tokenizer, out, emitted, cfg.stop_strings)
                 done = done or hit
+            if done:
+                finish = "stop"
             out.extend(emitted)
             tokens.extend(emitted)
-            if len(out) >= cfg.max_new_tokens:
-                done = True
+            if len(out) >= cfg.max_new_tokens and not done:
+                done, finish = True, "length"
+            if not done:
+                stop_now = self.group.cancelled if self.group is not None else (cancel is not None and bool(cancel()))
+                if stop_now:
+                    done, finish = True, "cancelled"
             if streamer is not None and emitted:
                 streamer.put(torch.tensor(emitted))
 
@@ -254,7 +272,7 @@ class LookaheadDecoder:
         stats.mean_rows_per_rank = [
             sum(r.rows_per_rank[k] for r in decode_records) / len(decode_records) for k in range(self.workers)
         ]
-        return GenerationResult(out, stats)
+        return GenerationResult(out, stats, finish)
 
     # -- greedy decision ----------------------------------------------------
 

@@ -112,24 +112,27 @@ class WorkerGroup:
         self.check_divergence = cfg.check_divergence
         self.kill_at = tuple(cfg.kill_rank_at_step) if cfg.kill_rank_at_step else None
         self.state_hash = 0
+        self._cancel = 0
+        self.cancelled = False
 
     # -- the exchange ---------------------------------------------------------
 
     def _all_gather(self, payload: list[int]) -> list[list[int]]:
-        mine = torch.tensor(payload + [self.state_hash], dtype=torch.long, device=self.device)
+        mine = torch.tensor(payload + [self._cancel, self.state_hash], dtype=torch.long, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             dist.all_gather(gathered, mine)
         except Exception as e:  # gloo/nccl raise on timeout or a vanished peer
             raise WorkerFailure(f"rank {self.rank}: per-step exchange failed ({type(e).__name__}: {e})") from e
         rows = torch.stack(gathered).cpu().tolist()
+        self.cancelled = bool(rows[0][-2])  # rank 0 decides
         if self.check_divergence:
             hashes = [row[-1] for row in rows]
             if len(set(hashes)) != 1:
                 raise WorkerFailure(
                     f"ranks diverged: pool/window/output fingerprints differ across ranks {hashes}"
                 )
-        return [row[:-1] for row in rows]
+        return [row[:-2] for row in rows]
 
     def exchange_greedy(self, hits, winner, emitted, z_local, plan) -> list[RankHit]:
         n_slots = self._n_slots
@@ -157,10 +160,12 @@ class WorkerGroup:
             zs.append(row[1 + m_slots * R : 1 + m_slots * R + len(plan[k].columns)])
         return roots, table, zs
 
-    def set_state(self, fingerprint: int, n_slots: int) -> None:
-        """Called at the start of each step: the state hash to send and the emitted slots (N)."""
+    def set_state(self, fingerprint: int, n_slots: int, cancel: bool = False) -> None:
+        """Called at the start of each step: the state hash to send, the emitted slots (N)
+        and whether this rank asks to cancel (only rank 0's flag is read)."""
         self.state_hash = fingerprint if self.check_divergence else 0
         self._n_slots = n_slots
+        self._cancel = int(cancel)
 
     # -- failure injection (tests) --------------------------------------------
 
