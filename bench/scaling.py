@@ -150,18 +150,19 @@ def measure_tq(model, qs: Iterable[int] = DEFAULT_QS, cache_len: int = 200, repe
     content. The cache is cropped back after every forward."""
     import torch
 
-    from lp.layout import Layout
+    from lp.layout import chain_layout
     from lp.model import ModelRunner
 
+    qs = list(qs)
     runner = ModelRunner(model)
     vocab = runner.vocab_size
     prefix = [(17 * i + 11) % vocab for i in range(cache_len)]
-    cache = runner.new_cache()
-    runner.forward(_chain(prefix, Layout), cache)
+    cache = runner.new_cache(cache_len + max(qs) + 1, max(qs))
+    runner.forward(chain_layout(prefix), cache)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     out: dict[int, float] = {}
     for q in qs:
-        layout = _chain([(31 * i + 7) % vocab for i in range(q)], Layout)
+        layout = chain_layout([(31 * i + 7) % vocab for i in range(q)])
         times = []
         for r in range(repeats + 1):  # the first run is a warm-up
             sync()
@@ -173,11 +174,6 @@ def measure_tq(model, qs: Iterable[int] = DEFAULT_QS, cache_len: int = 200, repe
             runner.crop(cache, cache_len)
         out[q] = statistics.median(times)
     return out
-
-
-def _chain(tokens: list[int], layout_cls):
-    q = len(tokens)
-    return layout_cls(list(tokens), list(range(-1, q - 1)), list(range(q)), list(range(q)), q, [], [])
 
 
 # ---------------------------------------------------------------------------

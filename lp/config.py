@@ -100,7 +100,6 @@ class ParallelConfig:
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     timeout_s: float = 60.0  # a stuck or dead worker ends the job within this time
     check_divergence: bool = False  # compare a hash of pool/window/output across ranks each step
-    kill_rank_at_step: list[int] | None = None  # testing only: [rank, step] -> that rank dies
 
     def validate(self) -> "ParallelConfig":
         if self.workers is not None and (not _is_int(self.workers) or self.workers < 1):

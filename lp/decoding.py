@@ -2,26 +2,32 @@
 
 Contract: ``LookaheadDecoder(runner, cfg, group).generate(prompt_ids)`` returns the
 new token ids and the stats. It knows token ids only (no tokenizer, except to
-check stop strings). Each step is one packed forward (lp.layout) followed by the
-paper's four stages:
+check stop strings). A step is a chain of named stages, each a small method:
 
-    verify:   walk the candidate trie (lp.verify; greedy argmax or lp.sampling)
-    publish:  commit the emitted run, truncated by max_new_tokens / eos / stop strings
-    collect:  harvest the window's n-grams into the pool (lp.window, lp.pool)
-    advance:  shift the window one column
+    propose   candidates for the current token x (pool, prompt context), the shard plan
+    lay_out   the packed rows (lp.layout; the skeleton is cached by shape)
+    forward   one packed forward (lp.model), logits of the kept rows on the device
+    verify    walk the candidate trie (lp.verify; greedy argmax with ONE device->host
+              read per step, or the exact sampler of lp.sampling)
+    merge     combine the workers' verdicts (identity in one process; one
+              fixed-shape all_gather under LP, lp.dist)
+    publish   truncate by max_new_tokens / eos / stop strings / cancel, stream
+    collect   harvest the window's n-grams into the pool and advance the window
+    commit    publish the K/V of the accepted rows
 
-K/V publication: in one process the accepted candidate rows are moved next to the
-prefix (``compact``) and the last emitted token is the next step's only pending
-row. Under LP (``group`` set) no K/V crosses workers: every worker cuts its cache
-back to the committed prefix and re-feeds the emitted tokens as the next step's
-pending rows. Window columns and candidates are sharded by ``lp.shard``; one
-fixed-shape int64 all_gather per step carries what the others need (lp.dist).
+The one-process / LP difference is two strategies chosen once per decoder, never a
+branch in the loop: ``merge`` (``LocalMerge`` / ``GatherMerge``) and ``commit``
+(``CompactCommit``: move the accepted candidate rows next to the prefix in place,
+the last emitted token is the next step's only pending row; ``RefeedCommit``: no K/V
+crosses workers, every worker crops back to the committed prefix and re-feeds the
+emitted tokens as the next step's pending rows).
 
 Legend: Q packed rows, V vocabulary, R = N - 1.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Sequence
@@ -97,6 +103,96 @@ class GenerationResult:
     finish_reason: str = "length"
 
 
+# ---------------------------------------------------------------------------
+# strategies chosen once per decoder
+
+
+class LocalMerge:
+    """One process: the local verdict is the verdict."""
+
+    workers, rank = 1, 0
+
+    def begin(self, cfg: DecodingConfig) -> None:
+        pass
+
+    def greedy(self, local: Path, own: list[int], z_local: list[int], plan, cancel: bool, state_hash: int):
+        winner = own[local.winner] if local.winner is not None else None
+        return Path(local.emitted, winner, local.hits), z_local, cancel
+
+    def sampled(self, root: int, outcomes, z_local, plan, R: int, cancel: bool, state_hash: int):
+        raise AssertionError("one process walks the trie directly")
+
+
+class GatherMerge:
+    """LP: one fixed-shape int64 all_gather per step (lp.dist.WorkerGroup)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.workers = group.world_size
+        self.rank = group.rank
+
+    def begin(self, cfg: DecodingConfig) -> None:
+        self.group.begin(cfg.W, cfg.N, cfg.G)
+
+    def greedy(self, local: Path, own: list[int], z_local: list[int], plan, cancel: bool, state_hash: int):
+        winner = own[local.winner] if local.winner is not None else -1
+        table, cancelled = self.group.exchange_greedy(local.hits, winner, local.emitted, z_local, plan,
+                                                      cancel, state_hash)
+        best = table[max(range(self.workers), key=lambda k: (table[k].hits, -k))]  # longest, lowest rank
+        z_all = [t for k in range(self.workers) for t in table[k].z]
+        return Path(best.emitted, best.winner if best.winner >= 0 else None, best.hits), z_all, cancelled
+
+    def sampled(self, root: int, outcomes, z_local, plan, R: int, cancel: bool, state_hash: int):
+        return self.group.exchange_sampled(root, outcomes, z_local, plan, R, cancel, state_hash)
+
+
+class CompactCommit:
+    """One process: accepted candidate rows move next to the prefix; x' is the only pending row."""
+
+    def __call__(self, runner, cache, cache_len: int, layout, path: Path, emitted: list[int]) -> list[int]:
+        keep_len = cache_len + layout.num_pending
+        hits = path.hits if path.winner is not None else 0
+        rows = layout.skeleton.cand_rows[path.winner][:hits] if hits else ()
+        runner.compact(cache, keep_len, [cache_len + r for r in rows])
+        return [emitted[-1]]
+
+
+class RefeedCommit:
+    """LP: crop to the committed prefix, re-feed the emitted tokens next step."""
+
+    def __call__(self, runner, cache, cache_len: int, layout, path: Path, emitted: list[int]) -> list[int]:
+        runner.crop(cache, cache_len + layout.num_pending)
+        return list(emitted)
+
+
+# ---------------------------------------------------------------------------
+# one generation's state
+
+
+@dataclass
+class _Run:
+    tokens: list[int]  # committed sequence
+    pending: list[int]  # committed tokens not yet in the cache
+    window: Window
+    pool: NGramPool
+    context: ContextIndex | None
+    cache: object
+    eos: set[int]
+    out: list[int] = field(default_factory=list)
+    step: int = 0
+    done: bool = False
+    finish: str = "length"
+
+
+@dataclass
+class _Proposal:
+    x: int
+    candidates: list[tuple[int, ...]]
+    use_window: bool
+    plan: tuple[Shard, ...]
+    cache_len: int
+
+
 class LookaheadDecoder:
     def __init__(self, runner: ModelRunner, cfg: DecodingConfig, group=None):
         self.runner = runner
@@ -105,8 +201,10 @@ class LookaheadDecoder:
         dtype_name = str(runner.dtype).replace("torch.", "")
         self.cfg = cfg.validate().with_hardware_defaults(runner.device.type, dtype_name, cpu_has_amx_bf16())
         self.group = group  # lp.dist.WorkerGroup or None
-        self.workers = group.world_size if group is not None else 1
-        self.rank = group.rank if group is not None else 0
+        self.merge = GatherMerge(group) if group is not None else LocalMerge()
+        self.commit = RefeedCommit() if group is not None else CompactCommit()
+        self.workers = self.merge.workers
+        self.rank = self.merge.rank
 
     # -- validation ---------------------------------------------------------
 
@@ -123,6 +221,14 @@ class LookaheadDecoder:
                 f"prompt ({len(prompt_ids)} tokens) + decoding.max_new_tokens "
                 f"({self.cfg.max_new_tokens}) = {need} exceeds the model's context of {limit} positions"
             )
+
+    def max_step_rows(self) -> int:
+        """Most rows a decode step (not the prefill) can pack: N pending (LP re-feed), the
+        warm-up window (its widest shape), G candidates of R tokens."""
+        W, N, G = self.cfg.W, self.cfg.N, self.cfg.G
+        R = N - 1
+        window = (W + N - 3) + (W + N - 2) * (N - 2)
+        return N + window + G * R
 
     # -- the loop -----------------------------------------------------------
 
@@ -146,182 +252,202 @@ class LookaheadDecoder:
         cfg = self.cfg
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
-        eos = set(eos_token_ids or [])
         if cfg.stop_strings and tokenizer is None:
             raise ValueError("decoding.stop_strings needs a tokenizer to decode the output")
-        R = cfg.N - 1
+        run = self._start(prompt_ids, set(eos_token_ids or []))
+        stats = GenerationStats(workers=self.workers)
+        if streamer is not None:
+            streamer.put(torch.tensor([prompt_ids]))
+        t_start = time.perf_counter()
+        while not run.done:
+            t0 = time.perf_counter()
+            prop = self.propose(run)
+            layout = self.lay_out(run, prop)
+            t1 = time.perf_counter()
+            logits_KV = self.runner.forward(layout, run.cache)
+            verdict = self.verify(run, prop, layout, logits_KV)  # the step's one device->host read
+            t2 = time.perf_counter()
+            asked = self.rank == 0 and cancel is not None and bool(cancel())
+            path, z_all, cancelled = self.merge_verdicts(run, prop, verdict, asked)
+            t3 = time.perf_counter()
+            emitted = self.publish(run, path.emitted, cancelled, tokenizer)
+            if streamer is not None and emitted:
+                streamer.put(torch.tensor(emitted))
+            self.collect(run, prop, z_all, emitted)
+            if not run.done:
+                run.pending = self.commit(self.runner, run.cache, prop.cache_len, layout, path, emitted)
+            t4 = time.perf_counter()
+            rec = StepRecord(len(emitted), layout.num_rows, [s.rows for s in prop.plan], t2 - t1, t3 - t2,
+                             (t1 - t0) + (t4 - t3))
+            _record(stats, rec)
+            if on_step is not None:
+                on_step(run.step, rec)
+            run.step += 1
+        stats.decode_time_s = time.perf_counter() - t_start
+        if streamer is not None:
+            streamer.end()
+        _finish_stats(stats, len(run.out), self.workers)
+        return GenerationResult(run.out, stats, run.finish)
+
+    def _start(self, prompt_ids: list[int], eos: set[int]) -> _Run:
+        cfg = self.cfg
         rng = random.Random(cfg.seed)
         window = Window(cfg.W, cfg.N, [rng.choice(prompt_ids) for _ in range(Window.seed_size(cfg.W, cfg.N))])
         pool = NGramPool(cfg.N, cfg.G)
         context = ContextIndex(prompt_ids) if cfg.prompt_pool else None
         if cfg.prompt_pool:
             pool.add_sequence(prompt_ids)
+        rows = self.max_step_rows()
+        cache = self.runner.new_cache(len(prompt_ids) + cfg.max_new_tokens + rows, rows)
+        self.merge.begin(cfg)
+        return _Run(list(prompt_ids), list(prompt_ids), window, pool, context, cache, eos)
 
-        runner = self.runner
-        cache = runner.new_cache()
-        tokens = list(prompt_ids)  # committed sequence
-        pending = list(prompt_ids)  # committed tokens not yet in the cache
-        out: list[int] = []
-        stats = GenerationStats(workers=self.workers)
-        if streamer is not None:
-            streamer.put(torch.tensor([prompt_ids]))
-        t_start = time.perf_counter()
-        step = 0
-        done = False
-        finish = "length"
-        while not done:
-            t0 = time.perf_counter()
-            x = pending[-1]
-            if self.group is not None:
-                fp = (pool.fingerprint() ^ window.fingerprint() ^ hash(tuple(out))) if self.group.check_divergence else 0
-                want_cancel = self.rank == 0 and cancel is not None and bool(cancel())
-                self.group.set_state(fp & 0x7FFFFFFFFFFF, cfg.N, want_cancel)
-            candidates = _select_candidates(pool, context, x, cfg.G, R)
-            # window_policy=with_candidates: on hardware where any extra row is dear, the window
-            # rows ride only on steps that already verify candidates (or prefill); other steps
-            # are plain one-row decodes and leave the window as it is.
-            use_window = cfg.window_policy == "always" or bool(candidates) or len(pending) > 1
-            # near the end of the context, leave out rows whose positions would pass it
-            # (models with learned position tables cannot embed them)
-            cache_len = cache.get_seq_length()
-            p = cache_len + len(pending) - 1
-            limit = runner.max_positions
-            if limit is not None and p + R >= limit:
-                candidates = []
-            if limit is not None and p + window.depth + window.num_columns - 1 >= limit:
-                use_window = False
-            num_columns = window.num_columns if use_window else 0
-            plan = plan_shards(self.workers, len(pending), num_columns, window.depth, len(candidates), R)
-            mine = plan[self.rank]
-            layout = build_layout(pending, window.levels, mine.columns, [candidates[c] for c in mine.candidates])
-            t1 = time.perf_counter()
-            logits_KV = runner.forward(layout, cache)
-            t2 = time.perf_counter()
-            row_of = {row: i for i, row in enumerate(layout.keep)}
-            z_local = logits_KV[[row_of[r] for r in layout.z_rows]].argmax(-1).tolist() if layout.z_rows else []
-            if cfg.do_sample:
-                path, z_all, ex_s = self._decide_sampled(step, layout, logits_KV, row_of, candidates, plan, z_local)
-            else:
-                path, z_all, ex_s = self._decide_greedy(layout, logits_KV, row_of, candidates, plan, z_local)
-            t3 = time.perf_counter()
+    # -- stages -------------------------------------------------------------
 
-            # publish: truncate by max_new_tokens, eos, stop strings
-            emitted = path.emitted[: cfg.max_new_tokens - len(out)]
-            for i, t in enumerate(emitted):
-                if t in eos:
-                    emitted = emitted[: i + 1]
-                    done = True
-                    break
-            if cfg.stop_strings:
-                emitted, hit = _cut_at_stop_string(tokenizer, out, emitted, cfg.stop_strings)
-                done = done or hit
-            if done:
-                finish = "stop"
-            out.extend(emitted)
-            tokens.extend(emitted)
-            if len(out) >= cfg.max_new_tokens and not done:
-                done, finish = True, "length"
-            if not done:
-                stop_now = self.group.cancelled if self.group is not None else (cancel is not None and bool(cancel()))
-                if stop_now:
-                    done, finish = True, "cancelled"
-            if streamer is not None and emitted:
-                streamer.put(torch.tensor(emitted))
-
-            # collect + advance (identical on every worker: z_all and path are shared)
-            if use_window:
-                pool.add_ngrams(window.update(x, z_all))
-            if cfg.prompt_pool:
-                pool.add_sequence(tokens, start=len(tokens) - len(emitted) - (cfg.N - 1))
-                context.extend(emitted)
-
-            # K/V publication
-            if not done:
-                if self.group is None:
-                    hits = path.hits if path.winner is not None else 0
-                    src = [cache_len + r for r in layout.cand_rows[path.winner][:hits]] if hits else []
-                    runner.compact(cache, cache_len + len(pending), src)
-                    pending = [emitted[-1]]
-                else:
-                    runner.crop(cache, cache_len + len(pending))
-                    pending = list(emitted)
-            t4 = time.perf_counter()
-
-            stats.steps += 1
-            n = len(emitted)
-            if len(stats.accept_hist) <= n:
-                stats.accept_hist.extend([0] * (n + 1 - len(stats.accept_hist)))
-            stats.accept_hist[n] += 1
-            rec = StepRecord(n, layout.num_rows, [s.rows for s in plan], t2 - t1, ex_s, (t1 - t0) + (t4 - t2) - ex_s)
-            stats.records.append(rec)
-            if on_step is not None:
-                on_step(step, rec)
-            step += 1
-            if self.group is not None and self.group.kill_at == (self.rank, step):
-                self.group.die()
-
-        stats.decode_time_s = time.perf_counter() - t_start
-        if streamer is not None:
-            streamer.end()
-        stats.new_tokens = len(out)
-        stats.forward_time_s = sum(r.forward_s for r in stats.records)
-        stats.exchange_time_s = sum(r.exchange_s for r in stats.records)
-        stats.host_time_s = sum(r.host_s for r in stats.records)
-        decode_records = stats.records[1:] or stats.records  # the first step also prefills the prompt
-        stats.mean_rows = sum(r.rows for r in decode_records) / len(decode_records)
-        stats.mean_rows_per_rank = [
-            sum(r.rows_per_rank[k] for r in decode_records) / len(decode_records) for k in range(self.workers)
-        ]
-        return GenerationResult(out, stats, finish)
-
-    # -- greedy decision ----------------------------------------------------
-
-    def _decide_greedy(self, layout, logits_KV, row_of, candidates, plan, z_local):
-        argmax = logits_KV.argmax(-1).tolist()
-        root = argmax[row_of[layout.ordinary_row]]
-        mine = plan[self.rank]
-        own = [candidates[c] for c in mine.candidates]
-        cand_argmax = [[argmax[row_of[r]] for r in rows] for rows in layout.cand_rows]
-        local = greedy_walk(own, root, cand_argmax)
-        if self.group is None:
-            return local, z_local, 0.0
-        winner = mine.candidates[local.winner] if local.winner is not None else -1
-        t = time.perf_counter()
-        table = self.group.exchange_greedy(local.hits, winner, local.emitted, z_local, plan)
-        ex_s = time.perf_counter() - t
-        # longest hit wins, lowest rank on ties
-        best = table[max(range(self.workers), key=lambda k: (table[k].hits, -k))]
-        z_all = [t for k in range(self.workers) for t in table[k].z]
-        return Path(best.emitted, best.winner if best.winner >= 0 else None, best.hits), z_all, ex_s
-
-    # -- sampled decision ---------------------------------------------------
-
-    def _decide_sampled(self, step, layout, logits_KV, row_of, candidates, plan, z_local):
+    def propose(self, run: _Run) -> _Proposal:
+        """Candidates keyed by x, whether the window rides along, and the shard plan."""
         cfg = self.cfg
-        mine = plan[self.rank]
+        R = cfg.N - 1
+        x = run.pending[-1]
+        candidates = _select_candidates(run.pool, run.context, x, cfg.G, R)
+        # window_policy=with_candidates: on hardware where any extra row is dear, the window
+        # rows ride only on steps that already verify candidates (or prefill); other steps
+        # are plain one-row decodes and leave the window as it is.
+        use_window = cfg.window_policy == "always" or bool(candidates) or len(run.pending) > 1
+        # near the end of the context, leave out rows whose positions would pass it
+        # (models with learned position tables cannot embed them)
+        cache_len = run.cache.get_seq_length()
+        p = cache_len + len(run.pending) - 1
+        limit = self.runner.max_positions
+        window = run.window
+        if limit is not None and p + R >= limit:
+            candidates = []
+        if limit is not None and p + window.depth + window.num_columns - 1 >= limit:
+            use_window = False
+        num_columns = window.num_columns if use_window else 0
+        plan = plan_shards(self.workers, len(run.pending), num_columns, window.depth, len(candidates), R)
+        return _Proposal(x, candidates, use_window, plan, cache_len)
+
+    def lay_out(self, run: _Run, prop: _Proposal):
+        mine = prop.plan[self.rank]
+        own = [prop.candidates[c] for c in mine.candidates]
+        return build_layout(run.pending, run.window.levels, mine.columns, own)
+
+    def verify(self, run: _Run, prop: _Proposal, layout, logits_KV):
+        """The local verdict: greedy (Path over own candidates, z) or sampled (root, outcomes, z)."""
+        sk = layout.skeleton
+        row_of = _row_index(sk)
+        if not self.cfg.do_sample:
+            argmax = logits_KV.argmax(-1).tolist()  # the one device->host transfer
+            z_local = [argmax[row_of[r]] for r in sk.z_rows]
+            mine = prop.plan[self.rank]
+            own = [prop.candidates[c] for c in mine.candidates]
+            cand_argmax = [[argmax[row_of[r]] for r in rows] for rows in sk.cand_rows]
+            return greedy_walk(own, argmax[row_of[sk.num_pending - 1]], cand_argmax), z_local
+        return self._verify_sampled(run, prop, layout, logits_KV, row_of)
+
+    def merge_verdicts(self, run: _Run, prop: _Proposal, verdict, cancel: bool):
+        """(path over all candidates, z of every column in order, cancelled)."""
+        state_hash = self._state_hash(run)
+        mine = prop.plan[self.rank]
+        if not self.cfg.do_sample:
+            local, z_local = verdict
+            return self.merge.greedy(local, mine.candidates, z_local, prop.plan, cancel, state_hash)
+        if isinstance(verdict[0], Path):  # one process walked the trie itself
+            return verdict[0], verdict[1], cancel
+        root, outcomes, z_local = verdict
+        R = self.cfg.N - 1
+        roots, table, zs, cancelled = self.merge.sampled(root, outcomes, z_local, prop.plan, R, cancel, state_hash)
+        path = walk(prop.candidates, roots[0], lambda depth, c: table[c][depth - 1])
+        return path, [t for z in zs for t in z], cancelled
+
+    def publish(self, run: _Run, emitted: list[int], cancelled: bool, tokenizer) -> list[int]:
+        """Truncate by max_new_tokens, eos, stop strings; append; decide whether to stop."""
+        cfg = self.cfg
+        emitted = emitted[: cfg.max_new_tokens - len(run.out)]
+        for i, t in enumerate(emitted):
+            if t in run.eos:
+                emitted = emitted[: i + 1]
+                run.done, run.finish = True, "stop"
+                break
+        if cfg.stop_strings:
+            emitted, hit = _cut_at_stop_string(tokenizer, run.out, emitted, cfg.stop_strings)
+            if hit:
+                run.done, run.finish = True, "stop"
+        run.out.extend(emitted)
+        run.tokens.extend(emitted)
+        if not run.done and len(run.out) >= cfg.max_new_tokens:
+            run.done, run.finish = True, "length"
+        if not run.done and cancelled:
+            run.done, run.finish = True, "cancelled"
+        return emitted
+
+    def collect(self, run: _Run, prop: _Proposal, z_all: list[int], emitted: list[int]) -> None:
+        """Pool and window updates (identical on every worker: z_all and the path are shared)."""
+        if prop.use_window:
+            run.pool.add_ngrams(run.window.update(prop.x, z_all))
+        if self.cfg.prompt_pool:
+            run.pool.add_sequence(run.tokens, start=len(run.tokens) - len(emitted) - (self.cfg.N - 1))
+            run.context.extend(emitted)
+
+    # -- helpers ------------------------------------------------------------
+
+    def _state_hash(self, run: _Run) -> int:
+        if self.group is None or not self.group.check_divergence:
+            return 0
+        return (run.pool.fingerprint() ^ run.window.fingerprint() ^ hash(tuple(run.out))) & 0x7FFFFFFFFFFF
+
+    def _verify_sampled(self, run: _Run, prop: _Proposal, layout, logits_KV, row_of):
+        cfg = self.cfg
+        sk = layout.skeleton
+        mine = prop.plan[self.rank]
+        candidates = prop.candidates
+        z_local = logits_KV[[row_of[r] for r in sk.z_rows]].argmax(-1).tolist() if sk.z_rows else []
 
         def probs(row: int) -> torch.Tensor:
             return warp(logits_KV[row_of[row]], cfg.temperature, cfg.top_k, cfg.top_p)
 
         root_children = children(candidates, range(len(candidates)), 0)
-        root = verify_node(probs(layout.ordinary_row), root_children, node_generator(cfg.seed, step, 0))
+        root = verify_node(probs(sk.num_pending - 1), root_children, node_generator(cfg.seed, run.step, 0))
 
         def outcome_of(local_c: int, depth: int) -> int:
             c = mine.candidates[local_c]
             kids = children(candidates, sharing_prefix(candidates, c, depth), depth)
-            row = layout.cand_rows[local_c][depth - 1]
-            return verify_node(probs(row), kids, node_generator(cfg.seed, step, depth))
+            row = sk.cand_rows[local_c][depth - 1]
+            return verify_node(probs(row), kids, node_generator(cfg.seed, run.step, depth))
 
         if self.group is None:
-            path = walk(candidates, root, lambda depth, c: outcome_of(c, depth))
-            return path, z_local, 0.0
+            return walk(candidates, root, lambda depth, c: outcome_of(c, depth)), z_local
         R = cfg.N - 1
         outcomes = [[outcome_of(i, d) for d in range(1, R + 1)] for i in range(len(mine.candidates))]
-        t = time.perf_counter()
-        roots, table, zs = self.group.exchange_sampled(root, outcomes, z_local, plan, R)
-        ex_s = time.perf_counter() - t
-        path = walk(candidates, roots[0], lambda depth, c: table[c][depth - 1])
-        return path, [t for z in zs for t in z], ex_s
+        return root, outcomes, z_local
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_index(sk) -> dict[int, int]:
+    """Row -> index among the kept rows (the logits' first dimension)."""
+    return {row: i for i, row in enumerate(sk.keep)}
+
+
+def _record(stats: GenerationStats, rec: StepRecord) -> None:
+    stats.steps += 1
+    n = rec.emitted
+    if len(stats.accept_hist) <= n:
+        stats.accept_hist.extend([0] * (n + 1 - len(stats.accept_hist)))
+    stats.accept_hist[n] += 1
+    stats.records.append(rec)
+
+
+def _finish_stats(stats: GenerationStats, new_tokens: int, workers: int) -> None:
+    stats.new_tokens = new_tokens
+    stats.forward_time_s = sum(r.forward_s for r in stats.records)
+    stats.exchange_time_s = sum(r.exchange_s for r in stats.records)
+    stats.host_time_s = sum(r.host_s for r in stats.records)
+    decode_records = stats.records[1:] or stats.records  # the first step also prefills the prompt
+    stats.mean_rows = sum(r.rows for r in decode_records) / len(decode_records)
+    stats.mean_rows_per_rank = [
+        sum(r.rows_per_rank[k] for r in decode_records) / len(decode_records) for k in range(workers)
+    ]
 
 
 def _select_candidates(pool: NGramPool, context: ContextIndex | None, x: int, G: int, R: int) -> list:

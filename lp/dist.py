@@ -5,8 +5,11 @@ environment (global RANK / WORLD_SIZE, LOCAL_RANK for the device), opens one
 process group (nccl on CUDA, gloo on CPU) with a bounded timeout, and returns a
 ``WorkerGroup`` (or None outside torchrun with one worker).
 
-One exchange per step, one fixed-shape int64 ``all_gather`` (no pickled objects).
-Every rank knows the shard plan, so the payload layout is known to all:
+One exchange per step, one fixed-shape int64 ``all_gather_into_tensor`` into buffers
+allocated once per generation (``begin``; no pickled objects, no per-step
+allocation). Every payload ends with [cancel, state_hash]; rank 0's cancel flag
+stops every rank at the same step. Every rank knows the shard plan, so the payload
+layout is known to all:
 
 greedy   [hits, winner, emitted[0..N-1], z[0..C-1], state_hash]
          hits: the rank's longest verified run over its own candidates;
@@ -36,7 +39,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
 from dataclasses import dataclass
 
 import torch
@@ -110,47 +112,68 @@ class WorkerGroup:
         self.local_rank = local_rank
         self.device = device
         self.check_divergence = cfg.check_divergence
-        self.kill_at = tuple(cfg.kill_rank_at_step) if cfg.kill_rank_at_step else None
-        self.state_hash = 0
-        self._cancel = 0
-        self.cancelled = False
+        self._slots = 0
+        self._n_slots = 0
 
     # -- the exchange ---------------------------------------------------------
 
-    def _all_gather(self, payload: list[int]) -> list[list[int]]:
-        mine = torch.tensor(payload + [self._cancel, self.state_hash], dtype=torch.long, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+    def begin(self, W: int, N: int, G: int) -> None:
+        """Allocate the exchange buffers for one generation (fixed shape for every step):
+        the larger of the greedy and sampled payloads, plus cancel flag and state hash."""
+        R = N - 1
+        c_max = W + N - 2  # most columns one rank can own (the warm-up window is widest)
+        slots = max(2 + N, 1 + G * R) + c_max + 2
+        self._n_slots = N
+        if slots != self._slots:
+            self._slots = slots
+            self._send = torch.zeros(slots, dtype=torch.long, device=self.device)
+            self._recv = torch.zeros(self.world_size * slots, dtype=torch.long, device=self.device)
+            self._host = torch.zeros(slots, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            self._host_np = self._host.numpy()
+
+    def _all_gather(self, payload: list[int], cancel: bool, state_hash: int) -> tuple[list[list[int]], bool]:
+        n = len(payload)
+        assert n + 2 <= self._slots, (n, self._slots)
+        self._host_np[:n] = payload
+        self._host_np[n:-2] = -1
+        self._host_np[-2] = int(cancel)
+        self._host_np[-1] = state_hash if self.check_divergence else 0
+        if self.device.type == "cpu":
+            send = self._host
+        else:
+            send = self._send
+            send.copy_(self._host, non_blocking=True)
         try:
-            dist.all_gather(gathered, mine)
+            dist.all_gather_into_tensor(self._recv, send)
         except Exception as e:  # gloo/nccl raise on timeout or a vanished peer
             raise WorkerFailure(f"rank {self.rank}: per-step exchange failed ({type(e).__name__}: {e})") from e
-        rows = torch.stack(gathered).cpu().tolist()
-        self.cancelled = bool(rows[0][-2])  # rank 0 decides
+        rows = self._recv.view(self.world_size, self._slots).tolist()  # one device->host read
         if self.check_divergence:
             hashes = [row[-1] for row in rows]
             if len(set(hashes)) != 1:
                 raise WorkerFailure(
                     f"ranks diverged: pool/window/output fingerprints differ across ranks {hashes}"
                 )
-        return [row[:-2] for row in rows]
+        return rows, bool(rows[0][-2])  # rank 0 decides cancellation
 
-    def exchange_greedy(self, hits, winner, emitted, z_local, plan) -> list[RankHit]:
+    def exchange_greedy(self, hits, winner, emitted, z_local, plan, cancel=False, state_hash=0):
+        """-> ([RankHit per rank], cancelled)."""
         n_slots = self._n_slots
-        c_slots = max(len(s.columns) for s in plan)
-        payload = [hits, winner] + _pad(emitted, n_slots) + _pad(z_local, c_slots)
+        payload = [hits, winner] + _pad(emitted, n_slots) + list(z_local)
+        rows, cancelled = self._all_gather(payload, cancel, state_hash)
         out = []
-        for k, row in enumerate(self._all_gather(payload)):
+        for k, row in enumerate(rows):
             n = row[0] + 1
             cols = len(plan[k].columns)
             out.append(RankHit(row[0], row[1], row[2 : 2 + n], row[2 + n_slots : 2 + n_slots + cols]))
-        return out
+        return out, cancelled
 
-    def exchange_sampled(self, root, outcomes, z_local, plan, R):
+    def exchange_sampled(self, root, outcomes, z_local, plan, R, cancel=False, state_hash=0):
+        """-> (root outcome per rank, {candidate: outcomes by depth}, z per rank, cancelled)."""
         m_slots = max(len(s.candidates) for s in plan)
-        c_slots = max(len(s.columns) for s in plan)
         flat = [t for row in outcomes for t in row]
-        payload = [root] + _pad(flat, m_slots * R) + _pad(z_local, c_slots)
-        rows = self._all_gather(payload)
+        payload = [root] + _pad(flat, m_slots * R) + list(z_local)
+        rows, cancelled = self._all_gather(payload, cancel, state_hash)
         roots = [row[0] for row in rows]
         table: dict[int, list[int]] = {}
         zs = []
@@ -158,19 +181,7 @@ class WorkerGroup:
             for i, c in enumerate(plan[k].candidates):
                 table[c] = row[1 + i * R : 1 + (i + 1) * R]
             zs.append(row[1 + m_slots * R : 1 + m_slots * R + len(plan[k].columns)])
-        return roots, table, zs
-
-    def set_state(self, fingerprint: int, n_slots: int, cancel: bool = False) -> None:
-        """Called at the start of each step: the state hash to send, the emitted slots (N)
-        and whether this rank asks to cancel (only rank 0's flag is read)."""
-        self.state_hash = fingerprint if self.check_divergence else 0
-        self._n_slots = n_slots
-        self._cancel = int(cancel)
-
-    # -- failure injection (tests) --------------------------------------------
-
-    def die(self) -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
+        return roots, table, zs, cancelled
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -180,3 +191,79 @@ class WorkerGroup:
 def _pad(values: list[int], size: int) -> list[int]:
     assert len(values) <= size, (len(values), size)
     return list(values) + [-1] * (size - len(values))
+
+
+# ===========================================================================
+# Request channel (lp.serve): rank 0 hands each request to every rank.
+#
+# Separate from the per-step exchange above. Rank 0 (the HTTP server) sends one
+# fixed-shape int64 header by broadcast, then, when the header announces a payload,
+# one int64 broadcast of that payload (the prompt's token ids and whatever else the
+# caller packs as integers). No pickled objects. The other ranks block in
+# ``recv()`` with the process group's bounded timeout (parallel.timeout_s): rank 0
+# sends an IDLE header every few seconds when no request is queued and a SHUTDOWN
+# header on exit, so a missing header means a dead rank 0 and the wait ends in
+# WorkerFailure instead of hanging forever.
+#
+#   header [MAGIC, kind, seq, n_payload, field[0..FIELDS-1]]
+#          kind: IDLE | REQUEST | SHUTDOWN; seq: rank 0's running header count
+#          (every rank checks it, so a lost or extra header is caught);
+#          fields: caller-defined int64 values (lp.server.engine packs the request's
+#          decoding settings there).
+
+
+class RequestChannel:
+    MAGIC = 0x4C50_5256  # "LPRV"
+    IDLE, REQUEST, SHUTDOWN = 0, 1, 2
+    FIELDS = 16
+    HEADER = 4 + FIELDS
+
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+        self.seq = 0
+
+    def _broadcast(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        try:
+            dist.broadcast(t, src=0)
+        except Exception as e:  # gloo/nccl raise on timeout or a vanished peer
+            raise WorkerFailure(f"rank {self.group.rank}: request channel {what} failed ({type(e).__name__}: {e})") from e
+        return t
+
+    def handshake(self, fingerprint: list[int]) -> None:
+        """Every rank shows the same model (vocab, context, parameter count ...) before serving."""
+        mine = torch.tensor([len(fingerprint)] + list(fingerprint), dtype=torch.long, device=self.group.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.group.world_size)]
+        try:
+            dist.all_gather(gathered, mine)
+        except Exception as e:
+            raise WorkerFailure(f"rank {self.group.rank}: request channel handshake failed ({type(e).__name__}: {e})") from e
+        rows = [g.cpu().tolist() for g in gathered]
+        if any(r != rows[0] for r in rows):
+            raise WorkerFailure(f"ranks loaded different models: fingerprints {rows}")
+
+    def send(self, kind: int, fields: list[int] | None = None, payload: list[int] | None = None) -> None:
+        """Rank 0: one header, then the payload if any."""
+        assert self.group.rank == 0, "only rank 0 sends requests"
+        fields = list(fields or [])
+        payload = list(payload or [])
+        assert len(fields) <= self.FIELDS, (len(fields), self.FIELDS)
+        self.seq += 1
+        header = [self.MAGIC, kind, self.seq, len(payload)] + fields + [0] * (self.FIELDS - len(fields))
+        self._broadcast(torch.tensor(header, dtype=torch.long, device=self.group.device), "header")
+        if payload:
+            self._broadcast(torch.tensor(payload, dtype=torch.long, device=self.group.device), "payload")
+
+    def recv(self) -> tuple[int, list[int], list[int]]:
+        """Other ranks: (kind, fields, payload); blocks at most parallel.timeout_s per broadcast."""
+        header = self._broadcast(torch.zeros(self.HEADER, dtype=torch.long, device=self.group.device), "header")
+        magic, kind, seq, n = header[:4].tolist()
+        self.seq += 1
+        if magic != self.MAGIC or seq != self.seq or kind not in (self.IDLE, self.REQUEST, self.SHUTDOWN):
+            raise WorkerFailure(
+                f"rank {self.group.rank}: bad request header (magic {magic:#x}, kind {kind}, seq {seq}, expected {self.seq})"
+            )
+        fields = header[4:].tolist()
+        payload: list[int] = []
+        if n > 0:
+            payload = self._broadcast(torch.empty(n, dtype=torch.long, device=self.group.device), "payload").tolist()
+        return kind, fields, payload

@@ -1,6 +1,8 @@
 """Row layout of one packed lookahead forward, as a forest of token rows.
 
-Contract: plain Python over token ids (numpy only to materialize the mask). Every
+Contract: plain Python over token ids (numpy only to materialize the mask). The
+structure of a step (parents, depths, kept rows) is a ``Skeleton`` cached by shape;
+``build_layout`` only fills in the tokens. Every
 uncached row has exactly one *parent* row (or none, for the first pending row):
 a row attends to the whole cached prefix, to its ancestors and to itself, and to
 nothing else. Its logical position is ``cache_len + depth``. This single rule
@@ -33,27 +35,64 @@ from functools import lru_cache
 import numpy as np
 
 
-@dataclass(frozen=True)
-class Layout:
-    tokens: list[int]
-    parents: list[int]  # -1: root (sees only the cached prefix)
-    depths: list[int]  # position offset from the cache length
-    keep: list[int]  # rows whose logits are needed, ascending
+@dataclass(frozen=True, eq=False)
+class Skeleton:
+    """Everything about a step's rows except their tokens; cached by shape, so a step of a
+    shape seen before only writes tokens (runners key their device tensors on it)."""
+
+    parents: tuple[int, ...]  # -1: root (sees only the cached prefix)
+    depths: tuple[int, ...]  # position offset from the cache length
+    keep: tuple[int, ...]  # rows whose logits are needed, ascending
     num_pending: int
-    z_rows: list[int]  # row of each owned column's deepest level, in column order
-    cand_rows: list[list[int]]  # rows of candidate c's suffix
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def ordinary_row(self) -> int:
-        return self.num_pending - 1
+    z_rows: tuple[int, ...]  # row of each owned column's deepest level, in column order
+    cand_rows: tuple[tuple[int, ...], ...]  # rows of candidate c's suffix
+    columns: range
+    num_rows: int
 
     def local_mask(self) -> np.ndarray:
         """[Q, Q] bool: row i may attend row k (beyond the always-visible cache)."""
-        return _ancestor_mask(tuple(self.parents))
+        return _ancestor_mask(self.parents)
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    tokens: list[int]
+    skeleton: Skeleton
+
+    @property
+    def parents(self) -> list[int]:
+        return list(self.skeleton.parents)
+
+    @property
+    def depths(self) -> list[int]:
+        return list(self.skeleton.depths)
+
+    @property
+    def keep(self) -> list[int]:
+        return list(self.skeleton.keep)
+
+    @property
+    def z_rows(self) -> list[int]:
+        return list(self.skeleton.z_rows)
+
+    @property
+    def cand_rows(self) -> list[list[int]]:
+        return [list(rows) for rows in self.skeleton.cand_rows]
+
+    @property
+    def num_pending(self) -> int:
+        return self.skeleton.num_pending
+
+    @property
+    def num_rows(self) -> int:
+        return self.skeleton.num_rows
+
+    @property
+    def ordinary_row(self) -> int:
+        return self.skeleton.num_pending - 1
+
+    def local_mask(self) -> np.ndarray:
+        return self.skeleton.local_mask()
 
 
 def build_layout(
@@ -68,52 +107,69 @@ def build_layout(
     ``columns`` a contiguous range of the window's columns owned by this worker.
     """
     assert len(pending) >= 1
+    sk = skeleton(
+        len(pending), tuple(len(level) for level in levels), columns.start, columns.stop,
+        tuple(len(c) for c in candidates),
+    )
     tokens = list(pending)
-    parents = list(range(-1, len(pending) - 1))
-    depths = list(range(len(pending)))
-    x_row = len(pending) - 1
-    keep = [x_row]
+    if len(columns) > 0:
+        tokens += levels[0][: columns.stop - 1]  # base stripe B[1..stop-1]
+        for level in levels[1:]:
+            tokens += level[columns.start : columns.stop]
+    for suffix in candidates:
+        tokens += suffix
+    assert len(tokens) == sk.num_rows
+    return Layout(tokens, sk)
 
-    num_columns = len(levels[0]) + 1
-    assert columns.step == 1 and 0 <= columns.start and columns.stop <= num_columns
+
+def chain_layout(tokens: Sequence[int]) -> Layout:
+    """One causal chain of rows, every row through the LM head (prefill-like; for t(Q) curves)."""
+    q = len(tokens)
+    sk = Skeleton(tuple(range(-1, q - 1)), tuple(range(q)), tuple(range(q)), q, (), (), range(0), q)
+    return Layout(list(tokens), sk)
+
+
+@lru_cache(maxsize=4096)
+def skeleton(
+    num_pending: int, level_sizes: tuple[int, ...], col_start: int, col_stop: int, cand_lens: tuple[int, ...]
+) -> Skeleton:
+    columns = range(col_start, col_stop)
+    parents = list(range(-1, num_pending - 1))
+    depths = list(range(num_pending))
+    x_row = num_pending - 1
+    num_columns = level_sizes[0] + 1
+    assert 0 <= col_start <= col_stop <= num_columns
     z_rows: list[int] = []
     if len(columns) > 0:
-        # base stripe B[1..stop-1]: level 0 up to the last owned column
-        base_rows = [x_row]
-        for j in range(1, columns.stop):
+        base_rows = [x_row]  # column 0 of the base stripe is x itself
+        for j in range(1, col_stop):
             parents.append(base_rows[-1])
             depths.append(depths[x_row] + j)
-            tokens.append(levels[0][j - 1])
-            base_rows.append(len(tokens) - 1)
+            base_rows.append(len(parents) - 1)
         deepest = base_rows
-        for r in range(1, len(levels)):
-            above = deepest
-            deepest = {}
+        for r in range(1, len(level_sizes)):
+            above, deepest = deepest, {}
             for j in columns:
-                parent = above[j]
-                parents.append(parent)
-                depths.append(depths[parent] + 1)
-                tokens.append(levels[r][j])
-                deepest[j] = len(tokens) - 1
+                parents.append(above[j])
+                depths.append(depths[above[j]] + 1)
+                deepest[j] = len(parents) - 1
         z_rows = [deepest[j] for j in columns]
-
-    cand_rows: list[list[int]] = []
-    for suffix in candidates:
+    cand_rows: list[tuple[int, ...]] = []
+    for n in cand_lens:
         rows = []
         parent = x_row
-        for token in suffix:
+        for _ in range(n):
             parents.append(parent)
             depths.append(depths[parent] + 1)
-            tokens.append(token)
-            parent = len(tokens) - 1
+            parent = len(parents) - 1
             rows.append(parent)
-        cand_rows.append(rows)
+        cand_rows.append(tuple(rows))
+    keep = sorted({x_row, *z_rows, *(r for rows in cand_rows for r in rows)})
+    return Skeleton(tuple(parents), tuple(depths), tuple(keep), num_pending, tuple(z_rows), tuple(cand_rows),
+                    columns, len(parents))
 
-    keep = sorted(set(keep + z_rows + [r for rows in cand_rows for r in rows]))
-    return Layout(tokens, parents, depths, keep, len(pending), z_rows, cand_rows)
 
-
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=4096)
 def _ancestor_mask(parents: tuple[int, ...]) -> np.ndarray:
     q = len(parents)
     mask = np.zeros((q, q), dtype=bool)

@@ -1,17 +1,17 @@
 """The one module that adapts transformers models: loading, packed forward, cache edits.
 
 Contract: ``ModelRunner.forward(layout, cache)`` runs one packed step through the
-model's *public* forward with explicit ``position_ids``, a 4-D attention mask built
-from the layout's parent forest, and a ``DynamicCache``; only the rows in
-``layout.keep`` go through the LM head. It returns float32 logits, one row per
-kept row. ``crop`` and ``compact`` edit the cache after publication. No
-transformers class is patched.
+model's *public* forward with explicit ``position_ids``, a mask built from the
+layout's parent forest, and a ``lp.kv.PackedCache`` (static, in-place); only the
+rows in ``layout.keep`` go through the LM head. It returns float32 logits, one row
+per kept row, on the model's device. ``crop`` and ``compact`` edit the cache after
+publication. No transformers class is patched.
 
-Mask formats: ``sdpa`` takes a boolean mask (True = attend), ``eager`` an additive
-float mask. Models with sliding-window layers get the window applied in the mask
-(a dict {"full_attention", "sliding_attention"} for models mixing both kinds).
-Other attention implementations (flash, flex) cannot take a custom 4-D mask and
-are refused with a ValueError.
+Attention (``model.attention``): ``sdpa`` and ``eager`` take an additive [1, 1, Q, K+Q]
+mask (a view of a buffer allocated once); ``flex`` a FlexAttention BlockMask;
+``flash`` the cascade kernel of lp.attention with only the [Q, Q] local block.
+Models with sliding-window layers get the window applied in the mask (a dict
+{"full_attention", "sliding_attention"} for models mixing both kinds).
 
 Legend: Q packed rows this step, K cached rows, V vocabulary.
 """
@@ -25,7 +25,6 @@ import logging
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from lp.layout import Layout
@@ -131,25 +130,44 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
 # ---------------------------------------------------------------------------
 # packed forward
 
+ATTENTION = ("auto", "sdpa", "eager", "flex", "flash")
+
+
+def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> str:
+    """``auto``: flash (cascade over flash-attn) or flex on CUDA; on the CPU the kernel the
+    model was loaded with (sdpa or eager)."""
+    from lp.attention import flash_attn_available
+
+    if name not in ATTENTION:
+        raise ValueError(f"model.attention must be one of {', '.join(ATTENTION)}, got {name!r}")
+    if name == "auto":
+        if device.type == "cuda":
+            return "flash" if flash_attn_available() else "flex"
+        return loaded if loaded in ("sdpa", "eager") else "sdpa"
+    return name
+
 
 class ModelRunner:
-    """Drives one causal LM through packed lookahead steps."""
+    """Drives one causal LM through packed lookahead steps.
 
-    def __init__(self, model):
-        from transformers import DynamicCache
+    Per-step state lives in buffers allocated once: the ``PackedCache`` (lp.kv), an
+    additive mask buffer on the model's device where a step writes only its Q x Q local
+    block (the cached prefix is visible to every row by construction), and per-shape
+    device tensors (position offsets, kept rows, local block) cached on the layout's
+    ``Skeleton``. A step sends its token ids to the device and nothing else.
+    """
 
-        self._cache_cls = DynamicCache
-        self.model = model
+    def __init__(self, model, attention: str = "auto"):
         config = model.config
-        impl = getattr(config, "_attn_implementation", None) or "eager"
-        if impl not in ("sdpa", "eager"):
-            raise ValueError(
-                f"model attention implementation {impl!r} cannot take a custom 4-D mask; "
-                "load the model with attn_implementation='sdpa' (or 'eager')"
-            )
         if not getattr(config, "is_decoder", True) or getattr(config, "is_encoder_decoder", False):
             raise ValueError("lookahead decoding needs a decoder-only causal LM")
-        self.attn_impl = impl
+        impl = getattr(config, "_attn_implementation", None) or "eager"
+        if impl not in ("sdpa", "eager", "lp_flex", "lp_cascade"):
+            raise ValueError(
+                f"model attention implementation {impl!r} cannot take a custom 4-D mask; load the model with "
+                "attn_implementation='sdpa' (or 'eager') and pick a kernel with model.attention=sdpa|eager|flex|flash"
+            )
+        self.model = model
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         param = next(model.parameters())
@@ -164,43 +182,130 @@ class ModelRunner:
         self.mixed_layers = "sliding_attention" in layer_types and "full_attention" in layer_types
         if self.sliding_window and layer_types and "sliding_attention" not in layer_types:
             self.sliding_window = None  # e.g. Qwen2 with use_sliding_window=False
+        self.attention = resolve_attention(attention, self.device, impl)
+        if self.attention == "flash" and self.sliding_window is not None:
+            raise ValueError(
+                "model.attention=flash (cascade) needs full attention over the prefix; this model has "
+                "sliding-window layers: use sdpa, eager or flex"
+            )
+        self.attn_impl = {"sdpa": "sdpa", "eager": "eager", "flex": "lp_flex", "flash": "lp_cascade"}[self.attention]
+        if self.attention in ("flex", "flash"):
+            from lp import attention as kernels
 
-    def new_cache(self):
-        return self._cache_cls()
+            kernels.register()
+        self._device_tensors: dict = {}
+        self._mask = None  # [1, 1, Q_cap, K_cap] additive, 0 = visible
+        self._dirty = (0, 0)  # columns holding the last step's local block
 
-    def _masks(self, layout: Layout, cache_len: int, pos_Q: np.ndarray):
-        q = layout.num_rows
-        allowed_QK = np.ones((q, cache_len + q), dtype=bool)
-        allowed_QK[:, cache_len:] = layout.local_mask()
-        full = self._to_model_mask(allowed_QK)
+    # -- per-generation state ---------------------------------------------------
+
+    def new_cache(self, capacity: int | None = None, max_step_rows: int = 0):
+        """A cache for ``capacity`` positions; the mask buffer is sized for steps of up to
+        ``max_step_rows`` rows (longer steps, such as the prefill, get a one-off mask)."""
+        from lp.kv import PackedCache
+
+        if capacity is None:
+            capacity = self.max_positions or 4096
+        if self.attention in ("sdpa", "eager"):
+            shape = (1, 1, max(max_step_rows, 1), capacity)
+            if self._mask is None or self._mask.shape != shape:
+                self._mask = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            else:
+                self._clear_dirty()
+        self._dirty = (0, 0)
+        return PackedCache(capacity)
+
+    def _clear_dirty(self) -> None:
+        a, b = self._dirty
+        if b > a:
+            self._mask[:, :, :, a:b].zero_()
+
+    def _tensors(self, sk):
+        """Device tensors of one skeleton: position offsets, kept rows, local block."""
+        t = self._device_tensors.get(sk)
+        if t is None:
+            if len(self._device_tensors) > 4096:
+                self._device_tensors.clear()
+            neg = torch.finfo(self.dtype).min
+            local = torch.from_numpy(sk.local_mask().copy())
+            local_add = torch.zeros(local.shape, dtype=self.dtype).masked_fill_(~local, neg)
+            t = (
+                torch.tensor(sk.depths, dtype=torch.long, device=self.device),
+                torch.tensor(sk.keep, dtype=torch.long, device=self.device),
+                local_add.to(self.device),
+                local.to(self.device),
+            )
+            self._device_tensors[sk] = t
+        return t
+
+    # -- masks --------------------------------------------------------------------
+
+    def _dense_mask(self, sk, local_add_QQ, cache_len: int, pos_Q: torch.Tensor):
+        """Additive [1, 1, Q, K + Q] mask for sdpa/eager: a view of the buffer when the
+        step fits, a one-off tensor otherwise (the prefill)."""
+        q = sk.num_rows
+        buf = self._mask
+        if buf is not None and q <= buf.shape[2] and cache_len + q <= buf.shape[3]:
+            self._clear_dirty()
+            buf[0, 0, :q, cache_len : cache_len + q].copy_(local_add_QQ)
+            self._dirty = (cache_len, cache_len + q)
+            mask = buf[:, :, :q, : cache_len + q]
+        else:
+            mask = torch.zeros((1, 1, q, cache_len + q), dtype=self.dtype, device=self.device)
+            mask[0, 0, :, cache_len:] = local_add_QQ
         if self.sliding_window is None:
-            return full
-        key_pos = np.concatenate([np.arange(cache_len), pos_Q])
-        near = (pos_Q[:, None] - key_pos[None, :]) < self.sliding_window
-        sliding = self._to_model_mask(allowed_QK & near)
+            return mask
+        key_pos = torch.cat([torch.arange(cache_len, device=self.device), pos_Q])
+        far = (pos_Q[:, None] - key_pos[None, :]) >= self.sliding_window
+        sliding = mask.masked_fill(far[None, None], torch.finfo(self.dtype).min)
         if self.mixed_layers:
-            return {"full_attention": full, "sliding_attention": sliding}
+            return {"full_attention": mask, "sliding_attention": sliding}
         return sliding
 
-    def _to_model_mask(self, allowed_QK: np.ndarray) -> torch.Tensor:
-        mask = torch.from_numpy(allowed_QK)[None, None].to(self.device)
-        if self.attn_impl == "eager":
-            neg = torch.finfo(self.dtype).min
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, neg)
-        return mask
+    def _flex_mask(self, sk, local_QQ, cache_len: int, pos_Q: torch.Tensor):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        q = sk.num_rows
+        window = self.sliding_window
+
+        def full(b, h, qi, kv):
+            return (kv < cache_len) | local_QQ[qi, (kv - cache_len).clamp(min=0)]
+
+        def sliding(b, h, qi, kv):
+            kv_pos = torch.where(kv < cache_len, kv, pos_Q[(kv - cache_len).clamp(min=0)])
+            return full(b, h, qi, kv) & (pos_Q[qi] - kv_pos < window)
+
+        def block(fn):
+            return create_block_mask(fn, None, None, q, cache_len + q, device=self.device)
+
+        if window is None:
+            return block(full)
+        if self.mixed_layers:
+            return {"full_attention": block(full), "sliding_attention": block(sliding)}
+        return block(sliding)
+
+    # -- the step -------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, layout: Layout, cache) -> torch.Tensor:
-        """Run the packed rows; return float32 logits [len(layout.keep), V]."""
+        """Run the packed rows; return logits [len(layout.keep), V] (float32) on the model's device."""
+        sk = layout.skeleton
+        depths_Q, keep, local_add_QQ, local_QQ = self._tensors(sk)
         cache_len = cache.get_seq_length()
-        pos_Q = cache_len + np.asarray(layout.depths, dtype=np.int64)
-        ids_1Q = torch.tensor([layout.tokens], dtype=torch.long, device=self.device)
-        pos_1Q = torch.from_numpy(pos_Q)[None].to(self.device)
-        keep = torch.tensor(layout.keep, dtype=torch.long, device=self.device)
+        pos_Q = depths_Q + cache_len
+        if self.attention == "flex":
+            mask = self._flex_mask(sk, local_QQ, cache_len, pos_Q)
+        elif self.attention == "flash":
+            mask = local_add_QQ[None, None]
+        else:
+            mask = self._dense_mask(sk, local_add_QQ, cache_len, pos_Q)
+        if self.model.config._attn_implementation != self.attn_impl:
+            self.model.set_attn_implementation(self.attn_impl)  # runners may share one model
+        ids_1Q = torch.tensor([layout.tokens], dtype=torch.long).to(self.device, non_blocking=True)
         out = self.model(
             input_ids=ids_1Q,
-            position_ids=pos_1Q,
-            attention_mask=self._masks(layout, cache_len, pos_Q),
+            position_ids=pos_Q[None],
+            attention_mask=mask,
             **{self._cache_kw: cache},
             use_cache=True,
             logits_to_keep=keep,
@@ -210,20 +315,9 @@ class ModelRunner:
     @staticmethod
     def crop(cache, length: int) -> None:
         """Keep the first ``length`` cached rows."""
-        extra = cache.get_seq_length() - length
-        assert extra >= 0
-        if extra:
-            cache.crop(-extra)
+        cache.crop(length)
 
     @staticmethod
-    @torch.inference_mode()
     def compact(cache, keep_len: int, src_rows: list[int]) -> None:
         """Move cached rows ``src_rows`` (absolute indices) to ``keep_len..`` and drop the rest."""
-        if src_rows:
-            src = torch.tensor(src_rows, dtype=torch.long)
-            dst = slice(keep_len, keep_len + len(src_rows))
-            for layer in cache.layers:
-                src_d = src.to(layer.keys.device)
-                layer.keys[:, :, dst] = layer.keys.index_select(2, src_d)
-                layer.values[:, :, dst] = layer.values.index_select(2, src_d)
-        ModelRunner.crop(cache, keep_len + len(src_rows))
+        cache.compact(keep_len, src_rows)

@@ -6,14 +6,30 @@ rank 0, one result per job: output ids, steps, rows per rank.
 """
 
 import json
+import os
+import signal
 import sys
 
 import torch
 
 from lp.config import DecodingConfig, ParallelConfig
 from lp.decoding import LookaheadDecoder
-from lp.dist import init_worker_group
+from lp.dist import WorkerGroup, init_worker_group
 from lp.model import ModelRunner, load_model, resolve_model_path
+
+
+class FaultyGroup(WorkerGroup):
+    """Test double: rank ``kill_rank`` dies (SIGKILL) entering exchange number ``kill_step``."""
+
+    def __init__(self, group: WorkerGroup, kill_rank: int, kill_step: int):
+        self.__dict__.update(group.__dict__)
+        self.kill_rank, self.kill_step, self.calls = kill_rank, kill_step, 0
+
+    def _all_gather(self, *args, **kwargs):
+        self.calls += 1
+        if self.rank == self.kill_rank and self.calls == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super()._all_gather(*args, **kwargs)
 
 
 def main() -> None:
@@ -22,9 +38,10 @@ def main() -> None:
     parallel = ParallelConfig(
         timeout_s=spec.get("timeout_s", 120),
         check_divergence=spec.get("check_divergence", True),
-        kill_rank_at_step=spec.get("kill_rank_at_step"),
     )
     group = init_worker_group(parallel, torch.device("cpu"))
+    if spec.get("kill_rank_at_step") and group is not None:
+        group = FaultyGroup(group, *spec["kill_rank_at_step"])
     path = spec.get("model_path") or resolve_model_path("smollm2", None)
     model, _ = load_model(path, spec.get("dtype", "float32"))
     runner = ModelRunner(model)

@@ -1,11 +1,13 @@
-"""ModelRunner.forward on a packed layout equals plain forwards of every row's own path."""
+"""ModelRunner.forward on a packed layout equals plain forwards of every row's own path,
+with every attention kernel that runs on the CPU (sdpa, eager, flex, flash = cascade)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
+import copy
 
+from lp.kv import PackedCache
 from lp.layout import build_layout
 from lp.model import ModelRunner
 from tests.helpers import make_tiny_model
@@ -25,7 +27,23 @@ FAMILIES = [
     ("mistral", "eager"),
     ("gemma3", "sdpa"),
     ("gemma3", "eager"),
+    ("llama", "flex"),
+    ("qwen2", "flex"),
+    ("mistral", "flex"),
+    ("gemma3", "flex"),
+    ("llama", "flash"),
+    ("qwen2", "flash"),
 ]
+
+
+def _runner(tiny_factory, family, attn):
+    """(reference model, runner): flex/flash runners get their own copy of the sdpa model, so
+    the reference forwards keep transformers' own kernel."""
+    if attn in ("flex", "flash"):
+        model = tiny_factory(family, attn="sdpa")
+        return model, ModelRunner(copy.deepcopy(model), attention=attn)
+    model = tiny_factory(family, attn=attn)
+    return model, ModelRunner(model)
 
 
 def _path_tokens(layout, row):
@@ -44,7 +62,7 @@ def _plain_last_logits(model, tokens):
 
 @torch.inference_mode()
 def _prefill(model, prefix):
-    cache = DynamicCache()
+    cache = PackedCache(64)
     if prefix:
         ids = torch.tensor([prefix], dtype=torch.long)
         model(input_ids=ids, cache=cache, use_cache=True)
@@ -65,9 +83,8 @@ def _compare_rows(model, layout, logits, prefix):
 
 @pytest.mark.parametrize("family,attn", FAMILIES)
 def test_packed_rows_match_separate_forwards(tiny_factory, family, attn):
-    model = tiny_factory(family, attn=attn)
-    runner = ModelRunner(model)
-    assert runner.attn_impl == attn
+    model, runner = _runner(tiny_factory, family, attn)
+    assert runner.attention == attn
     layout = build_layout(PENDING, LEVELS, range(0, 4), CANDIDATES)
     cache = _prefill(model, PREFIX)
     logits = runner.forward(layout, cache)
@@ -77,11 +94,10 @@ def test_packed_rows_match_separate_forwards(tiny_factory, family, attn):
 
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("gemma3", "sdpa"), ("gemma3", "eager")])
 def test_packed_rows_first_step_and_partial_columns(tiny_factory, family, attn):
-    model = tiny_factory(family, attn=attn)
-    runner = ModelRunner(model)
+    model, runner = _runner(tiny_factory, family, attn)
     # first step: the whole prompt is pending, the cache is empty, warm-up window
     layout = build_layout(PREFIX + PENDING, [[41, 42, 43, 44, 45, 46]], range(0, 7), CANDIDATES[:2])
-    logits = runner.forward(layout, DynamicCache())
+    logits = runner.forward(layout, PackedCache(64))
     _compare_rows(model, layout, logits, [])
     # a shard owning columns 1..2 of a two-level window, one candidate
     layout = build_layout(PENDING[:1], LEVELS[:2], range(1, 3), CANDIDATES[2:])
@@ -102,11 +118,12 @@ def test_packed_rows_are_distinct_predictions(tiny_factory):
     assert (logits[r0] - logits[r2]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("gemma3", "sdpa")])
+@pytest.mark.parametrize(
+    "family,attn", [("llama", "sdpa"), ("llama", "eager"), ("gemma3", "sdpa"), ("llama", "flex"), ("llama", "flash")]
+)
 def test_compact_then_continue_matches_plain_forward(tiny_factory, family, attn):
     """Publishing a winner's rows by compaction leaves the cache of the accepted path."""
-    model = tiny_factory(family, attn=attn)
-    runner = ModelRunner(model)
+    model, runner = _runner(tiny_factory, family, attn)
     cache = _prefill(model, PREFIX)
     cache_len = cache.get_seq_length()
     layout = build_layout(PENDING, LEVELS, range(0, 4), CANDIDATES)
@@ -120,8 +137,9 @@ def test_compact_then_continue_matches_plain_forward(tiny_factory, family, attn)
     # K/V equal a fresh prefill of the accepted path
     ref_cache = _prefill(model, accepted)
     for layer, ref_layer in zip(cache.layers, ref_cache.layers):
-        torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-5, rtol=1e-4)
+        n = len(accepted)
+        torch.testing.assert_close(layer.keys[:, :, :n], ref_layer.keys[:, :, :n], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(layer.values[:, :, :n], ref_layer.values[:, :, :n], atol=1e-5, rtol=1e-4)
 
     # and the next packed step is still exact
     nxt = build_layout([9], [[41, 42, 43], [51, 52, 53, 54], [61, 62, 63, 64]], range(0, 4), CANDIDATES[:1])
@@ -135,7 +153,7 @@ def test_crop_drops_rows(tiny_factory):
     ModelRunner.crop(cache, 5)
     assert cache.get_seq_length() == 5
     ref = _prefill(model, PREFIX[:5])
-    torch.testing.assert_close(cache.layers[0].keys, ref.layers[0].keys)
+    torch.testing.assert_close(cache.layers[0].keys[:, :, :5], ref.layers[0].keys[:, :, :5])
     ModelRunner.crop(cache, 5)  # no-op
     assert cache.get_seq_length() == 5
 

@@ -1,0 +1,132 @@
+"""Attention kernels for packed lookahead steps, registered through transformers' public
+``AttentionInterface`` (no model class is patched).
+
+Contract: a packed step's Q rows attend the whole cached prefix [0, K) and, inside the
+step's own block [K, K + Q), only their ancestors (the tree mask). Two functions
+exploit that shape; ``lp.model.ModelRunner`` builds their masks and selects them:
+
+* ``lp_flex``: torch FlexAttention; ``attention_mask`` is a ``BlockMask`` whose
+  ``mask_mod`` is "kv in the prefix, or kv an ancestor" (plus the sliding window).
+* ``lp_cascade``: cascade attention. The prefix part has no mask at all, so it runs
+  on a dense kernel (flash-attn's ``flash_attn_func`` on CUDA when importable; torch's
+  CPU flash kernel otherwise) that also returns the log-sum-exp; the small local block
+  runs with its tree mask in plain torch; the two are merged exactly:
+
+      out = (exp(lse_p - m) * out_p + exp(lse_l - m) * out_l) / (exp(lse_p - m) + exp(lse_l - m))
+
+  ``attention_mask`` is the additive [1, 1, Q, Q] local block. Sliding-window models
+  are refused (the prefix would need a mask).
+
+Both return ``(out [B, Q, H, D], None)`` like transformers' own attention functions.
+
+Legend: B batch (1), H query heads, H_kv key/value heads, Q rows, K cached rows, D head size.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+
+import torch
+
+FLEX = "lp_flex"
+CASCADE = "lp_cascade"
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+
+
+def _repeat_kv(x_BHkvKD: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x_BHkvKD
+    b, h, k, d = x_BHkvKD.shape
+    return x_BHkvKD[:, :, None].expand(b, h, groups, k, d).reshape(b, h * groups, k, d)
+
+
+def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if kwargs.get("softcap") is not None:
+        raise ValueError("model.attention=flex does not support attention logit soft-capping; use sdpa or eager")
+    groups = query.shape[1] // key.shape[1]
+    if query.device.type == "cuda":
+        out_BHQD = _compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=groups > 1)
+    else:  # unfused reference kernel on the CPU: exact, for tests; torch warns about it once
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out_BHQD = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling,
+                                      enable_gqa=groups > 1)
+    return out_BHQD.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def prefix_attention(q_BHQD, k_BHkvKD, v_BHkvKD, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of every row over the prefix: (out [B,H,Q,D], lse [B,H,Q] float32)."""
+    groups = q_BHQD.shape[1] // k_BHkvKD.shape[1]
+    if q_BHQD.device.type == "cuda" and flash_attn_available():
+        from flash_attn import flash_attn_func
+
+        out_BQHD, lse_BHQ, _ = flash_attn_func(
+            q_BHQD.transpose(1, 2), k_BHkvKD.transpose(1, 2), v_BHkvKD.transpose(1, 2),
+            softmax_scale=scale, causal=False, return_attn_probs=True,
+        )
+        return out_BQHD.transpose(1, 2), lse_BHQ.float()
+    k = _repeat_kv(k_BHkvKD, groups)
+    v = _repeat_kv(v_BHkvKD, groups)
+    if q_BHQD.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_BHQD, k, v, scale=scale)[:2]
+        return out, lse.float()
+    return _math_attention(q_BHQD, k, v, scale, None)
+
+
+def _math_attention(q_BHQD, k_BHKD, v_BHKD, scale: float, mask_11QK) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.matmul(q_BHQD.float(), k_BHKD.float().transpose(-1, -2)) * scale
+    if mask_11QK is not None:
+        scores = scores + mask_11QK.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    return torch.matmul(probs, v_BHKD.float()).to(q_BHQD.dtype), lse
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    """Exact combination of two attention results over disjoint key sets."""
+    m = torch.maximum(lse_a, lse_b)
+    wa = torch.exp(lse_a - m)[..., None]
+    wb = torch.exp(lse_b - m)[..., None]
+    out = (wa * out_a.float() + wb * out_b.float()) / (wa + wb)
+    return out.to(out_a.dtype)
+
+
+def cascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    if kwargs.get("softcap") is not None:
+        raise ValueError("model.attention=flash does not support attention logit soft-capping; use sdpa or eager")
+    q = query.shape[2]
+    k = key.shape[2] - q
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]
+    local_k = _repeat_kv(key[:, :, k:], groups)
+    local_v = _repeat_kv(value[:, :, k:], groups)
+    out_l, lse_l = _math_attention(query, local_k, local_v, scale, attention_mask)
+    if k > 0:
+        out_p, lse_p = prefix_attention(query, key[:, :, :k], value[:, :, :k], scale)
+        out = merge_attention(out_p, lse_p, out_l, lse_l)
+    else:
+        out = out_l
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=1)
+def register() -> None:
+    """Register both functions with transformers (once per process)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FLEX, flex_attention_forward)
+    AttentionInterface.register(CASCADE, cascade_attention_forward)
