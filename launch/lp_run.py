@@ -8,6 +8,7 @@ go to torchrun unchanged. Sets one run dir (LP_RUN_DIR) for every rank and
 
     python launch/lp_run.py parallel.workers=2 prompt="def quicksort(arr):" raw_prompt=true
     python launch/lp_run.py --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500 parallel.workers=8
+    python launch/lp_run.py --module lp.serve parallel.workers=2 server.port=8000   # the HTTP server
 """
 
 from __future__ import annotations
@@ -17,13 +18,21 @@ import subprocess
 import sys
 import time
 
+MODULES = ("lp.generate", "lp.serve")
+
 
 def build_command(argv: list[str]) -> tuple[list[str], dict]:
     torchrun_flags: list[str] = []
     overrides: list[str] = []
     workers = None
+    module = "lp.generate"
     it = iter(argv)
     for arg in it:
+        if arg.startswith("--module"):  # which entry point torchrun starts: lp.generate (default) or lp.serve
+            module = arg.partition("=")[2] or next(it, "")
+            if module not in MODULES:
+                raise SystemExit(f"lp_run: --module must be one of {', '.join(MODULES)}, got {module!r}")
+            continue
         if arg.startswith("--"):
             name, _, value = arg.partition("=")
             if name not in ("--nnodes", "--node-rank", "--node_rank", "--rdzv-endpoint", "--rdzv_endpoint",
@@ -51,7 +60,7 @@ def build_command(argv: list[str]) -> tuple[list[str], dict]:
     if n == 1 and "--rdzv-endpoint" not in torchrun_flags:
         torchrun_flags += ["--standalone"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_flags, "--nproc-per-node", workers,
-           "-m", "lp.generate", *overrides]
+           "-m", module, *overrides]
     env = dict(os.environ)
     env.setdefault("LP_RUN_DIR", time.strftime("outputs/lp_run/%Y-%m-%d_%H-%M-%S"))
     env.setdefault("OMP_NUM_THREADS", os.environ.get("LP_THREADS", "1"))

@@ -1,0 +1,200 @@
+"""OpenAI-compatible server: ``python -m lp.serve [overrides]``, or under torchrun for LP.
+
+Contract: the Hydra main is thin: it turns the composed config (groups model, decoding,
+parallel, server; conf/serve.yaml) into ``lp.server.config.ServeConfig`` and calls
+``run``. Every rank loads the model; under torchrun the ranks first check that they all
+loaded the same model (``RequestChannel.handshake``). Rank 0 then serves HTTP
+(``lp.server.app`` on uvicorn) and decodes in the engine thread; the other ranks run
+``lp.server.engine.worker_loop`` until rank 0 sends SHUTDOWN. A dead worker or a silent
+rank 0 ends every rank within ``parallel.timeout_s`` with a ``[lp.serve] ...`` log line
+and exit status 3; a normal shutdown (SIGINT/SIGTERM to rank 0 or to torchrun) exits 0.
+
+    python -m lp.serve server.port=8000
+    torchrun --nproc-per-node 2 -m lp.serve parallel.workers=2
+    python launch/lp_run.py --module lp.serve parallel.workers=2
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from lp.config import DecodingConfig, ModelConfig, ParallelConfig
+from lp.dist import RequestChannel, WorkerFailure, init_worker_group, torchrun_env, worker_device
+from lp.server.config import ServeConfig, ServerConfig
+
+log = logging.getLogger("lp.serve")
+
+
+def _setup_logging() -> None:
+    if not any(getattr(h, "_lp_serve", False) for h in log.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        h._lp_serve = True
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.disabled = False  # Hydra's disabled job logging (ranks > 0) turns off existing loggers
+
+
+def model_id_of(cfg: ServeConfig) -> str:
+    if cfg.server.model_id:
+        return cfg.server.model_id
+    return Path(cfg.model.path).name if cfg.model.path else cfg.model.name
+
+
+def run(cfg: ServeConfig) -> int:
+    """Load the model on every rank and serve until shutdown. Returns the exit status (0)."""
+    from lp.generate import eos_ids
+    from lp.model import ModelRunner, load_model, resolve_model_path
+
+    cfg.validate()
+    _setup_logging()
+    rank, world, _ = torchrun_env()
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    device = worker_device(cfg.model.device)
+    group = init_worker_group(cfg.parallel, device)
+    if rank != 0:  # a Ctrl-C reaches every rank: the workers wait for rank 0's SHUTDOWN instead
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
+    model, tokenizer = load_model(path, cfg.model.dtype, str(device))
+    if tokenizer is None:
+        raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")
+    runner = ModelRunner(model)
+    eos = eos_ids(model, tokenizer)
+    try:
+        if group is not None:
+            n_params = sum(p.numel() for p in model.parameters())
+            RequestChannel(group).handshake([runner.vocab_size, runner.max_positions or -1, n_params, *eos[:4]])
+    except WorkerFailure as e:
+        log.error("[lp.serve] rank %d: %s; stopping this worker", rank, e)
+        os._exit(3)
+    if rank != 0:
+        return _serve_worker(cfg, runner, tokenizer, eos, group)
+    return _serve_http(cfg, runner, tokenizer, eos, group, model)
+
+
+def _serve_worker(cfg: ServeConfig, runner, tokenizer, eos, group) -> int:
+    from lp.server.engine import worker_loop
+
+    log.info("[lp.serve] rank %d ready, waiting for requests from rank 0", group.rank)
+    try:
+        worker_loop(runner, tokenizer, eos, group, cfg.decoding)
+    except WorkerFailure as e:
+        log.error("[lp.serve] rank %d: %s (rank 0 gone or silent for parallel.timeout_s=%gs); stopping this worker",
+                  group.rank, e, cfg.parallel.timeout_s)
+        os._exit(3)
+    group.close()
+    return 0
+
+
+def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
+    import uvicorn
+
+    from lp.server.app import create_app
+    from lp.server.engine import Engine
+    from lp.server.metrics import ServerMetrics
+    from lp.server.protocol import ServingContext
+
+    s = cfg.server
+    world = group.world_size if group is not None else 1
+    heartbeat = min(s.heartbeat_s, cfg.parallel.timeout_s / 3)
+    metrics = ServerMetrics(world)
+    engine = Engine(runner, tokenizer, eos, group, s.max_queue, heartbeat, metrics)
+    ctx = ServingContext(model_id_of(cfg), tokenizer, runner.vocab_size, runner.max_positions, cfg.decoding, s)
+    app = create_app(engine, ctx, metrics, s.retry_after_s)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: also stop the running decode at its next step
+            log.info("[lp.serve] signal %d: shutting down", sig)
+            with engine._cond:
+                engine.stopping = True
+                if engine.running is not None:
+                    engine.running.cancel()
+                engine._cond.notify()
+            # not super(): uvicorn would re-raise the signal after shutdown (a traceback, no clean exit)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+    server = _Server(uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, access_log=s.access_log,
+                                    timeout_graceful_shutdown=5, lifespan="off"))
+    engine.on_fatal = lambda: setattr(server, "should_exit", True)
+    engine.start()
+    d = cfg.decoding
+    log.info("[lp.serve] model %s loaded (%s, %s), %d worker(s), W/N/G default %s/%s/%s; http://%s:%d",
+             ctx.model_id, str(model.dtype).replace("torch.", ""), runner.device, world, d.W, d.N, d.G, s.host, s.port)
+    try:
+        server.run()
+    finally:
+        engine.stop(timeout=cfg.parallel.timeout_s)
+    if engine.failed is not None:
+        log.error("[lp.serve] stopped after a failure: %s", engine.failed)
+        sys.stderr.flush()
+        os._exit(3)
+    if not server.started:
+        log.error("[lp.serve] the HTTP server did not start (is port %d free?)", s.port)
+        if group is not None:
+            group.close()
+        return 1
+    if group is not None:
+        group.close()
+    log.info("[lp.serve] stopped")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Hydra entry point
+
+
+def _register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="serve_schema", node=ServeConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="decoding", name="decoding_schema", node=DecodingConfig)
+    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+    cs.store(group="server", name="server_schema", node=ServerConfig)
+
+
+def to_config(dcfg) -> ServeConfig:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(dcfg)
+
+
+def main() -> None:
+    import hydra
+
+    _register_configs()
+    rank, _, _ = torchrun_env()
+    if rank != 0:  # one run dir, written by rank 0 only
+        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
+                     "hydra/hydra_logging=disabled"]
+    conf_dir = str(Path(__file__).resolve().parent.parent / "conf")
+    if not Path(conf_dir).is_dir():
+        conf_dir = None
+
+    @hydra.main(version_base="1.3", config_path=conf_dir, config_name="serve")
+    def _main(dcfg) -> None:
+        try:
+            code = run(to_config(dcfg))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        sys.exit(code)
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()

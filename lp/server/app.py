@@ -1,0 +1,184 @@
+"""The FastAPI app: OpenAI-compatible routes over one ``Engine``.
+
+Contract: ``create_app(engine, ctx, metrics)`` returns the app; it never runs torch
+itself (decoding happens in the engine's thread). Routes:
+
+    POST /v1/chat/completions, POST /v1/completions   stream true (SSE, ends ``data: [DONE]``) or false
+    GET  /v1/models     the served model's id
+    GET  /health        200 {"status": "ok"} while the engine serves, else 503
+    GET  /metrics       Prometheus text
+
+Request bodies are read raw and validated by ``lp.server.protocol`` (so invalid JSON and
+wrong types are 400s with OpenAI's error body, not FastAPI's 422). A full queue is a 429
+with Retry-After. Only verified tokens are streamed; a client that disconnects (streaming:
+a failed write, noticed within ~1 s thanks to SSE keep-alive comments; non-streaming:
+polled) cancels its job at the next decoding step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lp.server.detok import Detokenizer
+from lp.server.engine import Job, QueueFull, Unavailable
+from lp.server.metrics import ServerMetrics
+from lp.server.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    ServingContext,
+    chunk,
+    full_response,
+    lookahead_info,
+    new_id,
+    parse,
+    prepare,
+    usage,
+    usage_chunk,
+)
+
+log = logging.getLogger("lp.serve")
+KEEPALIVE_S = 1.0
+
+
+def _error(e: ApiError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_s: int = 1) -> FastAPI:
+    app = FastAPI(title="lp.serve", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health():
+        if engine.ready:
+            return {"status": "ok", "model": ctx.model_id, "workers": engine.workers,
+                    "queue_depth": engine.queue_depth()}
+        return JSONResponse({"status": "unavailable", "reason": engine.failed or "stopping"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": ctx.model_id, "object": "model", "created": 0, "owned_by": "lp"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _complete(request, "chat", ChatRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(request, "completions", CompletionRequest)
+
+    async def _complete(request: Request, kind: str, cls):
+        endpoint = "chat" if kind == "chat" else "completions"
+        try:
+            prep = prepare(parse(cls, await request.body()), ctx)
+        except ApiError as e:
+            metrics.requests.labels(endpoint, "invalid").inc()
+            log.info("400 %s: %s", endpoint, e.message)
+            return _error(e)
+        loop = asyncio.get_running_loop()
+        job = Job(endpoint, prep.prompt_ids, prep.decoding, loop=loop, events=asyncio.Queue())
+        try:
+            engine.submit(job)
+        except QueueFull:
+            metrics.requests.labels(endpoint, "rejected_queue_full").inc()
+            return _error(ApiError(f"The server's queue is full ({engine.max_queue} waiting); retry later.",
+                                   status=429, type="rate_limit_exceeded", code="queue_full"),
+                          headers={"Retry-After": str(retry_after_s)})
+        except Unavailable as e:
+            return _error(ApiError(f"The server is unavailable: {e}", status=503, type="server_error",
+                                   code="unavailable"))
+        rid = new_id(kind)
+        detok = Detokenizer(ctx.tokenizer, prep.decoding.stop_strings)
+        if prep.stream:
+            return StreamingResponse(_stream(job, kind, rid, detok, prep), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _whole(request, job, kind, rid, detok, prep)
+
+    async def _whole(request, job, kind, rid, detok, prep):
+        try:
+            while True:
+                try:
+                    ev, data = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        log.info("client of %s went away; cancelling", rid)
+                        job.cancel()
+                        return Response(status_code=499)
+                    continue
+                if ev == "tokens":
+                    detok.ids.extend(data)
+                elif ev == "error":
+                    return _error(data)
+                elif ev == "done":
+                    out = data
+                    res = out.result
+                    if res.finish_reason == "cancelled":
+                        return _error(ApiError("The request was cancelled (server shutting down).", status=503,
+                                               type="server_error", code="cancelled"))
+                    text = detok.content()
+                    return JSONResponse(full_response(
+                        kind, rid, ctx.model_id, text, res.finish_reason,
+                        usage(len(prep.prompt_ids), len(res.output_ids)),
+                        lookahead_info(res, out.decoding, engine.workers, out.ttft_s, out.queue_s)))
+        finally:
+            job.cancel()  # no-op once done; stops the decode if this handler is torn down
+
+    async def _stream(job, kind, rid, detok, prep):
+        done = False
+        try:
+            yield _sse(chunk(kind, rid, ctx.model_id, "", role=True))
+            while True:
+                try:
+                    ev, data = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield ": keep-alive\n\n"  # a write to a vanished client fails here
+                    continue
+                if ev == "tokens":
+                    delta = detok.push(data)
+                    if delta:
+                        yield _sse(chunk(kind, rid, ctx.model_id, delta))
+                elif ev == "error":
+                    done = True
+                    yield _sse(data.body())
+                    yield "data: [DONE]\n\n"
+                    return
+                elif ev == "done":
+                    done = True
+                    out = data
+                    res = out.result
+                    if res.finish_reason == "cancelled":
+                        yield _sse(ApiError("The request was cancelled (server shutting down).", status=503,
+                                            type="server_error", code="cancelled").body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    tail = detok.finish()
+                    if tail:
+                        yield _sse(chunk(kind, rid, ctx.model_id, tail))
+                    la = lookahead_info(res, out.decoding, engine.workers, out.ttft_s, out.queue_s)
+                    use = usage(len(prep.prompt_ids), len(res.output_ids))
+                    yield _sse(chunk(kind, rid, ctx.model_id, None if kind == "chat" else "", res.finish_reason,
+                                     lookahead=la))
+                    if prep.include_usage:
+                        yield _sse(usage_chunk(kind, rid, ctx.model_id, use))
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            if not done:
+                log.info("client of %s went away; cancelling its generation", rid)
+            job.cancel()
+
+    return app

@@ -1,0 +1,78 @@
+"""Typed configuration of ``lp.serve``: the ``server`` Hydra group and the root config.
+
+Contract: plain dataclasses, registered in Hydra's ConfigStore by ``lp.serve`` (like
+``lp.generate``); ``validate()`` raises ValueError naming the field and what is allowed.
+The ``decoding`` group gives the defaults of every request (W/N/G, window policy, prompt
+pool, max_new_tokens when a request sets no max_tokens, sampling when it sets no
+temperature); the limits below bound what a single request may ask for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lp.config import DecodingConfig, ModelConfig, ParallelConfig, _is_int
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 64  # requests waiting behind the running one; more get 429
+    retry_after_s: int = 1  # Retry-After of a 429
+    model_id: str | None = None  # the id served by /v1/models (default: model.name or the folder name)
+    # per-request limits
+    max_tokens: int = 2048  # largest max_tokens / max_completion_tokens
+    max_W: int = 32
+    max_N: int = 8
+    max_G: int = 32
+    max_stop: int = 4  # stop strings per request (OpenAI's limit)
+    # LP: rank 0 sends an idle header this often when no request is queued (kept below
+    # parallel.timeout_s / 3, so the other ranks' bounded wait doubles as a liveness check)
+    heartbeat_s: float = 5.0
+    log_level: str = "info"  # uvicorn's
+    access_log: bool = False
+    # Placeholder: the cross-request draft store does not exist yet; must stay false.
+    draft_store: bool = False
+
+    def validate(self) -> "ServerConfig":
+        def need(ok: bool, name: str, allowed: str, value) -> None:
+            if not ok:
+                raise ValueError(f"server.{name} must be {allowed}, got {value!r}")
+
+        need(isinstance(self.host, str) and bool(self.host), "host", "a host name or address", self.host)
+        need(_is_int(self.port) and 0 <= self.port <= 65535, "port", "an integer in [0, 65535]", self.port)
+        need(_is_int(self.max_queue) and self.max_queue >= 0, "max_queue", "an integer >= 0", self.max_queue)
+        need(_is_int(self.retry_after_s) and self.retry_after_s >= 0, "retry_after_s", "an integer >= 0", self.retry_after_s)
+        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        need(_is_int(self.max_W) and self.max_W >= 1, "max_W", "an integer >= 1", self.max_W)
+        need(_is_int(self.max_N) and self.max_N >= 2, "max_N", "an integer >= 2", self.max_N)
+        need(_is_int(self.max_G) and self.max_G >= 0, "max_G", "an integer >= 0", self.max_G)
+        need(_is_int(self.max_stop) and self.max_stop >= 0, "max_stop", "an integer >= 0", self.max_stop)
+        need(self.heartbeat_s > 0, "heartbeat_s", "> 0", self.heartbeat_s)
+        need(
+            self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
+            "log_level",
+            "critical, error, warning, info, debug or trace",
+            self.log_level,
+        )
+        need(self.draft_store is False, "draft_store", "false (the cross-request draft store is not wired yet)",
+             self.draft_store)
+        return self
+
+
+@dataclass
+class ServeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def validate(self) -> "ServeConfig":
+        self.model.validate()
+        self.decoding.validate()
+        self.parallel.validate()
+        self.server.validate()
+        if self.decoding.mode != "lookahead":
+            raise ValueError(f"lp.serve decodes with lookahead only; decoding.mode must be 'lookahead', got {self.decoding.mode!r}")
+        return self

@@ -1,0 +1,56 @@
+"""Incremental detokenization for streaming, with OpenAI's stop-sequence semantics.
+
+Contract: ``Detokenizer(tokenizer, stop)``; ``push(ids)`` returns the text newly safe to
+send after these verified tokens, ``finish()`` the rest. The concatenation of every
+``push`` and ``finish`` equals ``content(all ids)``: the decode of the completion without
+special tokens, cut before the first stop sequence (the returned text never contains
+it). Text is held back while it may still change: a trailing incomplete UTF-8 character
+(U+FFFD) and the last ``len(longest stop) - 1`` characters, which could begin a stop
+sequence that later tokens complete.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("lp.serve")
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tok = tokenizer
+        self.stop = list(stop or [])
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def text(self) -> str:
+        return self.tok.decode(self.ids, skip_special_tokens=True)
+
+    def _cut(self, text: str) -> tuple[str, bool]:
+        at = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        return (text[:at], True) if at >= 0 else (text, False)
+
+    def push(self, ids) -> str:
+        self.ids.extend(int(t) for t in ids)
+        text, hit = self._cut(self.text())
+        if not hit:
+            text = text.rstrip("\ufffd")
+            text = text[: max(len(self.sent), len(text) - self.hold)]
+        if not text.startswith(self.sent):  # the decode changed earlier text: wait for finish()
+            return ""
+        delta = text[len(self.sent):]
+        self.sent = text
+        return delta
+
+    def finish(self) -> str:
+        text = self.content()
+        if not text.startswith(self.sent):
+            log.warning("streamed text is not a prefix of the final text (%r vs %r)", self.sent[-40:], text[-40:])
+            return ""
+        delta = text[len(self.sent):]
+        self.sent = text
+        return delta
+
+    def content(self) -> str:
+        return self._cut(self.text())[0]

@@ -1,0 +1,51 @@
+"""Prometheus metrics of the server (``GET /metrics``), through prometheus_client.
+
+Contract: one ``ServerMetrics`` per server, on its own CollectorRegistry (several servers
+in one process, e.g. tests, do not collide). The engine records per-request decode
+figures; the app records HTTP outcomes. ``render()`` returns (body, content type).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, workers: int = 1):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("lp_requests", "Requests by endpoint and outcome "
+                                "(stop, length, cancelled, rejected_queue_full, invalid, error)",
+                                ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("lp_prompt_tokens", "Prompt tokens of decoded requests", registry=r)
+        self.completion_tokens = Counter("lp_completion_tokens", "Completion tokens produced", registry=r)
+        self.steps = Counter("lp_decode_steps", "Lookahead decoding steps (forwards)", registry=r)
+        self.compression = Histogram("lp_compression_ratio", "Tokens per step of each request",
+                                     buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0), registry=r)
+        self.ttft = Histogram("lp_time_to_first_token_seconds", "Arrival to first verified token (queue included)",
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+        self.tps = Histogram("lp_tokens_per_second", "Decode speed of each request",
+                             buckets=(1, 2, 5, 10, 20, 30, 50, 75, 100, 200, 500), registry=r)
+        self.decode_time = Histogram("lp_decode_seconds", "Decode time of each request",
+                                     buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+        self.queue_depth = Gauge("lp_queue_depth", "Requests waiting for the decoder", registry=r)
+        self.running = Gauge("lp_running_requests", "Requests being decoded (0 or 1)", registry=r)
+        self.workers = Gauge("lp_workers", "LP workers decoding each request", registry=r)
+        self.workers.set(workers)
+
+    def observe_result(self, endpoint: str, result, prompt_len: int, ttft_s: float | None) -> None:
+        st = result.stats
+        self.requests.labels(endpoint, result.finish_reason).inc()
+        self.prompt_tokens.inc(prompt_len)
+        self.completion_tokens.inc(len(result.output_ids))
+        self.steps.inc(st.steps)
+        if st.steps:
+            self.compression.observe(st.compression_ratio)
+        if st.decode_time_s > 0 and result.output_ids:
+            self.tps.observe(st.tokens_per_second)
+        self.decode_time.observe(st.decode_time_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
