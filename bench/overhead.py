@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-SHAPES = [(15, 5, 15), (5, 4, 5)]
+SHAPES = [(15, 5, 15), (5, 4, 5), (1, 2, 0)]  # (1, 2, 0): one-row steps, the loop's own cost
 
 
 def tiny_llama(vocab: int, max_positions: int, seed: int = 0):
@@ -72,7 +72,10 @@ def time_lookahead(model, prompt: list[int], new_tokens: int, shape, repeats: in
 
     W, N, G = shape
     runner = ModelRunner(model, attention=attention)
-    dec = LookaheadDecoder(runner, DecodingConfig(W=W, N=N, G=G, max_new_tokens=new_tokens))
+    # G=0 with window_policy=with_candidates: every step is a one-row plain decode through
+    # the whole lookahead loop, i.e. the loop's own overhead over generate
+    policy = "with_candidates" if G == 0 else "always"
+    dec = LookaheadDecoder(runner, DecodingConfig(W=W, N=N, G=G, max_new_tokens=new_tokens, window_policy=policy))
     best = None
     for _ in range(repeats):
         res = dec.generate(prompt)

@@ -81,6 +81,10 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda (LP workers use cuda:LOCAL_RANK)
     cache_dir: str | None = None  # where converted GGUF models live (default ~/.cache/lp)
     threads: int = 0  # torch intra-op threads per worker; 0: leave torch's default
+    # attention kernel of the packed step: auto (flash/flex on CUDA, sdpa on CPU) | sdpa |
+    # eager | flex (FlexAttention BlockMask) | flash (cascade: unmasked prefix + tree-masked block)
+    attention: str = "auto"
+    cuda_graphs: bool = False  # capture the decode forward per row bucket (CUDA only)
 
     def validate(self) -> "ModelConfig":
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -89,6 +93,12 @@ class ModelConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"model.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.attention not in ("auto", "sdpa", "eager", "flex", "flash"):
+            raise ValueError(
+                f"model.attention must be one of auto, sdpa, eager, flex, flash, got {self.attention!r}"
+            )
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"model.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if not _is_int(self.threads) or self.threads < 0:
             raise ValueError(f"model.threads must be an integer >= 0, got {self.threads!r}")
         return self

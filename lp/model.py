@@ -18,6 +18,7 @@ Legend: Q packed rows this step, K cached rows, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -157,7 +158,7 @@ class ModelRunner:
     ``Skeleton``. A step sends its token ids to the device and nothing else.
     """
 
-    def __init__(self, model, attention: str = "auto"):
+    def __init__(self, model, attention: str = "auto", cuda_graphs: bool = False):
         config = model.config
         if not getattr(config, "is_decoder", True) or getattr(config, "is_encoder_decoder", False):
             raise ValueError("lookahead decoding needs a decoder-only causal LM")
@@ -189,10 +190,17 @@ class ModelRunner:
                 "sliding-window layers: use sdpa, eager or flex"
             )
         self.attn_impl = {"sdpa": "sdpa", "eager": "eager", "flex": "lp_flex", "flash": "lp_cascade"}[self.attention]
+        from transformers import PreTrainedModel
+
+        configs = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
+        self._configs = list(configs.values())
         if self.attention in ("flex", "flash"):
             from lp import attention as kernels
 
             kernels.register()
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"model.cuda_graphs=true needs a CUDA device; this model is on {self.device}")
+        self.cuda_graphs = cuda_graphs
         self._device_tensors: dict = {}
         self._mask = None  # [1, 1, Q_cap, K_cap] additive, 0 = visible
         self._dirty = (0, 0)  # columns holding the last step's local block
@@ -299,18 +307,34 @@ class ModelRunner:
             mask = local_add_QQ[None, None]
         else:
             mask = self._dense_mask(sk, local_add_QQ, cache_len, pos_Q)
-        if self.model.config._attn_implementation != self.attn_impl:
-            self.model.set_attn_implementation(self.attn_impl)  # runners may share one model
         ids_1Q = torch.tensor([layout.tokens], dtype=torch.long).to(self.device, non_blocking=True)
-        out = self.model(
-            input_ids=ids_1Q,
-            position_ids=pos_Q[None],
-            attention_mask=mask,
-            **{self._cache_kw: cache},
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        with self._kernel():
+            out = self.model(
+                input_ids=ids_1Q,
+                position_ids=pos_Q[None],
+                attention_mask=mask,
+                **{self._cache_kw: cache},
+                use_cache=True,
+                logits_to_keep=keep,
+            )
         return out.logits[0].float()
+
+    @contextlib.contextmanager
+    def _kernel(self):
+        """Select this runner's attention function for one forward and restore the model's
+        own afterwards (the user's model keeps working with ``generate``; runners with
+        different kernels may share one model). One attribute per model config."""
+        saved = [c._attn_implementation_internal for c in self._configs]
+        if all(v == self.attn_impl for v in saved):
+            yield
+            return
+        for c in self._configs:
+            c._attn_implementation_internal = self.attn_impl
+        try:
+            yield
+        finally:
+            for c, v in zip(self._configs, saved):
+                c._attn_implementation_internal = v
 
     @staticmethod
     def crop(cache, length: int) -> None:
