@@ -130,10 +130,11 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
                         return _error(ApiError("The request was cancelled (server shutting down).", status=503,
                                                type="server_error", code="cancelled"))
                     text = detok.content()
-                    return JSONResponse(full_response(
-                        kind, rid, ctx.model_id, text, res.finish_reason,
-                        usage(len(prep.prompt_ids), len(res.output_ids)),
-                        lookahead_info(res, out.decoding, engine.workers, out.ttft_s, out.queue_s)))
+                    la = lookahead_info(res, out.decoding, engine.workers, out.ttft_s, out.queue_s)
+                    if prep.return_token_ids:
+                        la["output_ids"] = list(res.output_ids)
+                    return JSONResponse(full_response(kind, rid, ctx.model_id, text, res.finish_reason,
+                                                      usage(len(prep.prompt_ids), len(res.output_ids)), la))
         finally:
             job.cancel()  # no-op once done; stops the decode if this handler is torn down
 
@@ -169,6 +170,8 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
                     if tail:
                         yield _sse(chunk(kind, rid, ctx.model_id, tail))
                     la = lookahead_info(res, out.decoding, engine.workers, out.ttft_s, out.queue_s)
+                    if prep.return_token_ids:
+                        la["output_ids"] = list(res.output_ids)
                     use = usage(len(prep.prompt_ids), len(res.output_ids))
                     yield _sse(chunk(kind, rid, ctx.model_id, None if kind == "chat" else "", res.finish_reason,
                                      lookahead=la))

@@ -7,8 +7,9 @@ a validated ``DecodingConfig``. Every problem is an ``ApiError`` carrying the HT
 and OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; nothing here
 touches the model. Request fields not sent take the server's ``decoding`` group values
 (so a request without ``temperature`` decodes greedily under the default config);
-``temperature: 0`` is greedy, ``> 0`` samples. ``lookahead: {W, N, G}`` is an extension
-bounded by ``server.max_W/max_N/max_G``.
+``temperature: 0`` is greedy, ``> 0`` samples. ``lookahead: {W, N, G, return_token_ids}``
+is an extension: W/N/G bounded by ``server.max_W/max_N/max_G``; ``return_token_ids`` adds
+the completion's token ids (``output_ids``) to the response's ``lookahead`` object.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class LookaheadParams(_Strict):
     W: int | None = None
     N: int | None = None
     G: int | None = None
+    return_token_ids: bool = False  # the completion's token ids in the response's lookahead object
 
 
 class StreamOptions(_Strict):
@@ -127,7 +129,7 @@ def parse(cls: type[_Common], body: bytes) -> _Common:
 def _is_type_tag(x) -> bool:
     # pydantic puts the union member's type in the location ("stop.str", "prompt.list[int]")
     return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or x.startswith("list[")
-                                   or x.startswith("function-") or x[:1].isupper())
+                                   or x.startswith("function-"))
 
 
 def _short(v) -> str:
@@ -156,6 +158,7 @@ class Prepared:
     decoding: DecodingConfig
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
 
 
 def prepare(req: _Common, ctx: ServingContext) -> Prepared:
@@ -167,7 +170,8 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
     prompt_ids, prompt_param = _prompt_ids(req, ctx)
     d = _decoding(req, ctx, len(prompt_ids), prompt_param)
     stream = bool(req.stream)
-    return Prepared(prompt_ids, d, stream, bool(stream and req.stream_options and req.stream_options.include_usage))
+    return Prepared(prompt_ids, d, stream, bool(stream and req.stream_options and req.stream_options.include_usage),
+                    bool(req.lookahead and req.lookahead.return_token_ids))
 
 
 def _prompt_ids(req: _Common, ctx: ServingContext) -> tuple[list[int], str]:
