@@ -1,7 +1,7 @@
 """Launch ``lp.generate`` under torchrun: ``python launch/lp_run.py parallel.workers=K [overrides]``.
 
 Takes the same Hydra overrides as ``python -m lp.generate``, plus ``parallel.workers=K``
-(workers per node). Multi-node: pass ``--nnodes``, ``--node-rank`` and
+(workers in total, over all nodes). Multi-node: pass ``--nnodes``, ``--node-rank`` and
 ``--rdzv-endpoint HOST:PORT`` (or set LP_NNODES / LP_NODE_RANK / LP_RDZV_ENDPOINT); they
 go to torchrun unchanged. Sets one run dir (LP_RUN_DIR) for every rank and
 ``OMP_NUM_THREADS`` (LP_THREADS, default 1 per worker on CPU).
@@ -44,7 +44,7 @@ def build_command(argv: list[str]) -> tuple[list[str], dict]:
             if arg.startswith("parallel.workers="):
                 workers = arg.split("=", 1)[1]
     if workers is None:
-        raise SystemExit("lp_run: pass parallel.workers=K (workers per node)")
+        raise SystemExit("lp_run: pass parallel.workers=K (workers in total, over all nodes)")
     if not workers.isdigit() or int(workers) < 1:
         raise SystemExit(f"lp_run: parallel.workers must be an integer >= 1, got {workers!r}")
     nnodes = os.environ.get("LP_NNODES")
@@ -55,11 +55,18 @@ def build_command(argv: list[str]) -> tuple[list[str], dict]:
     n = 1
     if "--nnodes" in torchrun_flags:
         n = int(torchrun_flags[torchrun_flags.index("--nnodes") + 1])
-    # parallel.workers is the world size seen by lp.generate
-    overrides = [o if not o.startswith("parallel.workers=") else f"parallel.workers={int(workers) * n}" for o in overrides]
-    if n == 1 and "--rdzv-endpoint" not in torchrun_flags:
+    # parallel.workers is the world size (all nodes together), everywhere in lp
+    if int(workers) % n:
+        raise SystemExit(
+            f"lp_run: parallel.workers={workers} (workers in total) must be a multiple of --nnodes {n}"
+        )
+    per_node = str(int(workers) // n)
+    endpoint = "--rdzv-endpoint" in torchrun_flags or "--rdzv_endpoint" in torchrun_flags
+    if endpoint and "--rdzv-backend" not in torchrun_flags:
+        torchrun_flags += ["--rdzv-backend", "c10d"]
+    if n == 1 and not endpoint:
         torchrun_flags += ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_flags, "--nproc-per-node", workers,
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_flags, "--nproc-per-node", per_node,
            "-m", module, *overrides]
     env = dict(os.environ)
     env.setdefault("LP_RUN_DIR", time.strftime("outputs/lp_run/%Y-%m-%d_%H-%M-%S"))

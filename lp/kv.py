@@ -10,7 +10,9 @@ mask hides the unfilled tail, so every shape is static.
 
 After a step the caller publishes by ``crop(length)`` (keep a prefix) or
 ``compact(keep_len, src_rows)`` (move accepted rows next to the prefix, then crop):
-both are in-place copies, no allocation, no concatenation.
+both are in-place copies, no allocation, no concatenation. In static mode
+(``write_index`` set, lp.graphs) rows are written at positions read from a device
+tensor and the caller sets the length.
 
 Legend: H_kv key/value heads, D head size, Q rows written this step.
 """
@@ -55,6 +57,15 @@ class PackedLayer(CacheLayerMixin):
             return self.keys, self.values
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def write_at(self, key_states: torch.Tensor, value_states: torch.Tensor, index_Q: torch.Tensor):
+        """Static mode (lp.graphs): write at positions from a device tensor, return the whole
+        buffer; the caller sets the length (a captured graph runs no Python)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, index_Q, key_states)
+        self.values.index_copy_(2, index_Q, value_states)
+        return self.keys, self.values
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 
@@ -78,12 +89,20 @@ class PackedCache(Cache):
     def __init__(self, capacity: int, full_view: bool = False):
         self.capacity = capacity
         self.full_view = full_view
+        self.write_index = None  # static mode: device tensor of write positions (lp.graphs)
         super().__init__(layers=[])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
             self.layers.append(PackedLayer(self.capacity, self.full_view))
+        if self.write_index is not None:
+            return self.layers[layer_idx].write_at(key_states, value_states, self.write_index)
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def set_length(self, length: int) -> None:
+        for layer in self.layers:
+            assert length <= layer.capacity
+            layer.length = length
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length if len(self.layers) > layer_idx else 0

@@ -158,7 +158,7 @@ class ModelRunner:
     ``Skeleton``. A step sends its token ids to the device and nothing else.
     """
 
-    def __init__(self, model, attention: str = "auto", cuda_graphs: bool = False):
+    def __init__(self, model, attention: str = "auto", cuda_graphs: bool = False, static_shapes: bool = False):
         config = model.config
         if not getattr(config, "is_decoder", True) or getattr(config, "is_encoder_decoder", False):
             raise ValueError("lookahead decoding needs a decoder-only causal LM")
@@ -201,7 +201,16 @@ class ModelRunner:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"model.cuda_graphs=true needs a CUDA device; this model is on {self.device}")
         self.cuda_graphs = cuda_graphs
+        if cuda_graphs and attention == "auto":
+            self.attention, self.attn_impl = "sdpa", "sdpa"  # graphs run the dense-mask kernel
         self._device_tensors: dict = {}
+        # static shapes (row buckets, whole-buffer attention): what CUDA graphs need; on the
+        # CPU ``static_shapes=True`` runs the same path uncaptured (tests)
+        self._static = None
+        if cuda_graphs or static_shapes:
+            from lp.graphs import StaticStepper
+
+            self._static = StaticStepper(self, capture=cuda_graphs)
         self._mask = None  # [1, 1, Q_cap, K_cap] additive, 0 = visible
         self._dirty = (0, 0)  # columns holding the last step's local block
 
@@ -214,6 +223,8 @@ class ModelRunner:
 
         if capacity is None:
             capacity = self.max_positions or 4096
+        if self._static is not None:
+            return self._static.new_cache(capacity, max_step_rows)
         if self.attention in ("sdpa", "eager"):
             shape = (1, 1, max(max_step_rows, 1), capacity)
             if self._mask is None or self._mask.shape != shape:
@@ -297,6 +308,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, layout: Layout, cache) -> torch.Tensor:
         """Run the packed rows; return logits [len(layout.keep), V] (float32) on the model's device."""
+        if self._static is not None:
+            return self._static.forward(layout, cache)
         sk = layout.skeleton
         depths_Q, keep, local_add_QQ, local_QQ = self._tensors(sk)
         cache_len = cache.get_seq_length()

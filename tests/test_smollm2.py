@@ -205,3 +205,31 @@ def test_smollm2_stop_strings(smollm2, smollm2_runner, code_run):
     stop, k = cases[0]
     res = lookahead(smollm2_runner, ids, stop_strings=["@@never@@", stop], tokenizer=tokenizer, **CONTROL)
     assert res.output_ids == ref[: k + 1]
+
+
+# ---------------------------------------------------------------------------
+# attention kernels: flex (FlexAttention BlockMask) and flash (cascade with the LSE merge,
+# torch's CPU flash kernel standing in for flash-attn on the prefix)
+
+BACKEND_CONFIGS = [(15, 5, 15, True), (5, 3, 5, False), (1, 2, 1, False), (7, 4, 0, True)]
+BACKEND_PROMPTS = {"flex": [("code", 0)], "flash": [("code", 0), ("chat", 0)]}
+
+
+@pytest.fixture(scope="module")
+def backend_runners(smollm2):
+    from lp.model import ModelRunner
+
+    return {name: ModelRunner(smollm2[0], attention=name) for name in BACKEND_PROMPTS}
+
+
+@pytest.mark.parametrize("W,N,G,pool", BACKEND_CONFIGS, ids=[f"W{w}N{n}G{g}{'pool' if p else ''}" for w, n, g, p in BACKEND_CONFIGS])
+@pytest.mark.parametrize("attention", ["flex", "flash"])
+def test_smollm2_backends_equal_generate(smollm2, backend_runners, attention, W, N, G, pool):
+    model, tokenizer = smollm2
+    runner = backend_runners[attention]
+    for kind, i in BACKEND_PROMPTS[attention]:
+        ids = prompt_ids(tokenizer, kind, i)
+        ref = reference(model, kind, i, ids)
+        res = lookahead(runner, ids, W=W, N=N, G=G, prompt_pool=pool, max_new_tokens=MAX_NEW,
+                        eos_token_ids=eos_ids(model))
+        assert_equal_or_tie(model, ids, res.output_ids, ref, f"{attention} {kind}{i} W={W} N={N} G={G} pool={pool}")
