@@ -1,0 +1,503 @@
+"""lp.serve end to end: real servers on localhost driven by the real ``openai`` client.
+
+One server in one process and one with 2 gloo workers under torchrun, each started once
+per module as a subprocess (and killed at teardown). Checks: greedy chat and completions,
+streamed and not, equal transformers greedy ``generate`` on the same chat-templated ids
+token for token (and the offline CLI's ``lp.generate.run``); streamed deltas concatenate
+to the non-streamed content; stop strings (cut before the stop, finish_reason "stop");
+usage; OpenAI-style 400s for bad input with the server still serving; a client that
+disconnects mid-stream cancels its generation; a full queue answers 429 with Retry-After;
+/health, /v1/models, /metrics; a clean shutdown; under LP, a killed worker ends the
+whole server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import hf_greedy
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+M = 32  # new tokens per greedy check
+CHAT = [
+    "List three uses of a hash map, one line each.",
+    "What is the capital of France? Answer in one sentence.",
+]
+RAW = 'def running_mean(xs):\n    """Return the running mean of the list xs."""\n'
+SERVER_ARGS = ["model.dtype=float32", "server.max_tokens=8192", "server.max_W=8", "server.log_level=warning"]
+
+
+# ---------------------------------------------------------------------------
+# servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, cmd: list[str], port: int, workdir: Path, env: dict):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = workdir / "server.log"
+        self._log = open(self.log_path, "w")
+        # own session: teardown signals the whole tree (torchrun and its workers)
+        self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        t = time.monotonic()
+        while time.monotonic() - t < timeout:
+            assert self.proc.poll() is None, f"server exited ({self.proc.returncode}):\n{self.log()[-3000:]}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"server not healthy within {timeout} s:\n{self.log()[-3000:]}")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int | None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        try:  # anything left in the session (a worker torchrun did not reap)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=300, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+
+def start(tmp_path_factory, name: str, workers: int, extra: list[str]) -> Server:
+    port = free_port()
+    workdir = tmp_path_factory.mktemp(name)
+    env = dict(os.environ, OMP_NUM_THREADS="1" if workers > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+               PYTHONPATH=str(ROOT))
+    args = [f"server.port={port}", *SERVER_ARGS, *extra]
+    if workers == 1:
+        cmd = [sys.executable, "-m", "lp.serve", "model.threads=2", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+               "-m", "lp.serve", f"parallel.workers={workers}", "model.threads=1", *args]
+    server = Server(cmd, port, workdir, env)
+    try:
+        server.wait_healthy()
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    server = start(tmp_path_factory, "serve1", 1, ["server.max_queue=1"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def lp2(tmp_path_factory):
+    server = start(tmp_path_factory, "serve_lp2", 2, ["parallel.timeout_s=20", "server.heartbeat_s=2"])
+    yield server
+    server.stop()
+
+
+# ---------------------------------------------------------------------------
+# references: transformers greedy generate on the same ids
+
+
+@pytest.fixture(scope="module")
+def refs(smollm2):
+    from lp.generate import eos_ids
+
+    model, tok = smollm2
+    eos = eos_ids(model, tok)
+    out = {}
+    for text in CHAT:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        out[text] = (ids, hf_greedy(model, ids, M, eos_token_id=eos))
+    ids = tok(RAW)["input_ids"]
+    out[RAW] = (ids, hf_greedy(model, ids, M, eos_token_id=eos))
+    return out, tok, eos
+
+
+def expected(refs, text):
+    table, tok, eos = refs
+    ids, new = table[text]
+    finish = "stop" if new and new[-1] in eos else "length"
+    return ids, new, tok.decode(new, skip_special_tokens=True), finish
+
+
+def chat_create(server, text, **kw):
+    kw.setdefault("max_tokens", M)
+    kw.setdefault("temperature", 0)
+    return server.client().chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": text}], **kw)
+
+
+def stream_chat(server, text, **kw):
+    """(concatenated content, finish_reason, usage, lookahead, number of content chunks)."""
+    kw.setdefault("max_tokens", M)
+    kw.setdefault("temperature", 0)
+    stream = server.client().chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": text}], stream=True,
+        stream_options={"include_usage": True}, **kw)
+    parts, finish, use, la, n = [], None, None, None, 0
+    for ch in stream:
+        if ch.usage is not None:
+            use = ch.usage
+        if ch.choices:
+            c = ch.choices[0]
+            if c.delta.content:
+                parts.append(c.delta.content)
+                n += 1
+            if c.finish_reason:
+                finish = c.finish_reason
+                la = (ch.model_extra or {}).get("lookahead")
+    return "".join(parts), finish, use, la, n
+
+
+# ---------------------------------------------------------------------------
+# one process
+
+
+def test_health_models_and_offline_cli(one, refs, smollm2):
+    h = httpx.get(one.url + "/health", timeout=10)
+    assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["workers"] == 1
+    models = one.client().models.list()
+    assert [m.id for m in models.data] == ["smollm2"]
+    # the offline CLI's run() gives the same greedy tokens as generate (and as the server, below)
+    from lp.config import DecodingConfig, GenerateConfig, ModelConfig
+    from lp.generate import run
+
+    ids, new, text, _ = expected(refs, CHAT[0])
+    res = run(GenerateConfig(model=ModelConfig(dtype="float32"), decoding=DecodingConfig(max_new_tokens=M),
+                             prompt=CHAT[0], stream=False))
+    assert res["prompt_ids"] == ids
+    assert res["output_ids"] == new
+    assert res["text"] == text
+
+
+@pytest.mark.parametrize("i", range(len(CHAT)))
+def test_chat_greedy_equals_generate(one, refs, i):
+    ids, new, text, finish = expected(refs, CHAT[i])
+    r = chat_create(one, CHAT[i], extra_body={"lookahead": {"return_token_ids": True}})
+    la = r.model_extra["lookahead"]
+    assert la["output_ids"] == new  # exact tokens
+    assert r.choices[0].message.content == text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == finish
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), len(new),
+                                                                                        len(ids) + len(new))
+    assert r.model == "smollm2" and r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert 1 <= la["steps"] <= len(new)
+    assert la["compression_ratio"] == pytest.approx(len(new) / la["steps"], abs=1e-3)
+    assert la["decode_time_s"] > 0 and la["workers"] == 1
+
+
+def test_chat_stream_equals_non_stream(one, refs):
+    ids, new, text, finish = expected(refs, CHAT[0])
+    content, fin, use, la, n = stream_chat(one, CHAT[0])
+    assert content == text
+    assert fin == finish
+    assert n > 1  # really streamed, not one final blob
+    assert (use.prompt_tokens, use.completion_tokens) == (len(ids), len(new))
+    assert la["steps"] >= 1
+
+
+def test_completions_greedy_stream_and_not(one, refs):
+    ids, new, text, finish = expected(refs, RAW)
+    c = one.client()
+    r = c.completions.create(model="smollm2", prompt=RAW, max_tokens=M, temperature=0,
+                             extra_body={"lookahead": {"return_token_ids": True}})
+    assert r.model_extra["lookahead"]["output_ids"] == new
+    assert r.choices[0].text == text and r.choices[0].finish_reason == finish
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(new))
+    parts, fin = [], None
+    for ch in c.completions.create(model="smollm2", prompt=RAW, max_tokens=M, temperature=0, stream=True):
+        parts.append(ch.choices[0].text)
+        fin = ch.choices[0].finish_reason or fin
+    assert "".join(parts) == text and fin == finish
+    # token-id prompts are accepted too
+    r2 = c.completions.create(model="smollm2", prompt=ids, max_tokens=8, temperature=0)
+    assert r2.choices[0].text == expected_prefix(refs, RAW, 8)
+
+
+def expected_prefix(refs, text, k):
+    table, tok, _ = refs
+    return tok.decode(table[text][1][:k], skip_special_tokens=True)
+
+
+def test_stop_strings(one, refs):
+    ids, new, text, _ = expected(refs, CHAT[0])
+    words = re.findall(r"[A-Za-z]{4,}", text)
+    stop = words[len(words) // 2]  # a word in the middle of the greedy text
+    want = text[: text.find(stop)]
+    r = chat_create(one, CHAT[0], stop=[stop, "\u2603never"])
+    assert r.choices[0].message.content == want
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < len(new)
+    content, fin, _, _, _ = stream_chat(one, CHAT[0], stop=stop)
+    assert (content, fin) == (want, "stop")
+
+
+def test_sampling_seeded_is_reproducible(one):
+    a = chat_create(one, CHAT[1], temperature=0.9, top_p=0.95, seed=7, max_tokens=16, extra_body={"top_k": 50})
+    b = chat_create(one, CHAT[1], temperature=0.9, top_p=0.95, seed=7, max_tokens=16, extra_body={"top_k": 50})
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens >= 1
+
+
+def _chat_body(**kw):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    body.update(kw)
+    return body
+
+
+BAD = [
+    ("invalid_json", b'{"model": "smollm2", "messages": [', None),
+    ("not_an_object", b"[1, 2]", None),
+    ("unknown_model", _chat_body(model="gpt-4"), "model"),
+    ("empty_messages", _chat_body(messages=[]), "messages"),
+    ("missing_messages", {"model": "smollm2"}, "messages"),
+    ("max_tokens_zero", _chat_body(max_tokens=0), "max_tokens"),
+    ("max_completion_tokens_negative", _chat_body(max_completion_tokens=-3), "max_completion_tokens"),
+    ("temperature_negative", _chat_body(temperature=-0.5), "temperature"),
+    ("top_p_zero", _chat_body(top_p=0), "top_p"),
+    ("top_p_above_one", _chat_body(top_p=1.5), "top_p"),
+    ("n_two", _chat_body(n=2), "n"),
+    ("W_over_limit", _chat_body(lookahead={"W": 9}), "lookahead.W"),
+    ("N_below_two", _chat_body(lookahead={"N": 1}), "lookahead.N"),
+    ("G_over_limit", _chat_body(lookahead={"G": 999}), "lookahead.G"),
+    ("lookahead_unknown_key", _chat_body(lookahead={"X": 1}), "lookahead.X"),
+    ("context_exceeded", _chat_body(max_tokens=8192), "max_tokens"),
+    ("type_temperature_string", _chat_body(temperature="hot"), "temperature"),
+    ("type_max_tokens_float", _chat_body(max_tokens=1.5), "max_tokens"),
+    ("type_max_tokens_bool", _chat_body(max_tokens=True), "max_tokens"),
+    ("type_stream_string", _chat_body(stream="yes"), "stream"),
+    ("type_messages_string", _chat_body(messages="hi"), "messages"),
+    ("type_stop_int", _chat_body(stop=5), "stop"),
+    ("type_W_string", _chat_body(lookahead={"W": "3"}), "lookahead.W"),
+    ("bad_role", _chat_body(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
+    ("empty_stop", _chat_body(stop=[""]), "stop"),
+    ("too_many_stops", _chat_body(stop=["a", "b", "c", "d", "e"]), "stop"),
+]
+
+
+@pytest.mark.parametrize("name,body,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_chat_request_is_400(one, name, body, param):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(one.url + "/v1/chat/completions", content=data, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400, (name, r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and isinstance(err["message"], str) and err["message"]
+    assert err["param"] == param, (name, err)
+
+
+def test_bad_completion_requests_and_openai_client_errors(one):
+    import openai
+
+    for body, param in [({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+                        ({"prompt": [1, -4]}, "prompt"), ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+                        ({"prompt": "x", "seed": 2**70}, "seed"), ({"prompt": "x", "temperature": 3}, "temperature")]:
+        r = httpx.post(one.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat_create(one, "hi", temperature=-1)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    # still healthy and serving
+    assert httpx.get(one.url + "/health", timeout=10).status_code == 200
+    assert chat_create(one, "hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_client_disconnect_cancels_generation(one, refs):
+    before = one.metrics().get('lp_requests_total{endpoint="chat",outcome="cancelled"}', 0.0)
+    stream = one.client().chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+        max_tokens=2000, temperature=0, stream=True)
+    got = 0
+    for ch in stream:
+        if ch.choices and ch.choices[0].delta.content:
+            got += 1
+            if got == 3:
+                break
+    stream.close()  # the client goes away mid-stream
+    t = time.monotonic()
+    while one.metrics().get('lp_requests_total{endpoint="chat",outcome="cancelled"}', 0.0) < before + 1:
+        assert time.monotonic() - t < 30, "the generation was not cancelled"
+        time.sleep(0.2)
+    assert one.metrics()["lp_running_requests"] == 0
+    # the next request starts and matches the reference
+    _, new, text, _ = expected(refs, CHAT[1])
+    assert chat_create(one, CHAT[1]).choices[0].message.content == text
+
+
+def test_full_queue_is_429_with_retry_after(one):
+    import openai
+
+    c = one.client()
+    long_stream = c.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+        max_tokens=2000, temperature=0, stream=True)
+    it = iter(long_stream)
+    while True:  # running once its first tokens arrive
+        ch = next(it)
+        if ch.choices and ch.choices[0].delta.content:
+            break
+    queued: dict = {}
+
+    def waiting_request():
+        queued["r"] = chat_create(one, "Say OK.", max_tokens=3)
+
+    th = threading.Thread(target=waiting_request)
+    th.start()
+    t = time.monotonic()
+    while httpx.get(one.url + "/health", timeout=10).json()["queue_depth"] < 1:
+        assert time.monotonic() - t < 30
+        time.sleep(0.1)
+    r = httpx.post(one.url + "/v1/chat/completions", json=_chat_body(), timeout=30)
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full"
+    with pytest.raises(openai.RateLimitError):
+        chat_create(one, "hi", max_tokens=2)
+    long_stream.close()  # cancels the long one; the queued request runs next
+    th.join(120)
+    assert not th.is_alive() and queued["r"].usage.completion_tokens >= 1
+    assert httpx.get(one.url + "/health", timeout=10).json()["queue_depth"] == 0
+
+
+def test_metrics_after_everything(one):
+    m = one.metrics()
+    assert m['lp_requests_total{endpoint="chat",outcome="invalid"}'] >= 8
+    assert m['lp_requests_total{endpoint="chat",outcome="rejected_queue_full"}'] >= 2
+    assert m['lp_requests_total{endpoint="chat",outcome="length"}'] + \
+        m.get('lp_requests_total{endpoint="chat",outcome="stop"}', 0) >= 5
+    assert m["lp_completion_tokens_total"] > 100
+    assert m["lp_decode_steps_total"] > 0
+    assert m["lp_time_to_first_token_seconds_count"] >= 5
+    assert m["lp_tokens_per_second_count"] >= 5 and m["lp_compression_ratio_count"] >= 5
+    assert m["lp_queue_depth"] == 0 and m["lp_workers"] == 1
+    assert httpx.get(one.url + "/health", timeout=10).status_code == 200
+
+
+def test_shutdown_is_clean(one):
+    rc = one.stop(signal.SIGTERM, timeout=60)
+    assert rc == 0, one.log()[-3000:]
+    assert "[lp.serve] stopped" in one.log()
+
+
+# ---------------------------------------------------------------------------
+# Lookahead Parallelism: 2 gloo workers behind the server
+
+
+def test_lp_chat_greedy_equals_generate(lp2, refs):
+    for text_in in CHAT:
+        ids, new, text, finish = expected(refs, text_in)
+        r = chat_create(lp2, text_in, extra_body={"lookahead": {"return_token_ids": True, "W": 4, "N": 4, "G": 4}})
+        la = r.model_extra["lookahead"]
+        assert la["output_ids"] == new
+        assert r.choices[0].message.content == text and r.choices[0].finish_reason == finish
+        assert la["workers"] == 2 and (la["W"], la["N"], la["G"]) == (4, 4, 4)
+        assert r.usage.completion_tokens == len(new)
+    content, fin, use, la, _ = stream_chat(lp2, CHAT[0])
+    ids, new, text, finish = expected(refs, CHAT[0])
+    assert (content, fin, use.completion_tokens) == (text, finish, len(new))
+
+
+def test_lp_completion_stop_and_bad_input(lp2, refs):
+    ids, new, text, _ = expected(refs, RAW)
+    r = lp2.client().completions.create(model="smollm2", prompt=RAW, max_tokens=M, temperature=0)
+    assert r.choices[0].text == text
+    stop = re.findall(r"[A-Za-z]{4,}", text)[1]
+    r = lp2.client().completions.create(model="smollm2", prompt=RAW, max_tokens=M, temperature=0, stop=stop)
+    assert r.choices[0].text == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
+    bad = httpx.post(lp2.url + "/v1/completions", json={"prompt": "x", "top_p": 0}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
+    # sampled requests carry temperature/top_p/seed to every rank: reproducible
+    a = lp2.client().completions.create(model="smollm2", prompt=RAW, max_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+    b = lp2.client().completions.create(model="smollm2", prompt=RAW, max_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_lp_disconnect_then_next_request(lp2, refs):
+    stream = lp2.client().chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+        max_tokens=2000, temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    t = time.monotonic()
+    while lp2.metrics().get('lp_requests_total{endpoint="chat",outcome="cancelled"}', 0.0) < 1:
+        assert time.monotonic() - t < 30, "the LP generation was not cancelled"
+        time.sleep(0.2)
+    ids, new, text, _ = expected(refs, CHAT[1])
+    assert chat_create(lp2, CHAT[1]).choices[0].message.content == text  # ranks still in step
+
+
+def test_lp_killed_worker_ends_the_server(lp2):
+    torchrun = lp2.proc.pid
+    kids = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(torchrun)], capture_output=True,
+                          text=True).stdout.splitlines()
+    pids = [int(line.split()[0]) for line in kids if "lp.serve" in line]
+    assert len(pids) == 2, kids
+    ranks = {}
+    for pid in pids:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = next(int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK="))
+        ranks[rank] = pid
+    t = time.monotonic()
+    os.kill(ranks[1], signal.SIGKILL)
+    try:
+        lp2.proc.wait(20 + 30)  # parallel.timeout_s=20, plus torchrun's own shutdown
+    except subprocess.TimeoutExpired:
+        pytest.fail("the server did not stop after a worker died:\n" + lp2.log()[-3000:])
+    assert time.monotonic() - t < 50
+    assert lp2.proc.returncode != 0
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    log = lp2.log()
+    assert "[lp.serve]" in log and ("worker failure" in log or "signal 15" in log), log[-3000:]
