@@ -202,6 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench/results/serve")
     ap.add_argument("overrides", nargs="*", help="extra lp.serve Hydra overrides")
     a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: never leak the server
     if a.requests > 200 or a.concurrency > 32:
         raise SystemExit("bounded load test: at most 200 requests and 32 clients")
     threads = a.threads or max(1, 2 // a.workers)
