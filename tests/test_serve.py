@@ -319,6 +319,7 @@ BAD = [
     ("type_stop_int", _chat_body(stop=5), "stop"),
     ("type_W_string", _chat_body(lookahead={"W": "3"}), "lookahead.W"),
     ("bad_role", _chat_body(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
+    ("lone_surrogate_stop", b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}', None),
     ("empty_stop", _chat_body(stop=[""]), "stop"),
     ("too_many_stops", _chat_body(stop=["a", "b", "c", "d", "e"]), "stop"),
 ]
@@ -341,8 +342,10 @@ def test_bad_completion_requests_and_openai_client_errors(one):
 
     for body, param in [({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
                         ({"prompt": [1, -4]}, "prompt"), ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
-                        ({"prompt": "x", "seed": 2**70}, "seed"), ({"prompt": "x", "temperature": 3}, "temperature")]:
-        r = httpx.post(one.url + "/v1/completions", json=body, timeout=30)
+                        ({"prompt": "x", "seed": 2**70}, "seed"), ({"prompt": "x", "temperature": 3}, "temperature"),
+                        ({"prompt": "x\ud800"}, None)]:
+        r = httpx.post(one.url + "/v1/completions", content=json.dumps(body).encode(),
+                       headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     with pytest.raises(openai.BadRequestError) as e:
         chat_create(one, "hi", temperature=-1)

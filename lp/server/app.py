@@ -44,6 +44,7 @@ from lp.server.protocol import (
 
 log = logging.getLogger("lp.serve")
 KEEPALIVE_S = 1.0
+MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 def _error(e: ApiError, headers: dict | None = None) -> JSONResponse:
@@ -84,11 +85,19 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
     async def _complete(request: Request, kind: str, cls):
         endpoint = "chat" if kind == "chat" else "completions"
         try:
-            prep = prepare(parse(cls, await request.body()), ctx)
+            body = await request.body()
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(f"The request body is larger than {MAX_BODY_BYTES} bytes.", code="body_too_large",
+                               status=413)
+            prep = prepare(parse(cls, body), ctx)
         except ApiError as e:
             metrics.requests.labels(endpoint, "invalid").inc()
-            log.info("400 %s: %s", endpoint, e.message)
+            log.info("%d %s: %s", e.status, endpoint, e.message)
             return _error(e)
+        except Exception as e:  # noqa: BLE001  (e.g. a tokenizer refusing some input): still the client's input
+            metrics.requests.labels(endpoint, "invalid").inc()
+            log.warning("400 %s: %s: %s", endpoint, type(e).__name__, e)
+            return _error(ApiError(f"The input could not be processed: {type(e).__name__}: {e}", code="invalid_value"))
         loop = asyncio.get_running_loop()
         job = Job(endpoint, prep.prompt_ids, prep.decoding, loop=loop, events=asyncio.Queue())
         try:

@@ -107,6 +107,10 @@ def parse(cls: type[_Common], body: bytes) -> _Common:
         raise ApiError(f"We could not parse the JSON body of your request ({e}).", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError("The request body must be a JSON object.", code="invalid_json")
+    try:  # JSON may escape lone surrogates (\ud800) that no tokenizer or UTF-8 encoder accepts
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError("The request contains invalid Unicode (a lone surrogate).", code="invalid_json") from None
     try:
         return cls.model_validate(data, strict=True)
     except ValidationError as e:
