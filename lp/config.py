@@ -24,8 +24,21 @@ class DecodingConfig:
     prompt_pool: bool = True  # seed the pool from the prompt and the generated output
     # always: the window runs every step (the paper). with_candidates: only on steps that
     # verify candidates anyway, plain one-row steps otherwise (for hardware where Q=2 rows
-    # already cost much more than one).
+    # already cost much more than one). off: no window (drafts only).
     window_policy: str | None = None
+    # suffix: suffix-matched drafts of adaptive length (prompt + output, lp.suffix) and the
+    #   window's n-grams, merged into a token tree and cut to the draft budget (lp.drafts);
+    # pool: the paper's verification branch, up to G pooled n-grams of N-1 tokens keyed by x.
+    # None: suffix under the hardware defaults, pool when W, N or G is set explicitly.
+    drafts: str | None = None
+    max_draft_len: int = 16  # longest suffix draft (tokens)
+    max_draft_rows: int | None = None  # cap on the draft tree's rows per step (None: hardware)
+    draft_alpha: float = 2.0  # suffix drafts: length = min(max_draft_len, alpha * match length)
+    # auto: rows per step maximize expected tokens per second under the measured t(Q)
+    # (lp.calibrate, cached per machine and model); all: every draft node up to the cap
+    draft_budget: str = "auto"
+    draft_store: bool = False  # also draft from earlier outputs (a cross-request DraftStore)
+    draft_store_tokens: int = 65536  # tokens the store holds; oldest outputs evicted first
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0  # 0: off
@@ -38,8 +51,9 @@ class DecodingConfig:
         import dataclasses
 
         auto = hardware_defaults(device_type, dtype_name, amx)
-        if self.window_policy is None and not (self.W is None and self.N is None and self.G is None):
+        if not (self.W is None and self.N is None and self.G is None):
             auto["window_policy"] = "always"  # an explicit shape gets the paper's always-on window
+            auto["drafts"] = "pool"  # ... and its verification branch
         return dataclasses.replace(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
 
     def validate(self) -> "DecodingConfig":
@@ -48,10 +62,20 @@ class DecodingConfig:
                 raise ValueError(f"decoding.{name} must be {allowed}, got {value!r}")
 
         need(self.mode in ("lookahead", "ar"), "mode", "'lookahead' or 'ar'", self.mode)
+        need(self.drafts in (None, "suffix", "pool"), "drafts", "'suffix' or 'pool'", self.drafts)
+        need(_is_int(self.max_draft_len) and self.max_draft_len >= 1, "max_draft_len", "an integer >= 1",
+             self.max_draft_len)
+        need(self.max_draft_rows is None or (_is_int(self.max_draft_rows) and self.max_draft_rows >= 0),
+             "max_draft_rows", "an integer >= 0", self.max_draft_rows)
+        need(self.draft_alpha > 0, "draft_alpha", "> 0", self.draft_alpha)
+        need(self.draft_budget in ("auto", "all"), "draft_budget", "'auto' or 'all'", self.draft_budget)
+        need(isinstance(self.draft_store, bool), "draft_store", "true or false", self.draft_store)
+        need(_is_int(self.draft_store_tokens) and self.draft_store_tokens >= 0, "draft_store_tokens",
+             "an integer >= 0", self.draft_store_tokens)
         need(
-            self.window_policy in (None, "always", "with_candidates"),
+            self.window_policy in (None, "always", "with_candidates", "off"),
             "window_policy",
-            "'always' or 'with_candidates'",
+            "'always', 'with_candidates' or 'off'",
             self.window_policy,
         )
         # None: chosen for the hardware by with_hardware_defaults()
@@ -143,19 +167,23 @@ class GenerateConfig:
 
 
 def hardware_defaults(device_type: str, dtype_name: str, amx: bool) -> dict:
-    """W/N/G/window_policy for the hardware, from measured forward-time curves t(Q).
+    """W/N/G/window_policy/drafts/max_draft_rows for the hardware.
 
-    * CUDA: extra rows are nearly free up to hundreds: the paper's W=15, N=5, G=15.
-    * CPU in bf16 with AMX: ~32 extra rows cost ~1.4x one row: W=5, N=4, G=5 (~30 rows).
-    * CPU otherwise (fp32, or bf16 without AMX): two rows already cost ~1.4x one and 16
-      rows ~2x, so the step is kept small (W=1, N=5, G=2, ~12 rows) and the window rows
-      ride only on steps that verify candidates anyway.
+    Draft rows per step are not in this table: the budget (lp.budget) picks them every
+    step from the measured t(Q) curve and the drafts' expected acceptance, up to
+    ``max_draft_rows``. What is left here is the window's shape and when it rides:
+
+    * CUDA: extra rows are nearly free up to hundreds: the paper's W=15, N=5 window every
+      step, up to 15 drafts per source, a tree of up to 64 rows.
+    * CPU in bf16 with AMX: ~32 extra rows cost ~1.4x one row: W=5, N=4 every step.
+    * CPU otherwise (fp32, or bf16 without AMX): two rows already cost ~1.5x one, so the
+      window is one column (W=1, N=5, 3 rows) and rides only on steps that verify drafts.
     """
     if device_type == "cuda":
-        return {"W": 15, "N": 5, "G": 15, "window_policy": "always"}
+        return {"W": 15, "N": 5, "G": 15, "window_policy": "always", "drafts": "suffix", "max_draft_rows": 64}
     if dtype_name == "bfloat16" and amx:
-        return {"W": 5, "N": 4, "G": 5, "window_policy": "always"}
-    return {"W": 1, "N": 5, "G": 2, "window_policy": "with_candidates"}
+        return {"W": 5, "N": 4, "G": 5, "window_policy": "always", "drafts": "suffix", "max_draft_rows": 32}
+    return {"W": 1, "N": 5, "G": 4, "window_policy": "with_candidates", "drafts": "suffix", "max_draft_rows": 24}
 
 
 def _is_int(x) -> bool:

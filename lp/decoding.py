@@ -4,15 +4,19 @@ Contract: ``LookaheadDecoder(runner, cfg, group).generate(prompt_ids)`` returns 
 new token ids and the stats. It knows token ids only (no tokenizer, except to
 check stop strings). A step is a chain of named stages, each a small method:
 
-    propose   candidates for the current token x (pool, prompt context), the shard plan
-    lay_out   the packed rows (lp.layout; the skeleton is cached by shape)
+    propose   drafts for the current token x (suffix index over prompt + output, the
+              cross-request store, the window's n-gram pool; or the paper's pooled
+              candidates), cut to the draft budget (lp.drafts, lp.budget), the shard plan
+    lay_out   the packed rows (lp.layout: the drafts as one token trie, a row per node;
+              the skeleton is cached by shape)
     forward   one packed forward (lp.model), logits of the kept rows on the device
     verify    walk the candidate trie (lp.verify; greedy argmax with ONE device->host
               read per step, or the exact sampler of lp.sampling)
     merge     combine the workers' verdicts (identity in one process; one
               fixed-shape all_gather under LP, lp.dist)
     publish   truncate by max_new_tokens / eos / stop strings / cancel, stream
-    collect   harvest the window's n-grams into the pool and advance the window
+    collect   harvest the window's n-grams into the pool and advance the window; extend
+              the suffix index; update the acceptance model with what was verified
     commit    publish the K/V of the accepted rows
 
 The one-process / LP difference is two strategies chosen once per decoder, never a
@@ -35,12 +39,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lp.budget import AcceptanceModel
 from lp.config import DecodingConfig
-from lp.layout import build_layout
+from lp.drafts import Scored, observe, select_tree, suffix_drafts
+from lp.layout import build_tree_layout
 from lp.model import ModelRunner
 from lp.pool import ContextIndex, NGramPool
 from lp.sampling import node_generator, verify_node, warp
-from lp.shard import Shard, plan_shards
+from lp.shard import Shard, column_rows, plan_tree_shards
+from lp.suffix import DraftStore, SuffixIndex
+from lp.tree import merge_trie
 from lp.verify import Path, children, greedy_walk, sharing_prefix, walk
 from lp.window import Window
 
@@ -112,14 +120,17 @@ class LocalMerge:
 
     workers, rank = 1, 0
 
-    def begin(self, cfg: DecodingConfig) -> None:
+    def begin(self, emit_slots: int, node_slots: int, column_slots: int) -> None:
         pass
+
+    def share_curve(self, curve):
+        return curve
 
     def greedy(self, local: Path, own: list[int], z_local: list[int], plan, cancel: bool, state_hash: int):
         winner = own[local.winner] if local.winner is not None else None
         return Path(local.emitted, winner, local.hits), z_local, cancel
 
-    def sampled(self, root: int, outcomes, z_local, plan, R: int, cancel: bool, state_hash: int):
+    def sampled(self, root: int, outcomes, z_local, plan, cancel: bool, state_hash: int):
         raise AssertionError("one process walks the trie directly")
 
 
@@ -131,8 +142,12 @@ class GatherMerge:
         self.workers = group.world_size
         self.rank = group.rank
 
-    def begin(self, cfg: DecodingConfig) -> None:
-        self.group.begin(cfg.W, cfg.N, cfg.G)
+    def begin(self, emit_slots: int, node_slots: int, column_slots: int) -> None:
+        self.group.begin(emit_slots, node_slots, column_slots)
+
+    def share_curve(self, curve):
+        """Rank 0's t(Q) curve on every rank: the budget's decisions must agree."""
+        return self.group.share_curve(curve)
 
     def greedy(self, local: Path, own: list[int], z_local: list[int], plan, cancel: bool, state_hash: int):
         winner = own[local.winner] if local.winner is not None else -1
@@ -142,8 +157,8 @@ class GatherMerge:
         z_all = [t for k in range(self.workers) for t in table[k].z]
         return Path(best.emitted, best.winner if best.winner >= 0 else None, best.hits), z_all, cancelled
 
-    def sampled(self, root: int, outcomes, z_local, plan, R: int, cancel: bool, state_hash: int):
-        return self.group.exchange_sampled(root, outcomes, z_local, plan, R, cancel, state_hash)
+    def sampled(self, root: int, outcomes, z_local, plan, cancel: bool, state_hash: int):
+        return self.group.exchange_sampled(root, outcomes, z_local, plan, cancel, state_hash)
 
 
 class CompactCommit:
@@ -152,7 +167,7 @@ class CompactCommit:
     def __call__(self, runner, cache, cache_len: int, layout, path: Path, emitted: list[int]) -> list[int]:
         keep_len = cache_len + layout.num_pending
         hits = path.hits if path.winner is not None else 0
-        rows = layout.skeleton.cand_rows[path.winner][:hits] if hits else ()
+        rows = layout.cand_rows[path.winner][:hits] if hits else ()
         runner.compact(cache, keep_len, [cache_len + r for r in rows])
         return [emitted[-1]]
 
@@ -178,6 +193,8 @@ class _Run:
     context: ContextIndex | None
     cache: object
     eos: set[int]
+    index: SuffixIndex | None = None  # prompt + output (drafts=suffix)
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     out: list[int] = field(default_factory=list)
     step: int = 0
     done: bool = False
@@ -191,10 +208,17 @@ class _Proposal:
     use_window: bool
     plan: tuple[Shard, ...]
     cache_len: int
+    scored: list = field(default_factory=list)  # the drafts before the budget cut (suffix mode)
 
 
 class LookaheadDecoder:
-    def __init__(self, runner: ModelRunner, cfg: DecodingConfig, group=None):
+    """``draft_store``: a ``lp.suffix.DraftStore`` shared across requests (a server passes
+    its own); with ``cfg.draft_store`` and none given, the decoder owns one. ``tq_curve``:
+    [(Q, seconds)] row costs for the draft budget; None: measured once and cached
+    (lp.calibrate) when ``cfg.draft_budget == "auto"``."""
+
+    def __init__(self, runner: ModelRunner, cfg: DecodingConfig, group=None, draft_store: DraftStore | None = None,
+                 tq_curve=None):
         self.runner = runner
         from lp.model import cpu_has_amx_bf16
 
@@ -205,6 +229,14 @@ class LookaheadDecoder:
         self.commit = RefeedCommit() if group is not None else CompactCommit()
         self.workers = self.merge.workers
         self.rank = self.merge.rank
+        c = self.cfg
+        if draft_store is None and c.draft_store and c.drafts == "suffix":
+            draft_store = DraftStore(c.draft_store_tokens)
+        self.draft_store = draft_store
+        self.tq = tq_curve
+        # most trie rows a step may verify (all workers together)
+        self.draft_rows = c.max_draft_rows if c.drafts == "suffix" else c.G * (c.N - 1)
+        self.max_draft = max(c.max_draft_len, c.N - 1) if c.drafts == "suffix" else c.N - 1
 
     # -- validation ---------------------------------------------------------
 
@@ -223,12 +255,11 @@ class LookaheadDecoder:
             )
 
     def max_step_rows(self) -> int:
-        """Most rows a decode step (not the prefill) can pack: N pending (LP re-feed), the
-        warm-up window (its widest shape), G candidates of R tokens."""
-        W, N, G = self.cfg.W, self.cfg.N, self.cfg.G
-        R = N - 1
+        """Most rows a decode step (not the prefill) can pack: the longest accepted run
+        + 1 pending (LP re-feed), the warm-up window (its widest shape), the draft tree."""
+        W, N = self.cfg.W, self.cfg.N
         window = (W + N - 3) + (W + N - 2) * (N - 2)
-        return N + window + G * R
+        return self.max_draft + 1 + window + self.draft_rows
 
     # -- the loop -----------------------------------------------------------
 
@@ -280,6 +311,8 @@ class LookaheadDecoder:
             rec = StepRecord(len(emitted), layout.num_rows, [s.rows for s in prop.plan], t2 - t1, t3 - t2,
                              (t1 - t0) + (t4 - t3))
             _record(stats, rec)
+            if self.draft_store is not None and run.done:
+                self.draft_store.add(run.out)
             if on_step is not None:
                 on_step(run.step, rec)
             run.step += 1
@@ -294,13 +327,20 @@ class LookaheadDecoder:
         rng = random.Random(cfg.seed)
         window = Window(cfg.W, cfg.N, [rng.choice(prompt_ids) for _ in range(Window.seed_size(cfg.W, cfg.N))])
         pool = NGramPool(cfg.N, cfg.G)
-        context = ContextIndex(prompt_ids) if cfg.prompt_pool else None
-        if cfg.prompt_pool:
+        # the paper's prompt pool (drafts=pool); the suffix index covers prompt + output itself
+        prompt_pool = cfg.prompt_pool and cfg.drafts == "pool"
+        context = ContextIndex(prompt_ids) if prompt_pool else None
+        if prompt_pool:
             pool.add_sequence(prompt_ids)
+        index = SuffixIndex(prompt_ids) if cfg.drafts == "suffix" else None
+        if index is not None and cfg.draft_budget == "auto" and self.tq is None:
+            from lp.calibrate import row_cost_curve
+
+            self.tq = self.merge.share_curve(row_cost_curve(self.runner) if self.rank == 0 else None)
         rows = self.max_step_rows()
         cache = self.runner.new_cache(len(prompt_ids) + cfg.max_new_tokens + rows, rows)
-        self.merge.begin(cfg)
-        return _Run(list(prompt_ids), list(prompt_ids), window, pool, context, cache, eos)
+        self.merge.begin(self.max_draft + 1, self.draft_rows, cfg.W + cfg.N - 2)
+        return _Run(list(prompt_ids), list(prompt_ids), window, pool, context, cache, eos, index)
 
     # -- stages -------------------------------------------------------------
 
@@ -309,29 +349,40 @@ class LookaheadDecoder:
         cfg = self.cfg
         R = cfg.N - 1
         x = run.pending[-1]
-        candidates = _select_candidates(run.pool, run.context, x, cfg.G, R)
-        # window_policy=with_candidates: on hardware where any extra row is dear, the window
-        # rows ride only on steps that already verify candidates (or prefill); other steps
-        # are plain one-row decodes and leave the window as it is.
-        use_window = cfg.window_policy == "always" or bool(candidates) or len(run.pending) > 1
-        # near the end of the context, leave out rows whose positions would pass it
-        # (models with learned position tables cannot embed them)
+        window = run.window
         cache_len = run.cache.get_seq_length()
         p = cache_len + len(run.pending) - 1
         limit = self.runner.max_positions
-        window = run.window
-        if limit is not None and p + R >= limit:
-            candidates = []
-        if limit is not None and p + window.depth + window.num_columns - 1 >= limit:
-            use_window = False
+        # near the end of the context, leave out rows whose positions would pass it
+        # (models with learned position tables cannot embed them)
+        window_fits = limit is None or p + window.depth + window.num_columns - 1 < limit
+        scored = []
+        if cfg.drafts == "pool":
+            candidates = _select_candidates(run.pool, run.context, x, cfg.G, R)
+        else:
+            scored = suffix_drafts(run.index, self.draft_store, run.tokens, cfg.max_draft_len, cfg.G, cfg.draft_alpha)
+            scored += [Scored(s, 0, 1.0) for s in run.pool.get(x, cfg.G)]
+            w_rows = column_rows(range(window.num_columns), window.depth) if window_fits and cfg.window_policy != "off" else 0
+            w_rows = -(-w_rows // self.workers)
+            always = cfg.window_policy == "always" or len(run.pending) > 1
+            candidates = select_tree(scored, run.acceptance, len(run.pending) + (w_rows if always else 0), self.tq,
+                                     self.draft_rows, 0 if always else w_rows, self.workers)
+        if limit is not None:
+            room = limit - p - 1
+            candidates = list(dict.fromkeys(tuple(c[:room]) for c in candidates if room > 0))
+        # window_policy=with_candidates: on hardware where any extra row is dear, the window
+        # rows ride only on steps that verify candidates anyway (or prefill); other steps
+        # are plain one-row decodes and leave the window as it is.
+        use_window = (cfg.window_policy == "always" or bool(candidates) or len(run.pending) > 1) and window_fits
+        use_window = use_window and cfg.window_policy != "off"
         num_columns = window.num_columns if use_window else 0
-        plan = plan_shards(self.workers, len(run.pending), num_columns, window.depth, len(candidates), R)
-        return _Proposal(x, candidates, use_window, plan, cache_len)
+        plan = plan_tree_shards(self.workers, len(run.pending), num_columns, window.depth, tuple(candidates))
+        return _Proposal(x, candidates, use_window, plan, cache_len, scored)
 
     def lay_out(self, run: _Run, prop: _Proposal):
         mine = prop.plan[self.rank]
         own = [prop.candidates[c] for c in mine.candidates]
-        return build_layout(run.pending, run.window.levels, mine.columns, own)
+        return build_tree_layout(run.pending, run.window.levels, mine.columns, own)
 
     def verify(self, run: _Run, prop: _Proposal, layout, logits_KV):
         """The local verdict: greedy (Path over own candidates, z) or sampled (root, outcomes, z)."""
@@ -342,7 +393,7 @@ class LookaheadDecoder:
             z_local = [argmax[row_of[r]] for r in sk.z_rows]
             mine = prop.plan[self.rank]
             own = [prop.candidates[c] for c in mine.candidates]
-            cand_argmax = [[argmax[row_of[r]] for r in rows] for rows in sk.cand_rows]
+            cand_argmax = [[argmax[row_of[r]] for r in rows] for rows in layout.cand_rows]
             return greedy_walk(own, argmax[row_of[sk.num_pending - 1]], cand_argmax), z_local
         return self._verify_sampled(run, prop, layout, logits_KV, row_of)
 
@@ -356,9 +407,15 @@ class LookaheadDecoder:
         if isinstance(verdict[0], Path):  # one process walked the trie itself
             return verdict[0], verdict[1], cancel
         root, outcomes, z_local = verdict
-        R = self.cfg.N - 1
-        roots, table, zs, cancelled = self.merge.sampled(root, outcomes, z_local, prop.plan, R, cancel, state_hash)
-        path = walk(prop.candidates, roots[0], lambda depth, c: table[c][depth - 1])
+        roots, rows, zs, cancelled = self.merge.sampled(root, outcomes, z_local, prop.plan, cancel, state_hash)
+        owner = {c: (k, i) for k, s in enumerate(prop.plan) for i, c in enumerate(s.candidates)}
+        tries = [merge_trie([prop.candidates[c] for c in s.candidates]) for s in prop.plan]
+
+        def outcome(depth: int, c: int) -> int:
+            k, i = owner[c]
+            return rows[k][tries[k].paths[i][depth - 1]]
+
+        path = walk(prop.candidates, roots[0], outcome)
         return path, [t for z in zs for t in z], cancelled
 
     def publish(self, run: _Run, emitted: list[int], cancelled: bool, tokenizer) -> list[int]:
@@ -386,7 +443,10 @@ class LookaheadDecoder:
         """Pool and window updates (identical on every worker: z_all and the path are shared)."""
         if prop.use_window:
             run.pool.add_ngrams(run.window.update(prop.x, z_all))
-        if self.cfg.prompt_pool:
+        if run.index is not None:
+            observe(run.acceptance, prop.scored, prop.candidates, emitted)
+            run.index.extend(emitted)
+        if run.context is not None:
             run.pool.add_sequence(run.tokens, start=len(run.tokens) - len(emitted) - (self.cfg.N - 1))
             run.context.extend(emitted)
 
@@ -410,16 +470,25 @@ class LookaheadDecoder:
         root_children = children(candidates, range(len(candidates)), 0)
         root = verify_node(probs(sk.num_pending - 1), root_children, node_generator(cfg.seed, run.step, 0))
 
+        cand_rows = layout.cand_rows
+
         def outcome_of(local_c: int, depth: int) -> int:
             c = mine.candidates[local_c]
             kids = children(candidates, sharing_prefix(candidates, c, depth), depth)
-            row = sk.cand_rows[local_c][depth - 1]
+            row = cand_rows[local_c][depth - 1]
             return verify_node(probs(row), kids, node_generator(cfg.seed, run.step, depth))
 
         if self.group is None:
             return walk(candidates, root, lambda depth, c: outcome_of(c, depth)), z_local
-        R = cfg.N - 1
-        outcomes = [[outcome_of(i, d) for d in range(1, R + 1)] for i in range(len(mine.candidates))]
+        # LP: the outcome at every node of this worker's subtrees, by local trie node
+        # (candidates sharing a node share its row, so any of them gives its outcome)
+        nodes = len(sk.tree_rows)
+        outcomes = [0] * nodes
+        done = [False] * nodes
+        for i, path in enumerate(layout.paths):
+            for depth, node in enumerate(path, start=1):
+                if not done[node]:
+                    outcomes[node], done[node] = outcome_of(i, depth), True
         return root, outcomes, z_local
 
 

@@ -11,20 +11,22 @@ allocation). Every payload ends with [cancel, state_hash]; rank 0's cancel flag
 stops every rank at the same step. Every rank knows the shard plan, so the payload
 layout is known to all:
 
-greedy   [hits, winner, emitted[0..N-1], z[0..C-1], state_hash]
+greedy   [hits, winner, emitted[0..E-1], z[0..C-1], state_hash]
          hits: the rank's longest verified run over its own candidates;
          winner: that candidate's global index (-1: none); emitted: the tokens it
-         would publish (its ordinary-row token first), -1 padded; z: the new
+         would publish (its ordinary-row token first), -1 padded to E = longest
+         candidate + 1; z: the new
          trajectory values of the rank's window columns (C = most columns any
          rank owns this step). All ranks then pick the longest hit, lowest rank on
          ties, and apply the same publication, pool and window update.
 
-sampled  [root, outcome[0..M-1, 0..R-1], z[0..C-1], state_hash]
-         root: the rank's outcome at the ordinary row; outcome[i][d]: the outcome
-         at its i-th candidate's row d (the exact verifier at that trie node, with
-         randomness keyed by (seed, step, depth), lp.sampling). All ranks walk the
-         candidate trie with rank 0's root and the lowest-index candidate's outcome
-         at each node, so all reach the same decision.
+sampled  [root, outcome[0..M-1], z[0..C-1], state_hash]
+         root: the rank's outcome at the ordinary row; outcome[n]: the outcome at
+         node n of the rank's own draft trie (its subtrees of the step's trie, in
+         lp.tree order; the exact verifier at that node, with randomness keyed by
+         (seed, step, depth), lp.sampling); M = the most draft rows a step may
+         verify. All ranks walk the whole trie with rank 0's root and each node's
+         outcome from the rank that owns it, so all reach the same decision.
 
 ``state_hash`` is a fingerprint of pool, window and output taken before the step
 when ``parallel.check_divergence`` is on (else 0); a mismatch stops the job at
@@ -117,13 +119,15 @@ class WorkerGroup:
 
     # -- the exchange ---------------------------------------------------------
 
-    def begin(self, W: int, N: int, G: int) -> None:
+    def begin(self, emit_slots: int, node_slots: int, column_slots: int) -> None:
         """Allocate the exchange buffers for one generation (fixed shape for every step):
-        the larger of the greedy and sampled payloads, plus cancel flag and state hash."""
-        R = N - 1
-        c_max = W + N - 2  # most columns one rank can own (the warm-up window is widest)
-        slots = max(2 + N, 1 + G * R) + c_max + 2
-        self._n_slots = N
+        the larger of the greedy and sampled payloads, plus cancel flag and state hash.
+        ``emit_slots``: most tokens a step publishes (longest candidate + 1);
+        ``node_slots``: most draft-trie rows of a step; ``column_slots``: most window
+        columns one rank can own (W + N - 2: the warm-up window is widest)."""
+        slots = max(2 + emit_slots, 1 + node_slots) + column_slots + 2
+        self._n_slots = emit_slots
+        self._m_slots = node_slots
         if slots != self._slots:
             self._slots = slots
             self._send = torch.zeros(slots, dtype=torch.long, device=self.device)
@@ -168,20 +172,32 @@ class WorkerGroup:
             out.append(RankHit(row[0], row[1], row[2 : 2 + n], row[2 + n_slots : 2 + n_slots + cols]))
         return out, cancelled
 
-    def exchange_sampled(self, root, outcomes, z_local, plan, R, cancel=False, state_hash=0):
-        """-> (root outcome per rank, {candidate: outcomes by depth}, z per rank, cancelled)."""
-        m_slots = max(len(s.candidates) for s in plan)
-        flat = [t for row in outcomes for t in row]
-        payload = [root] + _pad(flat, m_slots * R) + list(z_local)
+    def exchange_sampled(self, root, outcomes, z_local, plan, cancel=False, state_hash=0):
+        """-> (root outcome per rank, [outcomes by own trie node] per rank, z per rank, cancelled)."""
+        m = self._m_slots
+        payload = [root] + _pad(list(outcomes), m) + list(z_local)
         rows, cancelled = self._all_gather(payload, cancel, state_hash)
         roots = [row[0] for row in rows]
-        table: dict[int, list[int]] = {}
-        zs = []
-        for k, row in enumerate(rows):
-            for i, c in enumerate(plan[k].candidates):
-                table[c] = row[1 + i * R : 1 + (i + 1) * R]
-            zs.append(row[1 + m_slots * R : 1 + m_slots * R + len(plan[k].columns)])
-        return roots, table, zs, cancelled
+        nodes = [row[1 : 1 + m] for row in rows]
+        zs = [row[1 + m : 1 + m + len(plan[k].columns)] for k, row in enumerate(rows)]
+        return roots, nodes, zs, cancelled
+
+    def share_curve(self, curve):
+        """Rank 0's [(Q, seconds)] on every rank (one broadcast per generation that calibrates)."""
+        from lp.calibrate import QS
+
+        buf = torch.full((2 * len(QS) + 1,), -1.0, dtype=torch.float64)
+        if self.rank == 0:
+            buf[0] = len(curve)
+            for i, (q, t) in enumerate(curve):
+                buf[1 + 2 * i], buf[2 + 2 * i] = float(q), float(t)
+        dev = buf.to(self.device)
+        try:
+            dist.broadcast(dev, src=0)
+        except Exception as e:
+            raise WorkerFailure(f"rank {self.rank}: t(Q) broadcast failed ({type(e).__name__}: {e})") from e
+        vals = dev.cpu().tolist()
+        return [(int(vals[1 + 2 * i]), vals[2 + 2 * i]) for i in range(int(vals[0]))]
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -12,7 +12,11 @@ gives all three branches of seeds/000 §0x04A:
   the current token x, the ordinary row) form a causal chain;
 * the lookahead branch: base stripe ``B[1..]`` = level 0 continues the chain after
   x; level r >= 1 at column j hangs below ``B[j]`` / level r-1 at column j;
-* the verification branch: candidate c's suffix is its own chain below x.
+* the verification branch: candidate c's suffix is its own chain below x
+  (``build_layout``), or, with ``build_tree_layout``, the candidates are merged into a
+  token trie (lp.tree) and each distinct trie node is one row below its parent node
+  (children of the trie root hang below x): rows = distinct prefixes, not the sum of
+  the candidates' lengths.
 
 Lookahead and verification never see each other, candidates never see each
 other, and two rows at the same position in different branches stay isolated.
@@ -45,9 +49,10 @@ class Skeleton:
     keep: tuple[int, ...]  # rows whose logits are needed, ascending
     num_pending: int
     z_rows: tuple[int, ...]  # row of each owned column's deepest level, in column order
-    cand_rows: tuple[tuple[int, ...], ...]  # rows of candidate c's suffix
+    cand_rows: tuple[tuple[int, ...], ...]  # rows of candidate c's suffix (chain layouts)
     columns: range
     num_rows: int
+    tree_rows: tuple[int, ...] = ()  # row of each trie node (tree layouts), in trie order
 
     def local_mask(self) -> np.ndarray:
         """[Q, Q] bool: row i may attend row k (beyond the always-visible cache)."""
@@ -58,6 +63,7 @@ class Skeleton:
 class Layout:
     tokens: list[int]
     skeleton: Skeleton
+    paths: tuple[tuple[int, ...], ...] | None = None  # tree layouts: trie nodes along candidate c
 
     @property
     def parents(self) -> list[int]:
@@ -77,6 +83,10 @@ class Layout:
 
     @property
     def cand_rows(self) -> list[list[int]]:
+        """Rows along candidate c's suffix (shared rows for shared prefixes in a tree layout)."""
+        if self.paths is not None:
+            tree = self.skeleton.tree_rows
+            return [[tree[n] for n in path] for path in self.paths]
         return [list(rows) for rows in self.skeleton.cand_rows]
 
     @property
@@ -122,6 +132,35 @@ def build_layout(
     return Layout(tokens, sk)
 
 
+def build_tree_layout(
+    pending: Sequence[int],
+    levels: Sequence[Sequence[int]],
+    columns: range,
+    candidates: Sequence[Sequence[int]],
+) -> Layout:
+    """Like ``build_layout``, with the candidates merged into one token trie (lp.tree):
+    one row per distinct nonempty prefix; the skeleton is cached by the trie's parent tuple.
+
+        >>> lay = build_tree_layout([7], [], range(0), [(5, 6), (5, 8), (9,)])
+        >>> lay.tokens, lay.parents, lay.cand_rows
+        ([7, 5, 6, 8, 9], [-1, 0, 1, 1, 0], [[1, 2], [1, 3], [4]])
+    """
+    from lp.tree import merge_trie
+
+    assert len(pending) >= 1
+    trie = merge_trie(candidates)
+    level_sizes = tuple(len(level) for level in levels) if levels else (0,)
+    sk = skeleton(len(pending), level_sizes, columns.start, columns.stop, (), tuple(trie.parents))
+    tokens = list(pending)
+    if len(columns) > 0:
+        tokens += levels[0][: columns.stop - 1]
+        for level in levels[1:]:
+            tokens += level[columns.start : columns.stop]
+    tokens += trie.tokens
+    assert len(tokens) == sk.num_rows
+    return Layout(tokens, sk, tuple(tuple(p) for p in trie.paths))
+
+
 def chain_layout(tokens: Sequence[int]) -> Layout:
     """One causal chain of rows, every row through the LM head (prefill-like; for t(Q) curves)."""
     q = len(tokens)
@@ -131,7 +170,12 @@ def chain_layout(tokens: Sequence[int]) -> Layout:
 
 @lru_cache(maxsize=4096)
 def skeleton(
-    num_pending: int, level_sizes: tuple[int, ...], col_start: int, col_stop: int, cand_lens: tuple[int, ...]
+    num_pending: int,
+    level_sizes: tuple[int, ...],
+    col_start: int,
+    col_stop: int,
+    cand_lens: tuple[int, ...],
+    tree_parents: tuple[int, ...] = (),
 ) -> Skeleton:
     columns = range(col_start, col_stop)
     parents = list(range(-1, num_pending - 1))
@@ -164,9 +208,15 @@ def skeleton(
             parent = len(parents) - 1
             rows.append(parent)
         cand_rows.append(tuple(rows))
-    keep = sorted({x_row, *z_rows, *(r for rows in cand_rows for r in rows)})
+    tree_rows: list[int] = []
+    for parent in tree_parents:  # trie nodes in preorder: a parent comes before its children
+        row = x_row if parent < 0 else tree_rows[parent]
+        parents.append(row)
+        depths.append(depths[row] + 1)
+        tree_rows.append(len(parents) - 1)
+    keep = sorted({x_row, *z_rows, *(r for rows in cand_rows for r in rows), *tree_rows})
     return Skeleton(tuple(parents), tuple(depths), tuple(keep), num_pending, tuple(z_rows), tuple(cand_rows),
-                    columns, len(parents))
+                    columns, len(parents), tuple(tree_rows))
 
 
 @lru_cache(maxsize=4096)

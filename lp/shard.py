@@ -102,3 +102,41 @@ def _try_load(load, num_workers, num_pending, num_columns, depth, num_candidates
         Shard(columns[k], cands[k], num_pending + column_rows(columns[k], depth) + R * len(cands[k]))
         for k in range(num_workers)
     )
+
+
+# ---------------------------------------------------------------------------
+# draft trees
+
+
+@lru_cache(maxsize=1024)
+def plan_tree_shards(
+    num_workers: int, num_pending: int, num_columns: int, depth: int, candidates: tuple[tuple[int, ...], ...]
+) -> tuple[Shard, ...]:
+    """Shards for a step whose candidates form one token trie (lp.tree): the trie is split
+    by the subtrees below x (candidates grouped by first token, so no trie node is run
+    twice and every node's children sit on the same worker), balanced by rows.
+
+    Columns are split as by ``plan_shards`` (no candidates); then subtrees, largest first,
+    go to the worker with the fewest rows (lowest rank on ties). A worker's candidates
+    keep their global order.
+
+        >>> [(s.columns, s.candidates, s.rows) for s in plan_tree_shards(2, 1, 0, 0, ((5, 6), (5, 7), (9,)))]
+        [(range(0, 0), [0, 1], 4), (range(0, 0), [2], 2)]
+        >>> [(s.candidates, s.rows) for s in plan_tree_shards(1, 1, 0, 0, ((5, 6), (5, 7), (9,)))]
+        [([0, 1, 2], 5)]
+    """
+    cols = plan_shards(num_workers, num_pending, num_columns, depth, 0, 1)
+    groups: dict[int, list[int]] = {}
+    for c, cand in enumerate(candidates):
+        if cand:
+            groups.setdefault(cand[0], []).append(c)
+    sizes = {}
+    for first, members in groups.items():
+        sizes[first] = len({tuple(candidates[c][:i]) for c in members for i in range(1, len(candidates[c]) + 1)})
+    rows = [s.rows for s in cols]
+    owned: list[list[int]] = [[] for _ in range(num_workers)]
+    for first in sorted(groups, key=lambda f: (-sizes[f], groups[f][0])):
+        k = min(range(num_workers), key=lambda i: (rows[i], i))
+        owned[k] += groups[first]
+        rows[k] += sizes[first]
+    return tuple(Shard(cols[k].columns, sorted(owned[k]), rows[k]) for k in range(num_workers))

@@ -1,7 +1,9 @@
 """Verification of pooled candidates: a walk down the candidate trie.
 
-Contract: plain Python over token ids, no torch. Candidates are disjoint suffixes
-of length R = N - 1 hanging below the current token x. Each *node* of their trie
+Contract: plain Python over token ids, no torch. Candidates are token sequences of
+any lengths hanging below the current token x (pooled n-gram suffixes of R = N - 1
+tokens, suffix-matched drafts of adaptive length); a candidate that ends stops the
+walk along it, others sharing its prefix go on (trie semantics). Each *node* of their trie
 is a verified prefix; its target distribution is read from the ordinary row (the
 root) or from the last candidate row of that prefix (any candidate sharing the
 prefix gives the same conditional: the mask gives them the same visible prefix).
@@ -15,7 +17,11 @@ N tokens: R verified ones plus the target's next token (seeds/000 §0x05A).
     >>> walk([(5, 6), (5, 8), (9, 1)], 5, lambda depth, c: {(1, 0): 6, (2, 0): 4}[depth, c])
     Path(emitted=[5, 6, 4], winner=0, hits=2)
 
-Ties among equally long survivors go to the lowest candidate index.
+    >>> walk([(5,), (5, 6, 7), (5, 6)], 5, lambda depth, c: {1: 6, 2: 7, 3: 3}[depth])
+    Path(emitted=[5, 6, 7, 3], winner=1, hits=3)
+
+Ties among equally long survivors go to the lowest candidate index (the node's
+outcome is the same whichever survivor's row it is read from).
 """
 
 from __future__ import annotations
@@ -59,8 +65,8 @@ def walk(
     survivors = list(range(len(candidates)))
     winner = None
     depth = 0
-    while survivors and depth < (len(candidates[0]) if candidates else 0):
-        survivors = [c for c in survivors if candidates[c][depth] == emitted[-1]]
+    while survivors:
+        survivors = [c for c in survivors if depth < len(candidates[c]) and candidates[c][depth] == emitted[-1]]
         if not survivors:
             break
         winner = survivors[0]
