@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 PROMPT_SETS = ("humaneval", "mt_bench", "gsm8k", "classeval")
 CHAT_SETS = ("mt_bench", "gsm8k")  # chat template unless prompts.raw=true
-METHODS = ("ar", "prompt_lookup", "lookahead", "lp", "tp", "pp")
+# lp_default: LookaheadDecoder with lp.generate's defaults (suffix-drafted token tree + window
+# n-grams, rows from the measured t(Q)); suffix: the same drafter alone (window off)
+METHODS = ("ar", "prompt_lookup", "lookahead", "lp", "tp", "pp", "lp_default", "suffix")
+IN_PROCESS_DECODING = {"lp_default": {}, "suffix": {"window_policy": "off"}}
 MULTI_WORKER = ("lp", "tp", "pp")  # run under torchrun when workers > 1
 TP_ENGINES = ("dtensor", "manual")
 

@@ -96,15 +96,20 @@ def run_prompt_lookup(model, prompt_ids, max_new_tokens, eos, num_tokens: int = 
 
 def run_lookahead(
     model, prompt_ids, max_new_tokens, eos, W: int, N: int, G: int, prompt_pool: bool, group=None,
-    window_policy: str = "always",
+    window_policy: str = "always", decoding: dict | None = None,
 ) -> Run:
+    """``decoding`` given: DecodingConfig(max_new_tokens, **decoding) (the hardware defaults
+    fill the rest) instead of the explicit W/N/G."""
     from lp.config import DecodingConfig
     from lp.decoding import LookaheadDecoder
     from lp.model import ModelRunner
 
-    cfg = DecodingConfig(
-        W=W, N=N, G=G, max_new_tokens=max_new_tokens, prompt_pool=prompt_pool, window_policy=window_policy
-    )
+    if decoding is not None:
+        cfg = DecodingConfig(max_new_tokens=max_new_tokens, **decoding)
+    else:
+        cfg = DecodingConfig(
+            W=W, N=N, G=G, max_new_tokens=max_new_tokens, prompt_pool=prompt_pool, window_policy=window_policy
+        )
     res = LookaheadDecoder(ModelRunner(model), cfg, group).generate(list(prompt_ids), eos_token_ids=list(eos))
     s = res.stats
     return Run(

@@ -26,6 +26,7 @@ def _key(r: dict) -> tuple:
 def aggregate(rows: list[dict]) -> list[dict]:
     """One record per (method, workers, threads, W, N, G, set), plus set='all' per configuration."""
     ar = {(r["threads"], r["set"], r["prompt_index"]): r for r in rows if r["method"] == "ar"}
+    pl = {(r["threads"], r["set"], r["prompt_index"]): r for r in rows if r["method"] == "prompt_lookup"}
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[_key(r) + (r["set"],)].append(r)
@@ -51,8 +52,13 @@ def aggregate(rows: list[dict]) -> list[dict]:
         )
         g["speedup"] = _speedup(rs, ar, g["threads"], g["tok_s"])
         g["speedup_same_cores"] = _speedup(rs, ar, g["threads"] * g["workers"], g["tok_s"])
+        g["vs_prompt_lookup"] = _speedup(rs, pl, g["threads"], g["tok_s"])
+        row_vals = [(r["rows_per_step"], r["steps"]) for r in rs if r.get("rows_per_step") is not None]
+        all_rows = sum(v * n for v, n in row_vals)
+        g["rows_per_step"] = all_rows / sum(n for _, n in row_vals) if row_vals else None
+        g["tokens_per_row"] = tokens / all_rows if row_vals and all_rows else None
         out.append(g)
-    order = {"ar": 0, "prompt_lookup": 1, "lookahead": 2, "lp": 3, "tp": 4, "pp": 5}
+    order = {"ar": 0, "prompt_lookup": 1, "lp_default": 2, "suffix": 3, "lookahead": 4, "lp": 5, "tp": 6, "pp": 7}
     out.sort(key=lambda g: (g["set"] == "all", g["set"], order.get(g["method"], 9), g["workers"], g["threads"],
                             g["W"] or 0, g["G"] or 0))
     return out
@@ -117,8 +123,8 @@ def summary_markdown(groups: list[dict], rows: list[dict], machine: dict, errors
         "lookahead, tp and pp are plain greedy decoding).",
         "",
         "| set | method | workers | threads | W | N | G | prompts | mean S | tokens | time s | tok/s | speedup "
-        "| same cores | exchange ms/step | rows/rank/step | mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs prompt lookup | rows/step | tokens/row | same cores | exchange ms/step | rows/rank/step | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in groups:
         method = g["method"] + (" †" if g["same_as"] else "")
@@ -127,7 +133,9 @@ def summary_markdown(groups: list[dict], rows: list[dict], machine: dict, errors
         lines.append(
             f"| {g['set']} | {method} | {g['workers']} | {g['threads']} | {_f(g['W'], '{}')} | {_f(g['N'], '{}')} "
             f"| {_f(g['G'], '{}')} | {g['prompts']} | {g['mean_S']:.2f} | {g['tokens']} | {g['time_s']:.1f} "
-            f"| {g['tok_s']:.1f} | {_f(g['speedup'], '{:.2f}x')} | {_f(g['speedup_same_cores'], '{:.2f}x')} "
+            f"| {g['tok_s']:.1f} | {_f(g['speedup'], '{:.2f}x')} | {_f(g['vs_prompt_lookup'], '{:.2f}x')} "
+            f"| {_f(g['rows_per_step'], '{:.1f}')} | {_f(g['tokens_per_row'], '{:.2f}')} "
+            f"| {_f(g['speedup_same_cores'], '{:.2f}x')} "
             f"| {_f(g['exchange_ms_per_step'], '{:.2f}')} | {_f(g['rows_per_rank'], '{}')} | {g['mismatches']} |"
         )
     scaling = [g for g in groups if g["set"] == "all" and g["method"] in ("lp", "tp", "pp")]

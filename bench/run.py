@@ -33,7 +33,7 @@ import torch
 
 from lp import generate
 
-from bench.config import BenchConfig, LookaheadConfig, PromptsConfig, SweepConfig
+from bench.config import IN_PROCESS_DECODING, BenchConfig, LookaheadConfig, PromptsConfig, SweepConfig
 from bench.prompts import Prompt, select, to_ids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ class Job:
     @property
     def kernel(self) -> tuple:
         """The computation actually run; equal kernels share their runs."""
-        if self.method in ("ar", "prompt_lookup"):
+        if self.method in ("ar", "prompt_lookup", *IN_PROCESS_DECODING):
             return (self.method, 1, self.threads)
         if self.method == "lookahead" or (self.method == "lp" and self.workers == 1):
             return ("lookahead", 1, self.threads, self.W, self.N, self.G)
@@ -89,6 +89,9 @@ def plan_jobs(cfg: BenchConfig) -> list[tuple[Job, str]]:
         jobs.append((Job("ar", 1, ref), "main"))
     if "prompt_lookup" in cfg.methods:
         jobs.append((Job("prompt_lookup", 1, t), "main"))
+    for m in IN_PROCESS_DECODING:
+        if m in cfg.methods:
+            jobs.append((Job(m, 1, t), "main"))
     if "lookahead" in cfg.methods:
         jobs.append((Job("lookahead", 1, t, la.W, la.N, la.G), "main"))
         if ref and ref != t:
@@ -182,6 +185,8 @@ class Runner:
                 return methods.run_ar(m, ids, n, eos)
             if kind == "prompt_lookup":
                 return methods.run_prompt_lookup(m, ids, n, eos, cfg.prompt_lookup_num_tokens)
+            if kind in IN_PROCESS_DECODING:
+                return methods.run_lookahead(m, ids, n, eos, 0, 0, 0, True, decoding=IN_PROCESS_DECODING[kind])
             assert kind == "lookahead", kind
             return methods.run_lookahead(
                 m, ids, n, eos, job.W, job.N, job.G, cfg.lookahead.prompt_pool,

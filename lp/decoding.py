@@ -312,7 +312,8 @@ class LookaheadDecoder:
                              (t1 - t0) + (t4 - t3))
             _record(stats, rec)
             if self.draft_store is not None and run.done:
-                self.draft_store.add(run.out)
+                # the prompt's tail too, so a later request's context can match into the output
+                self.draft_store.add(prompt_ids[-64:] + run.out)
             if on_step is not None:
                 on_step(run.step, rec)
             run.step += 1

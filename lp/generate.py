@@ -24,7 +24,7 @@ import torch
 from lp.config import DecodingConfig, GenerateConfig, ModelConfig, ParallelConfig
 from lp.dist import WorkerFailure, init_worker_group, torchrun_env, worker_device
 
-DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a test."
+DEFAULT_PROMPT = "Explain in three short paragraphs what a hash table is and when to use one."
 
 
 def build_prompt_ids(tokenizer, cfg: GenerateConfig) -> list[int]:

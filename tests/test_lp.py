@@ -107,6 +107,34 @@ def test_lp_greedy_matches_one_process_and_generate(smollm2_refs, tmp_path):
         assert any(len(r["accept_hist"]) > 2 and sum(r["accept_hist"][2:]) > 0 for r in multi)
 
 
+TREE_CONFIGS = [
+    # suffix drafts + window n-grams in one token tree, every node verified (no cost model)
+    {"drafts": "suffix", "draft_budget": "all", "W": 2, "N": 4, "G": 4, "max_draft_rows": 16,
+     "window_policy": "with_candidates"},
+    # the default: the budget from rank 0's measured t(Q), broadcast to every rank
+    {},
+]
+
+
+def test_lp_tree_drafts_greedy_matches_one_process(smollm2_refs, tmp_path):
+    prompts, refs = smollm2_refs
+    jobs = [{"prompt_ids": ids, "eos": [2], "decoding": dict(c, max_new_tokens=40)}
+            for ids in prompts for c in TREE_CONFIGS]
+    spec = {"jobs": jobs, "check_divergence": True}
+    proc1, single = torchrun(1, spec, tmp_path)
+    assert proc1.returncode == 0, proc1.stderr[-3000:]
+    for nproc in (2, 3):
+        proc, multi = torchrun(nproc, spec, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for j, (job, one, many) in enumerate(zip(jobs, single, multi)):
+            ref = refs[j // len(TREE_CONFIGS)]
+            assert one["output_ids"] == ref, (job["decoding"], "single process differs from generate")
+            assert many["output_ids"] == ref, (nproc, job["decoding"], "LP differs from generate")
+            if job["decoding"].get("draft_budget") == "all":
+                assert many["steps"] == one["steps"], (nproc, job["decoding"])
+        assert any(sum(r["accept_hist"][2:]) > 0 for r in multi)
+
+
 # ---------------------------------------------------------------------------
 # sampling on a tiny model
 
@@ -135,7 +163,10 @@ def test_lp_sampling_same_draws_and_distribution(tmp_path):
     path = tiny_model_dir(tmp_path)
     draws = 600
     dec = {"W": 3, "N": 3, "G": 3, "max_new_tokens": 3, "prompt_pool": True, "do_sample": True, "temperature": 1.0}
+    tree = dict(dec, drafts="suffix", draft_budget="all", max_draft_len=5, max_draft_rows=10)
     jobs = [{"prompt_ids": SAMPLE_PROMPT, "decoding": dict(dec, seed=s)} for s in range(draws)]
+    # every 3rd draw with suffix drafts in a token tree (outcomes exchanged per trie node)
+    jobs = [dict(j, decoding=tree | {"seed": j["decoding"]["seed"]}) if i % 3 == 2 else j for i, j in enumerate(jobs)]
     spec = {"jobs": jobs, "model_path": str(path), "check_divergence": True}
     proc1, single = torchrun(1, spec, tmp_path)
     assert proc1.returncode == 0, proc1.stderr[-3000:]

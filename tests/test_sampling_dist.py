@@ -51,11 +51,12 @@ def hf_samples(model, prompt, n, seed=1234, **kw) -> np.ndarray:
     return out[:, len(prompt) :].numpy()
 
 
-def lookahead_samples(runner, prompt, n, first_seed=0, **kw):
+def lookahead_samples(runner, prompt, n, first_seed=0, drafts=None, **kw):
     hist = Counter()
     outs = []
     for i in range(first_seed, first_seed + n):
-        cfg = DecodingConfig(W=3, N=4, G=5, prompt_pool=True, max_new_tokens=NEW, do_sample=True, seed=i, **kw)
+        cfg = DecodingConfig(W=3, N=4, G=5, prompt_pool=True, max_new_tokens=NEW, do_sample=True, seed=i,
+                             **(drafts or {}), **kw)
         res = LookaheadDecoder(runner, cfg).generate(prompt)
         outs.append(res.output_ids)
         for k, c in enumerate(res.stats.accept_hist):
@@ -112,6 +113,22 @@ def test_sampled_lookahead_matches_generate(small_vocab, n, kw):
     # the verifier was exercised: many draws published >= 2 tokens in one step
     assert hist[2] + hist[3] > 0.15 * n, dict(hist)
     assert hist[3] > 0.05 * n, dict(hist)
+    res = compare(a, b)
+    assert all(p > ALPHA for p, _, _ in res.values()), _fmt(res)
+
+
+TREE = dict(drafts="suffix", draft_budget="all", max_draft_len=6, max_draft_rows=10, window_policy="with_candidates")
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.8, top_k=4)], ids=["plain", "temp-topk"])
+def test_sampled_tree_drafts_match_generate(small_vocab, kw):
+    """Suffix-matched drafts of several lengths, merged into a token tree: the exact verifier at
+    every trie node leaves the distribution unchanged."""
+    model, runner, prompt = small_vocab
+    n = 2000
+    a, hist = lookahead_samples(runner, prompt, n, drafts=TREE, **kw)
+    b = hf_samples(model, prompt, n, **kw)
+    assert hist[2] + hist[3] > 0.15 * n, dict(hist)
     res = compare(a, b)
     assert all(p > ALPHA for p, _, _ in res.values()), _fmt(res)
 
