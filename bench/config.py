@@ -104,6 +104,9 @@ class BenchConfig:
     # dtensor: torch parallelize_module; manual: sharded nn.Linear + all_reduce hooks (gpt-fast style)
     tp_engines: list[str] = field(default_factory=lambda: ["dtensor", "manual"])
     warmup: bool = True  # one untimed short generation before each timed configuration
+    # run every one-process method on a prompt before the next prompt (fair when the machine's
+    # load varies over the run); multi-worker jobs run afterwards as usual
+    interleave: bool = False
     worker_timeout_s: float = 7200.0  # a torchrun job that runs longer is stopped
     dist_timeout_s: float = 300.0  # collectives (gloo) give up after this
     plots: bool = True

@@ -3,7 +3,9 @@
 Contract: ``row_cost_curve(runner)`` returns [(Q, seconds)] for a few Q after a
 128-token prefix, measured once (a few seconds) and cached as JSON under
 ``$LP_CACHE/tq/<model>-<device>-<dtype>-t<threads>.json`` (``LP_CACHE`` defaults to
-~/.cache/lp); later calls read the file. The draft budget (lp.budget) takes the curve
+~/.cache/lp); later calls read the file. A curve measured while the machine was busy
+(1-minute load average above the core count) is measured again on the first call that
+finds the machine quiet. The draft budget (lp.budget) takes the curve
 as a plain argument, so nothing else here depends on timing.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -33,17 +36,29 @@ def cache_path(runner) -> Path:
 
 def row_cost_curve(runner, qs=QS, repeats: int = 5, refresh: bool = False) -> list[tuple[int, float]]:
     path = cache_path(runner)
+    cores = os.cpu_count() or 1
     if path.is_file() and not refresh:
         try:
-            return [(int(q), float(t)) for q, t in json.loads(path.read_text())["curve"]]
-        except (ValueError, KeyError, TypeError):
+            saved = json.loads(path.read_text())
+            if not (saved.get("busy") and _load() < 0.75 * cores):
+                return [(int(q), float(t)) for q, t in saved["curve"]]
+        except (ValueError, KeyError, TypeError, AttributeError):
             pass
+    load = _load()
     curve = measure(runner, qs, repeats)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{time.time_ns()}.tmp")
-    tmp.write_text(json.dumps({"curve": curve, "prefix": PREFIX, "repeats": repeats}))
+    busy = max(load, _load()) > cores
+    tmp.write_text(json.dumps({"curve": curve, "prefix": PREFIX, "repeats": repeats, "loadavg": load, "busy": busy}))
     tmp.replace(path)
     return curve
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
 
 
 def measure(runner, qs=QS, repeats: int = 5) -> list[tuple[int, float]]:
