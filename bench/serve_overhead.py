@@ -83,12 +83,16 @@ def main(argv=None) -> int:
         srv.stop()
     # the CLI itself, once, for the record (its decode_time_s excludes model load and template)
     cli_json = out / "overhead_cli.json"
-    cli = [sys.executable, "-m", "lp.generate", f"prompt={PROMPT}", f"decoding.max_new_tokens={a.max_tokens}",
+    cli = [sys.executable, "-m", "lp.generate", f"prompt='{PROMPT}'", f"decoding.max_new_tokens={a.max_tokens}",
            "model.dtype=float32", f"model.threads={a.threads}", "stream=false", f"output={cli_json}",
            "hydra.run.dir=/tmp/lp_overhead_cli"]
-    subprocess.run(cli, cwd=ROOT, check=True, capture_output=True)
-    cli_res = json.loads(cli_json.read_text())
-    cli_json.unlink()
+    proc = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0 or not cli_json.exists():
+        print(proc.stderr[-2000:], file=sys.stderr)
+        cli_res = {"decode_time_s": None, "output_ids": []}
+    else:
+        cli_res = json.loads(cli_json.read_text())
+        cli_json.unlink()
     s_med = statistics.median(r["server_wall_s"] for r in rows)
     o_med = statistics.median(r["offline_wall_s"] for r in rows)
     summary = {
