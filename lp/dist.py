@@ -150,7 +150,7 @@ class WorkerGroup:
         try:
             dist.all_gather_into_tensor(self._recv, send)
         except Exception as e:  # gloo/nccl raise on timeout or a vanished peer
-            raise WorkerFailure(f"rank {self.rank}: per-step exchange failed ({type(e).__name__}: {e})") from e
+            raise WorkerFailure(f"per-step exchange failed ({type(e).__name__}: {e})") from e
         rows = self._recv.view(self.world_size, self._slots).tolist()  # one device->host read
         if self.check_divergence:
             hashes = [row[-1] for row in rows]
@@ -195,7 +195,7 @@ class WorkerGroup:
         try:
             dist.broadcast(dev, src=0)
         except Exception as e:
-            raise WorkerFailure(f"rank {self.rank}: t(Q) broadcast failed ({type(e).__name__}: {e})") from e
+            raise WorkerFailure(f"t(Q) broadcast failed ({type(e).__name__}: {e})") from e
         vals = dev.cpu().tolist()
         return [(int(vals[1 + 2 * i]), vals[2 + 2 * i]) for i in range(int(vals[0]))]
 
@@ -242,7 +242,7 @@ class RequestChannel:
         try:
             dist.broadcast(t, src=0)
         except Exception as e:  # gloo/nccl raise on timeout or a vanished peer
-            raise WorkerFailure(f"rank {self.group.rank}: request channel {what} failed ({type(e).__name__}: {e})") from e
+            raise WorkerFailure(f"request channel {what} failed ({type(e).__name__}: {e})") from e
         return t
 
     def handshake(self, fingerprint: list[int]) -> None:
@@ -252,7 +252,7 @@ class RequestChannel:
         try:
             dist.all_gather(gathered, mine)
         except Exception as e:
-            raise WorkerFailure(f"rank {self.group.rank}: request channel handshake failed ({type(e).__name__}: {e})") from e
+            raise WorkerFailure(f"request channel handshake failed ({type(e).__name__}: {e})") from e
         rows = [g.cpu().tolist() for g in gathered]
         if any(r != rows[0] for r in rows):
             raise WorkerFailure(f"ranks loaded different models: fingerprints {rows}")

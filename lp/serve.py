@@ -86,13 +86,21 @@ def _serve_worker(cfg: ServeConfig, runner, tokenizer, eos, group) -> int:
 
     log.info("[lp.serve] rank %d ready, waiting for requests from rank 0", group.rank)
     try:
-        worker_loop(runner, tokenizer, eos, group, cfg.decoding)
+        worker_loop(runner, tokenizer, eos, group, cfg.decoding, _draft_store(cfg))
     except WorkerFailure as e:
         log.error("[lp.serve] rank %d: %s (rank 0 gone or silent for parallel.timeout_s=%gs); stopping this worker",
                   group.rank, e, cfg.parallel.timeout_s)
         os._exit(3)
     group.close()
     return 0
+
+
+def _draft_store(cfg: ServeConfig):
+    """The cross-request draft store (server.draft_store=true): every rank keeps its own,
+    identical, copy (each adds the same outputs in the same order)."""
+    from lp.suffix import DraftStore
+
+    return DraftStore(cfg.decoding.draft_store_tokens) if cfg.server.draft_store else None
 
 
 def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
@@ -107,7 +115,7 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
     world = group.world_size if group is not None else 1
     heartbeat = min(s.heartbeat_s, cfg.parallel.timeout_s / 3)
     metrics = ServerMetrics(world)
-    engine = Engine(runner, tokenizer, eos, group, s.max_queue, heartbeat, metrics)
+    engine = Engine(runner, tokenizer, eos, group, s.max_queue, heartbeat, metrics, draft_store=_draft_store(cfg))
     ctx = ServingContext(model_id_of(cfg), tokenizer, runner.vocab_size, runner.max_positions, cfg.decoding, s)
     app = create_app(engine, ctx, metrics, s.retry_after_s)
 

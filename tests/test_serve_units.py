@@ -125,11 +125,23 @@ def test_server_config_validation():
     ServerConfig().validate()
     for kw, field in [(dict(port=70000), "server.port"), (dict(max_queue=-1), "server.max_queue"),
                       (dict(max_N=1), "server.max_N"), (dict(heartbeat_s=0), "server.heartbeat_s"),
-                      (dict(draft_store=True), "server.draft_store"), (dict(log_level="loud"), "server.log_level")]:
+                      (dict(draft_store="yes"), "server.draft_store"), (dict(log_level="loud"), "server.log_level")]:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             ServerConfig(**kw).validate()
     with pytest.raises(ValueError, match="decoding.mode"):
         ServeConfig(decoding=DecodingConfig(mode="ar")).validate()
+
+
+def test_server_draft_store_is_one_shared_store():
+    from lp.serve import _draft_store
+    from lp.suffix import DraftStore
+
+    assert _draft_store(ServeConfig()) is None
+    cfg = ServeConfig(decoding=DecodingConfig(draft_store_tokens=128), server=ServerConfig(draft_store=True))
+    store = _draft_store(cfg.validate())
+    assert isinstance(store, DraftStore)
+    store.add(list(range(300)))
+    assert len(store) <= 128
 
 
 def test_hydra_serve_config_composes():

@@ -32,7 +32,8 @@ class ServerConfig:
     heartbeat_s: float = 5.0
     log_level: str = "info"  # uvicorn's
     access_log: bool = False
-    # Placeholder: the cross-request draft store does not exist yet; must stay false.
+    # drafts also from earlier requests' outputs: one lp.suffix.DraftStore per rank (identical
+    # on every LP rank), holding decoding.draft_store_tokens tokens, oldest evicted first
     draft_store: bool = False
 
     def validate(self) -> "ServerConfig":
@@ -56,8 +57,7 @@ class ServerConfig:
             "critical, error, warning, info, debug or trace",
             self.log_level,
         )
-        need(self.draft_store is False, "draft_store", "false (the cross-request draft store is not wired yet)",
-             self.draft_store)
+        need(isinstance(self.draft_store, bool), "draft_store", "true or false", self.draft_store)
         return self
 
 

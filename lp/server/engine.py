@@ -163,8 +163,9 @@ def unpack_request(fields: list[int], payload: list[int], base: DecodingConfig) 
 
 class Engine:
     def __init__(self, runner, tokenizer, eos: list[int], group, max_queue: int, heartbeat_s: float,
-                 metrics=None, on_fatal=None):
+                 metrics=None, on_fatal=None, draft_store=None):
         self.runner = runner
+        self.draft_store = draft_store  # lp.suffix.DraftStore shared by all requests, or None
         self.tokenizer = tokenizer
         self.eos = eos
         self.group = group
@@ -274,7 +275,7 @@ class Engine:
 
         job.started = time.perf_counter()
         try:
-            decoder = LookaheadDecoder(self.runner, job.decoding, self.group)
+            decoder = LookaheadDecoder(self.runner, job.decoding, self.group, draft_store=self.draft_store)
         except ValueError as e:
             job.emit("error", ApiError(str(e), code="invalid_value"))
             return
@@ -322,7 +323,7 @@ class Engine:
 # ranks 1..K-1
 
 
-def worker_loop(runner, tokenizer, eos: list[int], group, base: DecodingConfig) -> None:
+def worker_loop(runner, tokenizer, eos: list[int], group, base: DecodingConfig, draft_store=None) -> None:
     """Decode every request rank 0 announces, until SHUTDOWN. Raises WorkerFailure when rank 0
     stays silent past parallel.timeout_s or a collective fails."""
     from lp.decoding import LookaheadDecoder
@@ -338,7 +339,7 @@ def worker_loop(runner, tokenizer, eos: list[int], group, base: DecodingConfig) 
             return
         prompt_ids, d = unpack_request(fields, payload, base)
         try:
-            LookaheadDecoder(runner, d, group).generate(prompt_ids, eos, tokenizer=tokenizer)
+            LookaheadDecoder(runner, d, group, draft_store=draft_store).generate(prompt_ids, eos, tokenizer=tokenizer)
         except ValueError as e:  # rank 0 rejected it at the same point, before any exchange
             log.warning("rank %d: request rejected: %s", group.rank, e)
         served += 1
