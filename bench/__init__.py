@@ -6,7 +6,9 @@
     bench.prompts   HumanEval, MT-Bench, GSM8K, ClassEval prompt sets
     bench.report    summary.md, fit.json and plots from results.jsonl
     bench.scaling   t(Q), the paper's S law and the LP speedup model (python -m bench.scaling)
-    bench.gpu_bench t(Q) and lookahead vs ar on one GPU (python -m bench.gpu_bench)
+
+Presets (conf/bench/preset/): +preset=lookahead_vs_ar (one process vs generate), +preset=drafts
+(draft trees vs generate and prompt lookup), +preset=gpu (t(Q) and lookahead on one GPU).
 
 See bench/README.md.
 """

@@ -107,6 +107,7 @@ class BenchConfig:
     # run every one-process method on a prompt before the next prompt (fair when the machine's
     # load varies over the run); multi-worker jobs run afterwards as usual
     interleave: bool = False
+    budget_s: float | None = None  # interleave: start no new prompt once this much time is spent
     worker_timeout_s: float = 7200.0  # a torchrun job that runs longer is stopped
     dist_timeout_s: float = 300.0  # collectives (gloo) give up after this
     plots: bool = True

@@ -410,7 +410,12 @@ def run_bench(cfg: BenchConfig) -> Path:
     t0 = time.perf_counter()
     plan = plan_jobs(cfg)
     if cfg.interleave:
-        for p in main_prompts:
+        for i, p in enumerate(main_prompts):
+            if cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s:
+                print(f"[bench] budget of {cfg.budget_s:g} s spent; stopping before {p.set}#{p.index}",
+                      file=sys.stderr, flush=True)
+                main_prompts = main_prompts[:i]
+                break
             for job, which in plan:
                 if which == "main" and job.kernel[1] == 1:
                     runner.run(job, [p])

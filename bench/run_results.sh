@@ -3,8 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # issue: exact lookahead decoding -- 20 HumanEval prompts, 256 new tokens, 2 threads
-python -m bench.lookahead_vs_ar --dtype float32 --prompts 20 --max-new-tokens 256 --threads 2 \
-  --configs paper default --out bench/results/lookahead_vs_ar_fp32
+# (recorded with the former bench/lookahead_vs_ar.py; the same measurement now:)
+python -m bench.run +preset=lookahead_vs_ar
 # issue: Lookahead Parallelism -- one process vs 2 workers, same W/N/G, 1 thread per worker
 python -m bench.run name=lp_vs_single 'prompts.sets=[humaneval]' prompts.num_prompts=10 \
   'methods=[ar,lookahead,lp]' 'workers=[1,2]' threads=1 reference_threads=0 sweep=none \
@@ -12,5 +12,7 @@ python -m bench.run name=lp_vs_single 'prompts.sets=[humaneval]' prompts.num_pro
 # issue: strong scaling -- humaneval + mt_bench, 10 prompts each, 128 new tokens
 python -m bench.run name=default 'tp_engines=[manual]'
 # bf16 on this CPU (no AMX: bf16 rows are not cheap here), fewer prompts
-python -m bench.lookahead_vs_ar --dtype bfloat16 --prompts 5 --max-new-tokens 256 --threads 2 \
-  --configs default W5N4G5 --out bench/results/lookahead_vs_ar_bf16
+python -m bench.run +preset=lookahead_vs_ar dtype=bfloat16 prompts.num_prompts=5 name=lookahead_vs_ar_bf16
+# issue 8: draft trees vs generate and prompt lookup (code + chat sets, 128 new tokens)
+python -m bench.run +preset=drafts prompts.sets=[humaneval] prompts.num_prompts=20 name=drafts_humaneval
+python -m bench.run +preset=drafts 'prompts.sets=[classeval,mt_bench,gsm8k]' name=drafts_other

@@ -123,3 +123,21 @@ def test_runner_smoke(tmp_path):
                  "speedup_vs_workers.png", "s_vs_w.png", "accept_hist.png"):
         assert (out / name).is_file(), name
     assert "| lp | 2 | 1 | 10 | 4 | 10 |" in (out / "summary.md").read_text()
+
+
+def test_presets_compose_from_their_header_examples():
+    """Every ``python -m bench.run ...`` line in a preset's header composes into a valid config."""
+    import shlex
+
+    for path in sorted((ROOT / "conf" / "bench" / "preset").glob("*.yaml")):
+        lines = [ln for ln in path.read_text().splitlines() if ln.startswith("#") and "python -m bench.run" in ln]
+        assert lines, path
+        for ln in lines:
+            args = shlex.split(ln.split("python -m bench.run", 1)[1])
+            cfg = compose(args).validate()
+            assert cfg.interleave and cfg.workers == [1], (path.name, args)
+    cfg = compose(["+preset=drafts", "prompts.sets=[humaneval]", "prompts.num_prompts=20"])
+    assert cfg.prompts.max_new_tokens["humaneval"] == 128 and cfg.lookahead.W == 1
+    assert [j.method for j, _ in plan_jobs(cfg)] == ["ar", "prompt_lookup", "lp_default", "suffix", "lookahead"]
+    cfg = compose(["+preset=lookahead_vs_ar"])
+    assert cfg.lookahead.W == 15 and cfg.prompts.max_new_tokens["humaneval"] == 256
