@@ -363,8 +363,9 @@ class LookaheadDecoder:
         else:
             scored = suffix_drafts(run.index, self.draft_store, run.tokens, cfg.max_draft_len, cfg.G, cfg.draft_alpha)
             scored += [Scored(s, 0, 1.0) for s in run.pool.get(x, cfg.G)]
-            w_rows = column_rows(range(window.num_columns), window.depth) if window_fits and cfg.window_policy != "off" else 0
-            w_rows = -(-w_rows // self.workers)
+            w_rows = 0
+            if window_fits and cfg.window_policy != "off":
+                w_rows = -(-column_rows(range(window.num_columns), window.depth) // self.workers)
             always = cfg.window_policy == "always" or len(run.pending) > 1
             candidates = select_tree(scored, run.acceptance, len(run.pending) + (w_rows if always else 0), self.tq,
                                      self.draft_rows, 0 if always else w_rows, self.workers)

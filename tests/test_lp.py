@@ -166,7 +166,8 @@ def test_lp_sampling_same_draws_and_distribution(tmp_path):
     tree = dict(dec, drafts="suffix", draft_budget="all", max_draft_len=5, max_draft_rows=10)
     jobs = [{"prompt_ids": SAMPLE_PROMPT, "decoding": dict(dec, seed=s)} for s in range(draws)]
     # every 3rd draw with suffix drafts in a token tree (outcomes exchanged per trie node)
-    jobs = [dict(j, decoding=tree | {"seed": j["decoding"]["seed"]}) if i % 3 == 2 else j for i, j in enumerate(jobs)]
+    jobs = [dict(j, decoding=tree | {"seed": j["decoding"]["seed"]}) if i % 3 == 2 else j
+            for i, j in enumerate(jobs)]
     spec = {"jobs": jobs, "model_path": str(path), "check_divergence": True}
     proc1, single = torchrun(1, spec, tmp_path)
     assert proc1.returncode == 0, proc1.stderr[-3000:]
