@@ -104,14 +104,37 @@ def select_tree(
 
 def observe(acceptance: AcceptanceModel, drafts: Sequence[Scored], verified: Sequence[Sequence[int]],
             emitted: Sequence[int]) -> None:
-    """Update the acceptance model with one step: for every verified (cut) draft, the tokens
-    tried (up to and including the first mismatch) and the tokens accepted."""
-    source = {}
+    """Update the acceptance model with one step: for the best-ranked draft of each match-length
+    bucket that was verified (cut to the budget), the tokens tried (up to and including the
+    first mismatch) and the tokens accepted. Only the best-ranked one: the rate is the
+    per-token acceptance of a bucket's top draft; lower-ranked drafts are discounted by their
+    occurrence share, and counting them here too would discount them twice.
+
+        >>> a = AcceptanceModel()
+        >>> observe(a, [Scored((5, 6, 7), 4, 1.0), Scored((5, 9), 4, 0.5)], [(5, 6, 7), (5, 9)], [5, 6, 2])
+        >>> a.tried[4], a.accepted[4]
+        (3, 2)
+    """
+    from lp.budget import bucket
+
+    seen: set[int] = set()
     for d in drafts:
-        source.setdefault(d.tokens, d.match_len)
-    for cand in verified:
-        m = next((source[d] for d in source if d[: len(cand)] == tuple(cand)), 0)
+        b = bucket(d.match_len)
+        if b in seen:
+            continue
+        seen.add(b)
+        k = max((_common(c, d.tokens) for c in verified), default=0)  # d's part inside the verified trie
+        if k == 0:
+            continue
+        cut = d.tokens[:k]
         acc = 0
-        while acc < len(cand) and acc < len(emitted) and cand[acc] == emitted[acc]:
+        while acc < len(cut) and acc < len(emitted) and cut[acc] == emitted[acc]:
             acc += 1
-        acceptance.observe(m, min(len(cand), acc + 1), acc)
+        acceptance.observe(d.match_len, min(len(cut), acc + 1), acc)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
