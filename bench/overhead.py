@@ -71,7 +71,10 @@ def time_lookahead(model, prompt: list[int], new_tokens: int, shape, repeats: in
     from lp import DecodingConfig, LookaheadDecoder, ModelRunner
 
     W, N, G = shape
-    runner = ModelRunner(model, attention=attention)
+    try:
+        runner = ModelRunner(model, attention=attention)
+    except TypeError:  # a checkout from before model.attention (the "before" column)
+        runner = ModelRunner(model)
     # G=0 with window_policy=with_candidates: every step is a one-row plain decode through
     # the whole lookahead loop, i.e. the loop's own overhead over generate
     policy = "with_candidates" if G == 0 else "always"
