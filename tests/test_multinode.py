@@ -47,7 +47,7 @@ def test_two_launches_of_two_workers_equal_one_process(tmp_path, smollm2):
     model, tok = smollm2
     port = _free_port()
     out = tmp_path / "out.json"
-    overrides = ["parallel.workers=4", "prompt=List three uses of a hash map, one line each.",
+    overrides = ["parallel.workers=4", "prompt=List three uses of a hash map.",
                  "decoding.max_new_tokens=32", "decoding.W=5", "decoding.N=4", "decoding.G=5",
                  f"output={out}", "stream=false", "parallel.timeout_s=90", "model.dtype=float32"]
     env = dict(os.environ, LP_RUN_DIR=str(tmp_path / "run"), LP_THREADS="1")
