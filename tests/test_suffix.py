@@ -216,7 +216,8 @@ def test_drafts_match_brute_force_random():
             for d in got:  # every draft is read from the text after an earlier match
                 ends = ix.occurrences(t[i + 1 - d.match_len : i + 1])
                 assert any(tuple(t[e + 1 : e + 1 + len(d.tokens)]) == d.tokens for e in ends if e < i)
-                assert 1 <= len(d.tokens) <= mt and 1 <= d.count <= d.total
+                assert len(d.tokens) >= 1 and len(d.tokens) <= mt
+                assert d.count >= 1 and d.count <= d.total
 
 
 def test_generation_like_sequence_states_linear():
@@ -230,7 +231,7 @@ def test_generation_like_sequence_states_linear():
     assert m >= 1 and ends == [e for e in range(m - 1, n - 1) if t[e - m + 1 : e + 1] == t[-m:]]
     assert not any(t[e - m : e + 1] == t[-m - 1 :] for e in range(m, n - 1))  # m is the longest
     for d in ix.draft(8, 4):
-        assert 1 <= len(d.tokens) <= 8
+        assert len(d.tokens) >= 1 and len(d.tokens) <= 8
 
 
 # ---------------------------------------------------------------------------
@@ -301,5 +302,5 @@ def test_store_memory_bounded_on_generation_like_sequence():
         assert len(st) <= 1024
         assert st.num_states <= 2 * len(st) + 1
         for d in st.draft(t[i - 16 : i], max_tokens=8, max_drafts=4):
-            assert 1 <= len(d.tokens) <= 8 and d.match_len >= 1
+            assert len(d.tokens) >= 1 and len(d.tokens) <= 8 and d.match_len >= 1
     assert len(st) > 1024 - 300
