@@ -11,10 +11,20 @@ from dataclasses import dataclass, field
 
 PROMPT_SETS = ("humaneval", "mt_bench", "gsm8k", "classeval")
 CHAT_SETS = ("mt_bench", "gsm8k")  # chat template unless prompts.raw=true
-# lp_default: LookaheadDecoder with lp.generate's defaults (suffix-drafted token tree + window
-# n-grams, rows from the measured t(Q)); suffix: the same drafter alone (window off)
-METHODS = ("ar", "prompt_lookup", "lookahead", "lp", "tp", "pp", "lp_default", "suffix")
-IN_PROCESS_DECODING = {"lp_default": {}, "suffix": {"window_policy": "off"}}
+# in-process lp methods: (DecodingConfig overrides, ModelRunner options) over lp.generate's defaults.
+# lp_default: the defaults (suffix-drafted token tree, rows from the measured t(Q), the window
+# where the hardware defaults keep it, small-row matmuls where calibration finds them faster);
+# suffix: the drafter alone (window off); lp_window: drafts + the window on draft steps;
+# lp_torch_matmul: the defaults with torch's own matmul kernel (model.small_rows=off), i.e. the
+# gain of the drafts alone
+METHODS = ("ar", "prompt_lookup", "lookahead", "lp", "tp", "pp", "lp_default", "suffix", "lp_window",
+           "lp_torch_matmul")
+IN_PROCESS_DECODING = {
+    "lp_default": ({}, {}),
+    "suffix": ({"window_policy": "off"}, {}),
+    "lp_window": ({"window_policy": "with_candidates"}, {}),
+    "lp_torch_matmul": ({}, {"small_rows": "off"}),
+}
 MULTI_WORKER = ("lp", "tp", "pp")  # run under torchrun when workers > 1
 TP_ENGINES = ("dtensor", "manual")
 

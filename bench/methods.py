@@ -96,10 +96,10 @@ def run_prompt_lookup(model, prompt_ids, max_new_tokens, eos, num_tokens: int = 
 
 def run_lookahead(
     model, prompt_ids, max_new_tokens, eos, W: int, N: int, G: int, prompt_pool: bool, group=None,
-    window_policy: str = "always", decoding: dict | None = None,
+    window_policy: str = "always", decoding: dict | None = None, runner_kw: dict | None = None,
 ) -> Run:
     """``decoding`` given: DecodingConfig(max_new_tokens, **decoding) (the hardware defaults
-    fill the rest) instead of the explicit W/N/G."""
+    fill the rest) instead of the explicit W/N/G. ``runner_kw``: ModelRunner options."""
     from lp.config import DecodingConfig
     from lp.decoding import LookaheadDecoder
     from lp.model import ModelRunner
@@ -110,7 +110,8 @@ def run_lookahead(
         cfg = DecodingConfig(
             W=W, N=N, G=G, max_new_tokens=max_new_tokens, prompt_pool=prompt_pool, window_policy=window_policy
         )
-    res = LookaheadDecoder(ModelRunner(model), cfg, group).generate(list(prompt_ids), eos_token_ids=list(eos))
+    runner = ModelRunner(model, **(runner_kw or {}))
+    res = LookaheadDecoder(runner, cfg, group).generate(list(prompt_ids), eos_token_ids=list(eos))
     s = res.stats
     return Run(
         output_ids=list(res.output_ids),

@@ -58,7 +58,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
         g["rows_per_step"] = all_rows / sum(n for _, n in row_vals) if row_vals else None
         g["tokens_per_row"] = tokens / all_rows if row_vals and all_rows else None
         out.append(g)
-    order = {"ar": 0, "prompt_lookup": 1, "lp_default": 2, "suffix": 3, "lookahead": 4, "lp": 5, "tp": 6, "pp": 7}
+    order = {"ar": 0, "prompt_lookup": 1, "lp_default": 2, "lp_torch_matmul": 3, "suffix": 4, "lp_window": 5,
+             "lookahead": 6, "lp": 7, "tp": 8, "pp": 9}
     out.sort(key=lambda g: (g["set"] == "all", g["set"], order.get(g["method"], 9), g["workers"], g["threads"],
                             g["W"] or 0, g["G"] or 0))
     return out

@@ -187,7 +187,8 @@ class Runner:
             if kind == "prompt_lookup":
                 return methods.run_prompt_lookup(m, ids, n, eos, cfg.prompt_lookup_num_tokens)
             if kind in IN_PROCESS_DECODING:
-                return methods.run_lookahead(m, ids, n, eos, 0, 0, 0, True, decoding=IN_PROCESS_DECODING[kind])
+                decoding, runner_kw = IN_PROCESS_DECODING[kind]
+                return methods.run_lookahead(m, ids, n, eos, 0, 0, 0, True, decoding=decoding, runner_kw=runner_kw)
             assert kind == "lookahead", kind
             return methods.run_lookahead(
                 m, ids, n, eos, job.W, job.N, job.G, cfg.lookahead.prompt_pool,

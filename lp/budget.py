@@ -17,17 +17,32 @@ and keeps the k that maximizes tokens per second:
     >>> best_k([0.3, 0.1], base=1, curve=curve)    # 1.4 tokens / 85 ms < 1 / 55 ms
     0
 
-On this curve the second row costs ~55% of a step, so a lone draft token must be
-accepted with P > 0.55 to pay, while ten likely tokens (a long suffix match on code)
-pay easily. On a GPU-like flat curve every node with P > 0 pays.
+The curve need not rise: a BLAS may run 2 or 3 rows slower than 4 or 8 (measured on a
+2-core EPYC with MKL, SmolLM2 fp32: t(1..8) = 58, 95, 118, 84, 75, 78, 97, 81 ms).
+``envelope`` turns t into the cost of the cheapest measured size at or above Q, and
+``padded_rows`` names that size; one process pads its step up to it (the extra rows
+are the next most likely nodes, else filler), so a step of 2 real rows costs t(5):
 
-``AcceptanceModel`` estimates the per-token acceptance of a draft from its source:
-suffix-matched drafts by the length m of the match they were read after (buckets
-1, 2, 3, 4-7, 8-15, 16+), window/pool n-grams as bucket 0. Each bucket starts from a
-prior and is updated online with what verification saw (tokens tried, tokens
-accepted); the update reads only the published tokens, which all ranks share.
-P(node at depth d of a draft) = freq * c^d, with c the bucket's estimate and freq the
-share of earlier occurrences that continue with the draft.
+    >>> bumpy = [(1, 58), (2, 95), (3, 118), (4, 84), (5, 75), (6, 78), (8, 81)]
+    >>> envelope(bumpy)
+    [(1, 58), (2, 75), (3, 75), (4, 75), (5, 75), (6, 78), (8, 81)]
+    >>> padded_rows(bumpy, 2), padded_rows(bumpy, 6), padded_rows(bumpy, 9)
+    (5, 6, 9)
+
+On the smooth curve above the second row costs ~55% of a step, so a lone draft token
+must be accepted with P > 0.55 to pay, while ten likely tokens (a long suffix match on
+code) pay easily. On a GPU-like flat curve every node with P > 0 pays.
+
+``AcceptanceModel`` estimates the acceptance of one draft token from the length m of
+the suffix match it is predicted by (buckets 1, 2, 3, 4-7, 8-15, 16+; bucket 0 for
+window/pool n-grams). A draft read after a match of m tokens predicts its token at
+depth j (0-based) from a match of m + j tokens once the tokens before it are accepted,
+so P(node at depth d) = share x rate(m) x rate(m + 1) x ... x rate(m + d - 1): the
+longer a copy has held, the likelier it goes on (measured on HumanEval + ClassEval
+outputs of SmolLM2: 0.26 at m = 1, 0.58 at 2, 0.70 at 3, ~0.8 at 4-7, ~0.9 at 8-15,
+0.96 past 16, the priors below). Each bucket starts from its prior and is updated
+online with what verification saw; the update reads only the published tokens, which
+all ranks share.
 """
 
 from __future__ import annotations
@@ -36,7 +51,7 @@ import bisect
 from collections.abc import Sequence
 
 # per-bucket prior acceptance of one draft token (bucket 0: window / pool n-grams)
-PRIOR = (0.35, 0.3, 0.4, 0.5, 0.6, 0.75, 0.85)
+PRIOR = (0.35, 0.25, 0.55, 0.65, 0.78, 0.88, 0.95)
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observed tokens
 
 
@@ -56,9 +71,9 @@ class AcceptanceModel:
 
         >>> a = AcceptanceModel()
         >>> round(a.rate(5), 3)
-        0.6
+        0.78
         >>> a.observe(5, tried=6, accepted=6); round(a.rate(5), 3)
-        0.84
+        0.912
     """
 
     def __init__(self, prior: Sequence[float] = PRIOR, weight: float = PRIOR_WEIGHT):
@@ -91,6 +106,27 @@ def cost(curve: Sequence[tuple[int, float]], q: int) -> float:
     return t0 + (t1 - t0) * (q - q0) / (q1 - q0)
 
 
+def envelope(curve: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """t(Q) -> min over the measured Q' >= Q of t(Q'): the cost of a step padded to the
+    cheapest size at or above Q (see ``padded_rows``)."""
+    out: list[tuple[int, float]] = []
+    best = float("inf")
+    for q, t in reversed(curve):
+        best = min(best, t)
+        out.append((q, best))
+    return out[::-1]
+
+
+def padded_rows(curve: Sequence[tuple[int, float]], rows: int) -> int:
+    """The measured size Q' >= rows of least cost (the smallest such on a tie); ``rows``
+    itself past the curve's end or when no larger size is cheaper."""
+    best_q, best_t = rows, cost(curve, rows)
+    for q, t in curve:
+        if q > rows and t < best_t:
+            best_q, best_t = q, t
+    return best_q
+
+
 def best_k(
     probs: Sequence[float],
     base: int,
@@ -98,16 +134,19 @@ def best_k(
     extra_rows: int = 0,
     workers: int = 1,
     cap: int | None = None,
+    plain: float | None = None,
 ) -> int:
     """How many of the nodes (``probs`` sorted by decreasing P) to verify.
 
     ``extra_rows``: rows that ride along only when k > 0 (the window under
     window_policy=with_candidates). ``workers``: LP splits the draft rows, a worker runs
-    about k / workers of them. ``curve`` None: no cost model, take every node (up to cap)."""
+    about k / workers of them. ``curve`` None: no cost model, take every node (up to cap).
+    ``plain``: the cost of the step without drafts when it differs from t(base) (a padded
+    step's envelope prices k >= 1; k = 0 runs unpadded)."""
     k_max = len(probs) if cap is None else min(len(probs), cap)
     if curve is None:
         return k_max
-    best, best_rate = 0, 1.0 / cost(curve, base)
+    best, best_rate = 0, 1.0 / (cost(curve, base) if plain is None else plain)
     gain = 1.0
     for k in range(1, k_max + 1):
         gain += probs[k - 1]

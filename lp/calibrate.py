@@ -1,8 +1,8 @@
 """t(Q) calibration: the measured cost of one packed forward over Q rows, cached per machine.
 
-Contract: ``row_cost_curve(runner)`` returns [(Q, seconds)] for a few Q after a
-128-token prefix, measured once (a few seconds) and cached as JSON under
-``$LP_CACHE/tq/<model>-<device>-<dtype>-t<threads>.json`` (``LP_CACHE`` defaults to
+Contract: ``row_cost_curve(runner)`` returns [(Q, seconds)] for every Q up to 16 and a few
+above, after a 128-token prefix, measured once (~10 s on a 2-core CPU) and cached as JSON under
+``$LP_CACHE/tq/<model>-<device>-<dtype>-t<threads>-<attention>-<version>.json`` (``LP_CACHE`` defaults to
 ~/.cache/lp); later calls read the file. A curve measured while the machine was busy
 (1-minute load average above the core count) is measured again on the first call that
 finds the machine quiet. The draft budget (lp.budget) takes the curve
@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
-QS = (1, 2, 4, 8, 16, 32)
+# every size up to 16 (small sizes are where a BLAS switches kernels), then coarser
+QS = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)
 PREFIX = 128
+VERSION = "v2"  # bumped when QS or the measurement changes: older files are not read
 
 
 def cache_path(runner) -> Path:
@@ -30,26 +32,35 @@ def cache_path(runner) -> Path:
     blob = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
     digest = hashlib.sha1(blob.encode()).hexdigest()[:12]
     dtype = str(runner.dtype).replace("torch.", "")
-    name = f"{digest}-{runner.device.type}-{dtype}-t{torch.get_num_threads()}-{runner.attention}.json"
+    name = (f"{digest}-{runner.device.type}-{dtype}-t{torch.get_num_threads()}-{runner.attention}"
+            f"-small{runner.small_rows_mode}-{VERSION}.json")
     return default_cache_dir() / "tq" / name
 
 
-def row_cost_curve(runner, qs=QS, repeats: int = 5, refresh: bool = False) -> list[tuple[int, float]]:
+def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False) -> list[tuple[int, float]]:
+    """The curve (cached); with ``model.small_rows=auto`` it also sets ``runner.small_rows``
+    to the row counts that ran faster with small-row matmuls (lp.kernels)."""
     path = cache_path(runner)
     cores = os.cpu_count() or 1
     if path.is_file() and not refresh:
         try:
             saved = json.loads(path.read_text())
             if not (saved.get("busy") and _load() < 0.75 * cores):
-                return [(int(q), float(t)) for q, t in saved["curve"]]
+                curve = [(int(q), float(t)) for q, t in saved["curve"]]
+                if runner.small_rows_mode == "auto":
+                    runner.small_rows = frozenset(int(q) for q in saved["small_rows"])
+                return curve
         except (ValueError, KeyError, TypeError, AttributeError):
             pass
     load = _load()
-    curve = measure(runner, qs, repeats)
+    curve, small = measure(runner, qs, repeats)
+    if runner.small_rows_mode == "auto":
+        runner.small_rows = small
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{time.time_ns()}.tmp")
     busy = max(load, _load()) > cores
-    tmp.write_text(json.dumps({"curve": curve, "prefix": PREFIX, "repeats": repeats, "loadavg": load, "busy": busy}))
+    tmp.write_text(json.dumps({"curve": curve, "small_rows": sorted(small), "prefix": PREFIX, "repeats": repeats,
+                               "loadavg": load, "busy": busy}))
     tmp.replace(path)
     return curve
 
@@ -61,8 +72,10 @@ def _load() -> float:
         return 0.0
 
 
-def measure(runner, qs=QS, repeats: int = 5) -> list[tuple[int, float]]:
-    """Fastest forward time of ``repeats`` per Q, after one warm-up round, on a PREFIX-token cache."""
+def measure(runner, qs=QS, repeats: int = 3) -> tuple[list[tuple[int, float]], frozenset[int]]:
+    """Fastest forward time of ``repeats`` per Q, after one warm-up round, on a PREFIX-token
+    cache; with ``runner.small_rows_mode == "auto"`` each Q >= 2 is timed both ways and
+    keeps the faster (the returned set: the Q where small-row matmuls won)."""
     from lp.layout import chain_layout
 
     limit = runner.max_positions or 4096
@@ -75,19 +88,33 @@ def measure(runner, qs=QS, repeats: int = 5) -> list[tuple[int, float]]:
     # repeats interleaved over Q (a busy machine slows every Q alike), the minimum kept
     # (noise only ever adds time)
     rows = {q: torch.randint(vocab, (q,), generator=gen).tolist() for q in qs}
-    best = {q: float("inf") for q in qs}
-    for i in range(repeats + 1):
-        for q in qs:
-            t0 = time.perf_counter()
-            logits = runner.forward(chain_layout(rows[q]), cache)
-            logits.argmax(-1).tolist()  # the step's device->host read
-            dt = time.perf_counter() - t0
-            runner.crop(cache, prefix)
-            if i:
-                best[q] = min(best[q], dt)
-    curve = [(q, best[q]) for q in qs]
-    # cost never falls with more rows (noise): make the curve monotone
-    for i in range(1, len(curve)):
-        if curve[i][1] < curve[i - 1][1]:
-            curve[i] = (curve[i][0], curve[i - 1][1])
-    return curve
+    both = runner.small_rows_mode == "auto"
+    kept = runner.small_rows
+    variants = [(q, v) for q in qs for v in ((False, True) if both and q >= 2 else (None,))]
+    best = {qv: float("inf") for qv in variants}
+    try:
+        for i in range(repeats + 1):
+            for q, v in variants:
+                if v is not None:
+                    runner.small_rows = frozenset([q]) if v else frozenset()
+                t0 = time.perf_counter()
+                logits = runner.forward(chain_layout(rows[q]), cache)
+                logits.argmax(-1).tolist()  # the step's device->host read
+                dt = time.perf_counter() - t0
+                runner.crop(cache, prefix)
+                if i:
+                    best[(q, v)] = min(best[(q, v)], dt)
+    finally:
+        runner.small_rows = kept
+    # kept as measured, not made monotone: a BLAS can run 2-3 rows slower than 4-8
+    # (lp.budget.envelope prices a step at the cheapest size at or above it)
+    curve, small = [], set()
+    for q in qs:
+        if both and q >= 2:
+            fast = best[(q, True)] < best[(q, False)]
+            curve.append((q, best[(q, fast)]))
+            if fast:
+                small.add(q)
+        else:
+            curve.append((q, best[(q, None)]))
+    return curve, frozenset(small)

@@ -123,8 +123,8 @@ class LocalMerge:
     def begin(self, emit_slots: int, node_slots: int, column_slots: int) -> None:
         pass
 
-    def share_curve(self, curve):
-        return curve
+    def share_curve(self, curve, small_rows):
+        return curve, small_rows
 
     def greedy(self, local: Path, own: list[int], z_local: list[int], plan, cancel: bool, state_hash: int):
         winner = own[local.winner] if local.winner is not None else None
@@ -145,9 +145,10 @@ class GatherMerge:
     def begin(self, emit_slots: int, node_slots: int, column_slots: int) -> None:
         self.group.begin(emit_slots, node_slots, column_slots)
 
-    def share_curve(self, curve):
-        """Rank 0's t(Q) curve on every rank: the budget's decisions must agree."""
-        return self.group.share_curve(curve)
+    def share_curve(self, curve, small_rows):
+        """Rank 0's t(Q) curve and small-row kernel choice on every rank: the budget's
+        decisions must agree."""
+        return self.group.share_curve(curve, small_rows)
 
     def greedy(self, local: Path, own: list[int], z_local: list[int], plan, cancel: bool, state_hash: int):
         winner = own[local.winner] if local.winner is not None else -1
@@ -337,7 +338,10 @@ class LookaheadDecoder:
         if index is not None and cfg.draft_budget == "auto" and self.tq is None:
             from lp.calibrate import row_cost_curve
 
-            self.tq = self.merge.share_curve(row_cost_curve(self.runner) if self.rank == 0 else None)
+            curve = row_cost_curve(self.runner) if self.rank == 0 else None
+            self.tq, small = self.merge.share_curve(curve, self.runner.small_rows)
+            if self.runner.small_rows_mode == "auto":
+                self.runner.small_rows = small  # rank 0's choice of kernel on every rank
         rows = self.max_step_rows()
         cache = self.runner.new_cache(len(prompt_ids) + cfg.max_new_tokens + rows, rows)
         self.merge.begin(self.max_draft + 1, self.draft_rows, cfg.W + cfg.N - 2)
@@ -367,8 +371,10 @@ class LookaheadDecoder:
             if window_fits and cfg.window_policy != "off":
                 w_rows = -(-column_rows(range(window.num_columns), window.depth) // self.workers)
             always = cfg.window_policy == "always" or len(run.pending) > 1
+            # one process pads the step to the cheapest measured size (lp.budget.envelope);
+            # LP workers hold different row counts, so they price the curve as measured
             candidates = select_tree(scored, run.acceptance, len(run.pending) + (w_rows if always else 0), self.tq,
-                                     self.draft_rows, 0 if always else w_rows, self.workers)
+                                     self.draft_rows, 0 if always else w_rows, self.workers, pad=self.workers == 1)
         if limit is not None:
             room = limit - p - 1
             candidates = list(dict.fromkeys(tuple(c[:room]) for c in candidates if room > 0))

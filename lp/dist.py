@@ -182,22 +182,25 @@ class WorkerGroup:
         zs = [row[1 + m : 1 + m + len(plan[k].columns)] for k, row in enumerate(rows)]
         return roots, nodes, zs, cancelled
 
-    def share_curve(self, curve):
-        """Rank 0's [(Q, seconds)] on every rank (one broadcast per generation that calibrates)."""
+    def share_curve(self, curve, small_rows=frozenset()):
+        """Rank 0's [(Q, seconds)] and its small-row kernel set (lp.kernels, a subset of the
+        curve's Q) on every rank (one broadcast per generation that calibrates)."""
         from lp.calibrate import QS
 
-        buf = torch.full((2 * len(QS) + 1,), -1.0, dtype=torch.float64)
+        buf = torch.full((3 * len(QS) + 1,), -1.0, dtype=torch.float64)
         if self.rank == 0:
             buf[0] = len(curve)
             for i, (q, t) in enumerate(curve):
-                buf[1 + 2 * i], buf[2 + 2 * i] = float(q), float(t)
+                buf[1 + 3 * i], buf[2 + 3 * i], buf[3 + 3 * i] = float(q), float(t), float(q in small_rows)
         dev = buf.to(self.device)
         try:
             dist.broadcast(dev, src=0)
         except Exception as e:
             raise WorkerFailure(f"t(Q) broadcast failed ({type(e).__name__}: {e})") from e
         vals = dev.cpu().tolist()
-        return [(int(vals[1 + 2 * i]), vals[2 + 2 * i]) for i in range(int(vals[0]))]
+        n = int(vals[0])
+        curve = [(int(vals[1 + 3 * i]), vals[2 + 3 * i]) for i in range(n)]
+        return curve, frozenset(int(vals[1 + 3 * i]) for i in range(n) if vals[3 + 3 * i] > 0.5)
 
     def close(self) -> None:
         if dist.is_initialized():

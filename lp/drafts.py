@@ -22,17 +22,26 @@ keeps the nodes the budget pays for; the result is the drafts cut to the kept no
     >>> select_tree(drafts, AcceptanceModel(), base=1, curve=None, cap=5)
     [(5, 6, 7, 8), (4,)]
     >>> select_tree(drafts, AcceptanceModel(), base=1, curve=None, cap=3)
-    [(5, 6), (4,)]
+    [(5, 6, 7)]
     >>> steep = [(1, 0.055), (2, 0.085), (16, 0.130)]
     >>> select_tree(drafts, AcceptanceModel(), base=1, curve=steep, cap=16)
     [(5, 6, 7, 8), (4,)]
     >>> select_tree([Scored((5, 9), 1, 0.5)], AcceptanceModel(), base=1, curve=steep, cap=16)
     []
 
-With the priors, node P is 0.6, 0.36, 0.22, 0.13 along (5, 6, 7, 8) (m=6: 0.6 per
-token), 0.35 for the pool's (4,), 0.045 for (5, 9): on the steep CPU curve the five
-likely nodes pay (2.66 tokens expected for t(6) = 98 ms against 1 for 55 ms), a lone
-unlikely draft does not (a plain one-row step).
+With the priors, node P is 0.78, 0.61, 0.54, 0.47 along (5, 6, 7, 8) (read after a
+6-token match: the rates of m = 6, 7, 8, 9), 0.35 for the pool's (4,), 0.125 and 0.069
+along (5, 9) (m = 1, half the occurrences): on the steep CPU curve the five likely nodes
+pay (3.74 tokens expected for t(6) = 98 ms against 1 for 55 ms), a lone unlikely draft
+does not (a plain one-row step). With ``pad=True`` the step is priced on the curve's
+envelope and filled to the cheapest size (lp.budget):
+
+    >>> bumpy = [(1, 0.058), (2, 0.095), (3, 0.118), (4, 0.084), (5, 0.075), (8, 0.081)]
+    >>> select_tree([Scored((5, 6), 3, 1.0)], AcceptanceModel(), base=1, curve=bumpy, cap=16, pad=True)
+    [(5, 6), (0, 0)]
+
+(2 draft rows + 1 pending would cost t(3) = 118 ms; 5 rows cost 75 ms, so two filler
+rows ride along.)
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lp.budget import AcceptanceModel, best_k
+from lp.budget import AcceptanceModel, best_k, bucket, cost, envelope, padded_rows
 from lp.tree import merge_trie
 
 
@@ -73,23 +82,33 @@ def select_tree(
     cap: int,
     extra_rows: int = 0,
     workers: int = 1,
+    pad: bool = False,
 ) -> list[tuple[int, ...]]:
-    """The drafts cut to the trie nodes the budget keeps (see module doc)."""
+    """The drafts cut to the trie nodes the budget keeps (see module doc).
+
+    ``pad`` (one process): the step is priced at the cheapest measured size at or above
+    its rows (lp.budget.envelope) and filled up to that size, first with the next most
+    likely nodes, then with filler chains (never expected to be accepted; verification
+    keeps them exact), all within ``cap`` nodes."""
     if not drafts or cap <= 0:
         return []
     cands = [d.tokens for d in drafts]
     trie = merge_trie(cands)
-    prob = [0.0] * len(trie)
-    for d, path in zip(drafts, trie.paths):
-        c = acceptance.rate(d.match_len)
-        p = d.freq
-        for node in path:
-            p *= c
-            if p > prob[node]:
-                prob[node] = p
+    prob = node_probs(drafts, trie, acceptance)
     # parents never rank below children (P falls along a path); ties: shallower, then earlier
     order = sorted(range(len(trie)), key=lambda n: (-prob[n], trie.depths[n], n))
-    k = best_k([prob[n] for n in order], base, curve, extra_rows, workers, cap)
+    pad = pad and curve is not None
+    probs = [prob[n] for n in order]
+    if pad:  # k >= 1 priced at the cheapest size at or above it; k = 0 is the unpadded step
+        k = best_k(probs, base, envelope(curve), extra_rows, workers, cap, plain=cost(curve, base))
+    else:
+        k = best_k(probs, base, curve, extra_rows, workers, cap)
+    filler = 0
+    if pad and k:
+        rows = base + extra_rows + k
+        room = min(padded_rows(curve, rows), base + extra_rows + cap) - rows
+        more = min(room, len(order) - k)
+        k, filler = k + more, room - more
     kept = set(order[:k])
     cut: list[tuple[int, ...]] = []
     for cand, path in zip(cands, trie.paths):
@@ -99,24 +118,56 @@ def select_tree(
         if n:
             cut.append(tuple(cand[:n]))
     cut = list(dict.fromkeys(cut))
-    return [c for c in cut if not any(o != c and o[: len(c)] == c for o in cut)]
+    cut = [c for c in cut if not any(o != c and o[: len(c)] == c for o in cut)]
+    return cut + _filler(filler, {c[0] for c in cands}, max(len(c) for c in cands))
+
+
+def node_probs(drafts: Sequence[Scored], trie, acceptance: AcceptanceModel) -> list[float]:
+    """P(the target accepts the whole path to each trie node): the best over the drafts
+    through it of share x rate(m) x rate(m + 1) x ... (lp.budget; pool n-grams: m = 0
+    at every depth)."""
+    prob = [0.0] * len(trie)
+    for d, path in zip(drafts, trie.paths):
+        p = d.freq
+        for j, node in enumerate(path):
+            p *= acceptance.rate(d.match_len + j if d.match_len else 0)
+            if p > prob[node]:
+                prob[node] = p
+    return prob
+
+
+def _filler(rows: int, taken: set[int], max_len: int) -> list[tuple[int, ...]]:
+    """``rows`` trie nodes as chains of at most ``max_len`` tokens whose first tokens are not
+    among ``taken`` (so they merge with nothing): token ids 0, 1, 2, ... repeated."""
+    out: list[tuple[int, ...]] = []
+    t = 0
+    while rows > 0:
+        while t in taken:
+            t += 1
+        n = min(rows, max_len)
+        out.append((t,) * n)
+        rows -= n
+        t += 1
+    return out
 
 
 def observe(acceptance: AcceptanceModel, drafts: Sequence[Scored], verified: Sequence[Sequence[int]],
             emitted: Sequence[int]) -> None:
     """Update the acceptance model with one step: for the best-ranked draft of each match-length
-    bucket that was verified (cut to the budget), the tokens tried (up to and including the
-    first mismatch) and the tokens accepted. Only the best-ranked one: the rate is the
-    per-token acceptance of a bucket's top draft; lower-ranked drafts are discounted by their
-    occurrence share, and counting them here too would discount them twice.
+    bucket that was verified (cut to the budget), each token tried (up to and including the
+    first mismatch) counts for the match length that predicted it (m + its depth; pool
+    n-grams: 0). Only the best-ranked one: the rate is the per-token acceptance of a
+    bucket's top draft; lower-ranked drafts are discounted by their occurrence share, and
+    counting them here too would discount them twice.
 
         >>> a = AcceptanceModel()
         >>> observe(a, [Scored((5, 6, 7), 4, 1.0), Scored((5, 9), 4, 0.5)], [(5, 6, 7), (5, 9)], [5, 6, 2])
         >>> a.tried[4], a.accepted[4]
         (3, 2)
+        >>> observe(a, [Scored((1, 2, 3), 3, 1.0)], [(1, 2, 3)], [1, 5])
+        >>> a.tried[3], a.accepted[3], a.tried[4], a.accepted[4]
+        (1, 1, 4, 2)
     """
-    from lp.budget import bucket
-
     seen: set[int] = set()
     for d in drafts:
         b = bucket(d.match_len)
@@ -130,7 +181,8 @@ def observe(acceptance: AcceptanceModel, drafts: Sequence[Scored], verified: Seq
         acc = 0
         while acc < len(cut) and acc < len(emitted) and cut[acc] == emitted[acc]:
             acc += 1
-        acceptance.observe(d.match_len, min(len(cut), acc + 1), acc)
+        for j in range(min(len(cut), acc + 1)):
+            acceptance.observe(d.match_len + j if d.match_len else 0, 1, int(j < acc))
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

@@ -86,7 +86,7 @@ def run(cfg: GenerateConfig) -> dict | None:
             ids, stats = _run_ar(model, tokenizer, prompt_ids, dcfg, eos, streamer)
         else:
             on_step = _step_logger() if (lead and cfg.log_steps) else None
-            decoder = LookaheadDecoder(ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs), dcfg, group)
+            decoder = LookaheadDecoder(ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows), dcfg, group)
             dcfg = decoder.cfg  # W/N/G resolved for the hardware
             res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)
             ids, stats = res.output_ids, res.stats.summary()

@@ -158,7 +158,8 @@ class ModelRunner:
     ``Skeleton``. A step sends its token ids to the device and nothing else.
     """
 
-    def __init__(self, model, attention: str = "auto", cuda_graphs: bool = False, static_shapes: bool = False):
+    def __init__(self, model, attention: str = "auto", cuda_graphs: bool = False, static_shapes: bool = False,
+                 small_rows: str = "auto"):
         config = model.config
         if not getattr(config, "is_decoder", True) or getattr(config, "is_encoder_decoder", False):
             raise ValueError("lookahead decoding needs a decoder-only causal LM")
@@ -213,6 +214,19 @@ class ModelRunner:
             self._static = StaticStepper(self, capture=cuda_graphs)
         self._mask = None  # [1, 1, Q_cap, K_cap] additive, 0 = visible
         self._dirty = (0, 0)  # columns holding the last step's local block
+        # small-row matmuls (lp.kernels): row counts of a step that run W @ x.T; auto: the
+        # counts lp.calibrate measured faster (CPU only, none until calibrated)
+        if small_rows not in ("auto", "on", "off"):
+            raise ValueError(f"model.small_rows must be auto, on or off, got {small_rows!r}")
+        self.small_rows_mode = "off" if (small_rows == "auto" and self.device.type != "cpu") else small_rows
+        self._small = None
+        self.small_rows: frozenset[int] = frozenset()
+        if self.small_rows_mode != "off":
+            from lp import kernels
+
+            self._small = kernels.install(model)
+            if self.small_rows_mode == "on":
+                self.small_rows = frozenset(range(2, 1 << 16))
 
     # -- per-generation state ---------------------------------------------------
 
@@ -321,15 +335,22 @@ class ModelRunner:
         else:
             mask = self._dense_mask(sk, local_add_QQ, cache_len, pos_Q)
         ids_1Q = torch.tensor([layout.tokens], dtype=torch.long).to(self.device, non_blocking=True)
+        small = self._small is not None and sk.num_rows in self.small_rows
         with self._kernel():
-            out = self.model(
-                input_ids=ids_1Q,
-                position_ids=pos_Q[None],
-                attention_mask=mask,
-                **{self._cache_kw: cache},
-                use_cache=True,
-                logits_to_keep=keep,
-            )
+            if small:
+                self._small.on = True
+            try:
+                out = self.model(
+                    input_ids=ids_1Q,
+                    position_ids=pos_Q[None],
+                    attention_mask=mask,
+                    **{self._cache_kw: cache},
+                    use_cache=True,
+                    logits_to_keep=keep,
+                )
+            finally:
+                if small:
+                    self._small.on = False
         return out.logits[0].float()
 
     @contextlib.contextmanager

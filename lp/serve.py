@@ -67,7 +67,7 @@ def run(cfg: ServeConfig) -> int:
     model, tokenizer = load_model(path, cfg.model.dtype, str(device))
     if tokenizer is None:
         raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows)
     eos = eos_ids(model, tokenizer)
     try:
         if group is not None:

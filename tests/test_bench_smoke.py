@@ -138,6 +138,6 @@ def test_presets_compose_from_their_header_examples():
             assert cfg.interleave and cfg.workers == [1], (path.name, args)
     cfg = compose(["+preset=drafts", "prompts.sets=[humaneval]", "prompts.num_prompts=20"])
     assert cfg.prompts.max_new_tokens["humaneval"] == 128 and cfg.lookahead.W == 1
-    assert [j.method for j, _ in plan_jobs(cfg)] == ["ar", "prompt_lookup", "lp_default", "suffix", "lookahead"]
+    assert [j.method for j, _ in plan_jobs(cfg)] == ["ar", "prompt_lookup", "lp_default", "lp_torch_matmul", "lookahead"]
     cfg = compose(["+preset=lookahead_vs_ar"])
     assert cfg.lookahead.W == 15 and cfg.prompts.max_new_tokens["humaneval"] == 256

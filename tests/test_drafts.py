@@ -10,14 +10,15 @@ import pytest
 
 import lp.budget
 import lp.drafts
-from lp.budget import AcceptanceModel, best_k, bucket, cost
+from lp.budget import AcceptanceModel, best_k, bucket, cost, envelope, padded_rows
 from lp.config import DecodingConfig
 from lp.decoding import LookaheadDecoder
-from lp.drafts import Scored, select_tree
+from lp.drafts import Scored, node_probs, select_tree
 from lp.layout import build_layout, build_tree_layout
 from lp.model import ModelRunner
 from lp.shard import plan_tree_shards
 from lp.suffix import DraftStore, SuffixIndex
+from lp.tree import merge_trie
 from lp.verify import greedy_walk, walk
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 
@@ -131,6 +132,44 @@ def test_acceptance_model_buckets_and_updates():
     assert a.rate(1) < before and a.rate(2) == AcceptanceModel().rate(2)
 
 
+BUMPY = [(1, 58.0), (2, 95.0), (3, 118.0), (4, 84.0), (5, 75.0), (6, 78.0), (8, 81.0), (16, 98.0)]  # MKL, 2-core EPYC
+
+
+def test_envelope_and_padded_rows_on_a_curve_that_dips():
+    assert envelope(BUMPY) == [(1, 58.0), (2, 75.0), (3, 75.0), (4, 75.0), (5, 75.0), (6, 78.0), (8, 81.0),
+                               (16, 98.0)]
+    assert [padded_rows(BUMPY, r) for r in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17)] == [1, 5, 5, 5, 5, 6, 7, 8, 9, 17]
+    assert envelope(CPU) == CPU  # a rising curve is its own envelope
+    assert [padded_rows(CPU, r) for r in (1, 2, 3, 16, 40)] == [1, 2, 3, 16, 40]
+
+
+def test_select_tree_pads_to_the_cheapest_size_within_cap():
+    a = AcceptanceModel()
+    one = [Scored((5, 6), 3, 1.0)]
+    # priced as measured: 2 drafted rows + 1 pending cost t(3) = 118, the likely pair pays anyway
+    assert select_tree(one, a, 1, BUMPY, 16) == [(5, 6)]
+    # padded: 3 rows -> 5 rows at t(5) = 75; the next nodes fill first, then filler chains
+    assert select_tree(one, a, 1, BUMPY, 16, pad=True) == [(5, 6), (0, 0)]
+    two = [Scored((5, 6), 3, 1.0), Scored((7, 8, 9), 1, 0.5)]
+    assert select_tree(two, a, 1, BUMPY, 16, pad=True) == [(5, 6), (7, 8)]
+    assert select_tree(one, a, 1, BUMPY, 3, pad=True) == [(5, 6), (0,)]  # cap: 3 draft rows
+    assert select_tree(one, a, 1, BUMPY, 2, pad=True) == [(5, 6)]
+    filler = select_tree([Scored((0, 1), 3, 1.0)], a, 1, BUMPY, 16, pad=True)
+    assert filler == [(0, 1), (1, 1)]  # filler never shares a first token with a draft
+    assert select_tree([Scored((5,), 1, 0.2)], a, 1, BUMPY, 16, pad=True) == []  # nothing pays: one row
+
+
+def test_node_probability_grows_with_the_match_a_draft_extends():
+    a = AcceptanceModel()
+    drafts = [Scored((1, 2, 3), 1, 1.0), Scored((4, 5), 0, 1.0)]
+    trie = merge_trie([d.tokens for d in drafts])
+    p = node_probs(drafts, trie, a)
+    r = a.rate
+    assert p[:3] == pytest.approx([r(1), r(1) * r(2), r(1) * r(2) * r(3)])
+    assert p[3:] == pytest.approx([r(0), r(0) ** 2])  # pool n-grams: one rate at every depth
+    assert r(1) < r(2) < r(3) < r(4) < r(8) < r(16)
+
+
 def test_select_tree_keeps_ancestor_closed_nodes_within_cap():
     drafts = [Scored((5, 6, 7, 8, 9), 9, 1.0), Scored((5, 6, 1), 3, 0.5), Scored((2, 3), 0, 1.0)]
     for cap in range(0, 12):
@@ -165,16 +204,16 @@ def test_tree_shards_keep_subtrees_whole_and_balance_rows():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
-@pytest.mark.parametrize("budget", ["all", "cpu", "flat"], ids=["all", "cpu-curve", "flat-curve"])
+@pytest.mark.parametrize("budget", ["all", "cpu", "flat", "bumpy"], ids=["all", "cpu-curve", "flat-curve", "bumpy-curve"])
 def test_suffix_drafts_greedy_equals_generate(tiny_factory, family, budget):
     model = tiny_factory(family)
     ref = hf_greedy(model, REPETITIVE_PROMPT, 48)
-    curve = {"all": None, "cpu": CPU, "flat": FLAT}[budget]
+    curve = {"all": None, "cpu": CPU, "flat": FLAT, "bumpy": BUMPY}[budget]  # bumpy: padded steps, filler rows
     cfg = DecodingConfig(max_new_tokens=48, drafts="suffix", draft_budget="all" if curve is None else "auto",
                          max_draft_rows=12, W=2, N=3, G=3, window_policy="with_candidates")
     res = LookaheadDecoder(ModelRunner(model), cfg, tq_curve=curve).generate(REPETITIVE_PROMPT)
     assert res.output_ids == ref
-    if budget != "cpu":
+    if budget in ("all", "flat"):
         assert res.stats.compression_ratio > 1.0
 
 
@@ -182,7 +221,7 @@ def test_default_config_is_suffix_tree_and_exact(tiny_factory):
     model = tiny_factory("llama")
     dec = LookaheadDecoder(ModelRunner(model), DecodingConfig(max_new_tokens=40), tq_curve=CPU)
     assert dec.cfg.drafts == "suffix" and dec.cfg.max_draft_rows == 24
-    assert dec.cfg.window_policy == "with_candidates"
+    assert dec.cfg.window_policy == "off"  # this CPU class: the window's rows do not pay (lp.config)
     res = dec.generate(REPETITIVE_PROMPT)
     assert res.output_ids == hf_greedy(model, REPETITIVE_PROMPT, 40)
     # explicit W/N/G keeps the paper's window and verification branch

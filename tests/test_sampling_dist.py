@@ -51,13 +51,13 @@ def hf_samples(model, prompt, n, seed=1234, **kw) -> np.ndarray:
     return out[:, len(prompt) :].numpy()
 
 
-def lookahead_samples(runner, prompt, n, first_seed=0, drafts=None, **kw):
+def lookahead_samples(runner, prompt, n, first_seed=0, drafts=None, tq_curve=None, **kw):
     hist = Counter()
     outs = []
     for i in range(first_seed, first_seed + n):
         cfg = DecodingConfig(W=3, N=4, G=5, prompt_pool=True, max_new_tokens=NEW, do_sample=True, seed=i,
                              **(drafts or {}), **kw)
-        res = LookaheadDecoder(runner, cfg).generate(prompt)
+        res = LookaheadDecoder(runner, cfg, tq_curve=tq_curve).generate(prompt)
         outs.append(res.output_ids)
         for k, c in enumerate(res.stats.accept_hist):
             hist[k] += c
@@ -120,13 +120,21 @@ def test_sampled_lookahead_matches_generate(small_vocab, n, kw):
 TREE = dict(drafts="suffix", draft_budget="all", max_draft_len=6, max_draft_rows=10, window_policy="with_candidates")
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.8, top_k=4)], ids=["plain", "temp-topk"])
-def test_sampled_tree_drafts_match_generate(small_vocab, kw):
-    """Suffix-matched drafts of several lengths, merged into a token tree: the exact verifier at
-    every trie node leaves the distribution unchanged."""
+# a cost curve on which every draft node pays and 3..15 rows cost more than 16: steps are
+# padded with filler chains up to max_draft_rows (lp.budget.envelope)
+PADDED = [(1, 1.0), (2, 1.0), (3, 5.0), (16, 1.0)]
+
+
+@pytest.mark.parametrize("kw,curve", [(dict(temperature=1.0), None), (dict(temperature=0.8, top_k=4), PADDED)],
+                         ids=["plain", "temp-topk-padded"])
+def test_sampled_tree_drafts_match_generate(small_vocab, kw, curve):
+    """Suffix-matched drafts of several lengths, merged into a token tree (and, on the padded
+    curve, filler chains beside them): the exact verifier at every trie node leaves the
+    distribution unchanged."""
     model, runner, prompt = small_vocab
     n = 2000
-    a, hist = lookahead_samples(runner, prompt, n, drafts=TREE, **kw)
+    drafts = TREE if curve is None else dict(TREE, draft_budget="auto")
+    a, hist = lookahead_samples(runner, prompt, n, drafts=drafts, tq_curve=curve, **kw)
     b = hf_samples(model, prompt, n, **kw)
     assert hist[2] + hist[3] > 0.15 * n, dict(hist)
     res = compare(a, b)

@@ -233,3 +233,31 @@ def test_smollm2_backends_equal_generate(smollm2, backend_runners, attention, W,
         res = lookahead(runner, ids, W=W, N=N, G=G, prompt_pool=pool, max_new_tokens=MAX_NEW,
                         eos_token_ids=eos_ids(model))
         assert_equal_or_tie(model, ids, res.output_ids, ref, f"{attention} {kind}{i} W={W} N={N} G={G} pool={pool}")
+
+
+# ---------------------------------------------------------------------------
+# small-row matmuls (lp.kernels): every step of 2+ rows through W @ x.T, the CLI's defaults
+# (suffix-drafted trees, padded steps on a curve where 2-5 rows are cheaper than 1)
+
+SMALL_CURVE = [(1, 0.056), (2, 0.043), (3, 0.050), (4, 0.048), (5, 0.059), (8, 0.064), (16, 0.079), (32, 0.113)]
+
+
+@pytest.fixture(scope="module")
+def small_rows_runner(smollm2):
+    from lp.model import ModelRunner
+
+    return ModelRunner(smollm2[0], small_rows="on")
+
+
+@pytest.mark.parametrize("kind,i", PROMPTS, ids=[f"{k}{i}" for k, i in PROMPTS])
+def test_smollm2_small_rows_defaults_equal_generate(smollm2, small_rows_runner, kind, i):
+    from lp.config import DecodingConfig
+    from lp.decoding import LookaheadDecoder
+
+    model, tokenizer = smollm2
+    ids = prompt_ids(tokenizer, kind, i)
+    ref = reference(model, kind, i, ids)
+    dec = LookaheadDecoder(small_rows_runner, DecodingConfig(max_new_tokens=MAX_NEW), tq_curve=SMALL_CURVE)
+    res = dec.generate(ids, eos_token_ids=eos_ids(model))
+    assert_equal_or_tie(model, ids, res.output_ids, ref, f"small rows {kind}{i}")
+    assert res.stats.mean_rows > 1.0  # multi-row steps ran (through the small-row kernel)

@@ -1,0 +1,87 @@
+"""Small-row matmuls (lp.kernels): the swap keeps the model's own forward bit for bit, the
+switched forward equals F.linear to rounding, and decoding through it equals generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lp.config import DecodingConfig, ModelConfig
+from lp.decoding import LookaheadDecoder
+from lp.kernels import SmallRowsLinear, install
+from lp.model import ModelRunner
+from tests.helpers import REPETITIVE_PROMPT, hf_greedy, make_tiny_model
+
+
+def test_install_keeps_parameters_tying_and_the_models_own_output():
+    model = make_tiny_model("llama", "sdpa", 128, 0, 256, tie_word_embeddings=True)
+    ids = torch.tensor([REPETITIVE_PROMPT])
+    before = model(input_ids=ids).logits
+    params = {n: p.data_ptr() for n, p in model.named_parameters()}
+    switch = install(model)
+    assert install(model) is switch  # once per model
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is SmallRowsLinear for m in linears if m.bias is None)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == params
+    assert torch.equal(model(input_ids=ids).logits, before)  # switch off: nn.Linear's own path
+    switch.on = True
+    try:
+        on = model(input_ids=ids).logits
+    finally:
+        switch.on = False
+    torch.testing.assert_close(on, before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
+def test_small_rows_linear_equals_f_linear(rows):
+    torch.manual_seed(rows)
+    layer = nn.Linear(96, 200, bias=False)
+    x = torch.randn(1, rows, 96)
+    ref = F.linear(x, layer.weight)
+    switch = install(nn.Sequential(layer))
+    switch.on = True
+    out = layer(x)
+    assert out.shape == ref.shape
+    if rows == 1:
+        assert torch.equal(out, ref)  # one row never changes kernel
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_decoding_through_small_rows_equals_generate(tiny_factory, family):
+    model = tiny_factory(family)
+    ref = hf_greedy(model, REPETITIVE_PROMPT, 40)
+    runner = ModelRunner(model, small_rows="on")
+    cfg = DecodingConfig(max_new_tokens=40, drafts="suffix", draft_budget="all", max_draft_rows=12, W=2, N=3, G=3,
+                         window_policy="with_candidates")
+    res = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT)
+    assert res.output_ids == ref
+    assert res.stats.compression_ratio > 1.0
+    assert hf_greedy(model, REPETITIVE_PROMPT, 40) == ref  # the user's generate is unchanged
+
+
+def test_calibration_picks_small_rows_per_row_count(tiny_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("LP_CACHE", str(tmp_path))
+    from lp.calibrate import QS, row_cost_curve
+
+    runner = ModelRunner(tiny_factory("llama"))
+    assert runner.small_rows_mode == "auto" and runner.small_rows == frozenset()
+    curve = row_cost_curve(runner, qs=(1, 2, 4, 8), repeats=1)
+    assert [q for q, _ in curve] == [1, 2, 4, 8] and all(t > 0 for _, t in curve)
+    chosen = runner.small_rows
+    assert chosen <= {2, 4, 8}
+    runner.small_rows = frozenset()
+    assert row_cost_curve(runner, qs=(1, 2, 4, 8)) == curve  # read back from the cache file
+    assert runner.small_rows == chosen
+    off = ModelRunner(tiny_factory("llama"), small_rows="off")
+    assert off.small_rows_mode == "off" and off.small_rows == frozenset() and max(QS) >= 32
+
+
+def test_small_rows_setting_is_validated(tiny_factory):
+    with pytest.raises(ValueError, match="model.small_rows must be auto, on or off"):
+        ModelRunner(tiny_factory("llama"), small_rows="fast")
+    with pytest.raises(ValueError, match="model.small_rows"):
+        ModelConfig(small_rows="yes").validate()
