@@ -14,5 +14,8 @@ python -m bench.run name=default 'tp_engines=[manual]'
 # bf16 on this CPU (no AMX: bf16 rows are not cheap here), fewer prompts
 python -m bench.run +preset=lookahead_vs_ar dtype=bfloat16 prompts.num_prompts=5 name=lookahead_vs_ar_bf16
 # issue 8: draft trees vs generate and prompt lookup (code + chat sets, 128 new tokens)
-python -m bench.run +preset=drafts prompts.sets=[humaneval] prompts.num_prompts=20 name=drafts_humaneval
-python -m bench.run +preset=drafts 'prompts.sets=[classeval,mt_bench,gsm8k]' name=drafts_other
+# (final: one set per run, pauses so that each starts on a quiet machine)
+for s in humaneval classeval mt_bench gsm8k; do
+  sleep 100
+  python -m bench.run +preset=drafts "prompts.sets=[$s]" prompts.num_prompts=20 name=drafts2_$s
+done
