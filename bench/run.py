@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lp import generate
+from lp import cli
 
 from bench.config import IN_PROCESS_DECODING, BenchConfig, LookaheadConfig, PromptsConfig, SweepConfig
 from bench.prompts import Prompt, select, to_ids
@@ -452,34 +452,23 @@ def run_bench(cfg: BenchConfig) -> Path:
 # Hydra entry point
 
 
+SCHEMAS = {
+    (None, "bench_schema"): BenchConfig,
+    ("prompts", "prompts_schema"): PromptsConfig,
+    ("lookahead", "lookahead_schema"): LookaheadConfig,
+    ("sweep", "sweep_schema"): SweepConfig,
+}
+
+
 def register_configs() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="bench_schema", node=BenchConfig)
-    cs.store(group="prompts", name="prompts_schema", node=PromptsConfig)
-    cs.store(group="lookahead", name="lookahead_schema", node=LookaheadConfig)
-    cs.store(group="sweep", name="sweep_schema", node=SweepConfig)
+    cli.register(SCHEMAS)
 
 
-def to_config(dcfg) -> BenchConfig:
-    return generate.to_config(dcfg)  # the same DictConfig -> dataclass conversion as lp.generate
+to_config = cli.to_config
 
 
 def main() -> None:
-    import hydra
-
-    register_configs()
-
-    @hydra.main(version_base="1.3", config_path=str(ROOT / "conf" / "bench"), config_name="bench")
-    def _main(dcfg) -> None:
-        try:
-            run_bench(to_config(dcfg))
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(2)
-
-    _main()
+    cli.hydra_main("bench", SCHEMAS, run_bench, str(ROOT / "conf" / "bench"))
 
 
 if __name__ == "__main__":

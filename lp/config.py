@@ -57,9 +57,7 @@ class DecodingConfig:
         return dataclasses.replace(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
 
     def validate(self) -> "DecodingConfig":
-        def need(ok: bool, name: str, allowed: str, value) -> None:
-            if not ok:
-                raise ValueError(f"decoding.{name} must be {allowed}, got {value!r}")
+        need = field_check("decoding")
 
         need(self.mode in ("lookahead", "ar"), "mode", "'lookahead' or 'ar'", self.mode)
         need(self.drafts in (None, "suffix", "pool"), "drafts", "'suffix' or 'pool'", self.drafts)
@@ -192,6 +190,17 @@ def hardware_defaults(device_type: str, dtype_name: str, amx: bool) -> dict:
     if dtype_name == "bfloat16" and amx:
         return {"W": 5, "N": 4, "G": 5, "window_policy": "always", "drafts": "suffix", "max_draft_rows": 32}
     return {"W": 1, "N": 5, "G": 4, "window_policy": "off", "drafts": "suffix", "max_draft_rows": 24}
+
+
+def field_check(group: str):
+    """``need(ok, name, allowed, value)`` for one config group: raises
+    ``ValueError("<group>.<name> must be <allowed>, got <value>")`` unless ``ok``."""
+
+    def need(ok: bool, name: str, allowed: str, value) -> None:
+        if not ok:
+            raise ValueError(f"{group}.{name} must be {allowed}, got {value!r}")
+
+    return need
 
 
 def _is_int(x) -> bool:

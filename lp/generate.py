@@ -16,11 +16,11 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from lp import cli
 from lp.config import DecodingConfig, GenerateConfig, ModelConfig, ParallelConfig
 from lp.dist import WorkerFailure, init_worker_group, torchrun_env, worker_device
 
@@ -57,6 +57,14 @@ def eos_ids(model, tokenizer) -> list[int]:
             if t not in ids:
                 ids.append(int(t))
     return ids
+
+
+def _shape(dcfg: DecodingConfig) -> str:
+    """What decoded, as the summary line names it."""
+    if dcfg.mode != "lookahead":
+        return dcfg.mode
+    window = "off" if dcfg.window_policy == "off" else f"W={dcfg.W} N={dcfg.N} ({dcfg.window_policy})"
+    return f"lookahead drafts={dcfg.drafts} G={dcfg.G} window {window}"
 
 
 def run(cfg: GenerateConfig) -> dict | None:
@@ -115,7 +123,7 @@ def run(cfg: GenerateConfig) -> dict | None:
         "model": str(path),
     }
     print(
-        f"\n[lp] {dcfg.mode} W={dcfg.W} N={dcfg.N} G={dcfg.G} workers={world} dtype={result['dtype']}: "
+        f"\n[lp] {_shape(dcfg)} workers={world} dtype={result['dtype']}: "
         f"{result['new_tokens']} tokens in {result['steps']} steps (S={result['compression_ratio']:.2f}), "
         f"{result['decode_time_s']:.2f} s, {result['tokens_per_second']:.1f} tok/s",
         flush=True,
@@ -173,47 +181,23 @@ def _step_logger():
 # Hydra entry point
 
 
+SCHEMAS = {
+    (None, "generate_schema"): GenerateConfig,
+    ("model", "model_schema"): ModelConfig,
+    ("decoding", "decoding_schema"): DecodingConfig,
+    ("parallel", "parallel_schema"): ParallelConfig,
+}
+
+
 def _register_configs() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="generate_schema", node=GenerateConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="decoding", name="decoding_schema", node=DecodingConfig)
-    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+    cli.register(SCHEMAS)
 
 
-def to_config(dcfg) -> GenerateConfig:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_object(dcfg)
+to_config = cli.to_config
 
 
 def main() -> None:
-    import hydra
-
-    _register_configs()
-    rank, _, _ = torchrun_env()
-    if rank != 0:  # one run dir, written by rank 0 only
-        sys.argv += [
-            "hydra.output_subdir=null",
-            "hydra.run.dir=.",
-            "hydra/job_logging=disabled",
-            "hydra/hydra_logging=disabled",
-        ]
-    conf_dir = str(Path(__file__).resolve().parent.parent / "conf")
-    if not Path(conf_dir).is_dir():  # installed without the repo: schemas only
-        conf_dir = None
-
-    @hydra.main(version_base="1.3", config_path=conf_dir, config_name="generate")
-    def _main(dcfg) -> None:
-        try:
-            run(to_config(dcfg))
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(2)
-
-    _main()
+    cli.hydra_main("generate", SCHEMAS, run, cli.repo_conf_dir())
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from lp import cli
 from lp.config import DecodingConfig, ModelConfig, ParallelConfig
 from lp.dist import RequestChannel, WorkerFailure, init_worker_group, torchrun_env, worker_device
 from lp.server.config import ServeConfig, ServerConfig
@@ -163,45 +164,24 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
 # Hydra entry point
 
 
+SCHEMAS = {
+    (None, "serve_schema"): ServeConfig,
+    ("model", "model_schema"): ModelConfig,
+    ("decoding", "decoding_schema"): DecodingConfig,
+    ("parallel", "parallel_schema"): ParallelConfig,
+    ("server", "server_schema"): ServerConfig,
+}
+
+
 def _register_configs() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="serve_schema", node=ServeConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="decoding", name="decoding_schema", node=DecodingConfig)
-    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
-    cs.store(group="server", name="server_schema", node=ServerConfig)
+    cli.register(SCHEMAS)
 
 
-def to_config(dcfg) -> ServeConfig:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_object(dcfg)
+to_config = cli.to_config
 
 
 def main() -> None:
-    import hydra
-
-    _register_configs()
-    rank, _, _ = torchrun_env()
-    if rank != 0:  # one run dir, written by rank 0 only
-        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
-                     "hydra/hydra_logging=disabled"]
-    conf_dir = str(Path(__file__).resolve().parent.parent / "conf")
-    if not Path(conf_dir).is_dir():
-        conf_dir = None
-
-    @hydra.main(version_base="1.3", config_path=conf_dir, config_name="serve")
-    def _main(dcfg) -> None:
-        try:
-            code = run(to_config(dcfg))
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        sys.exit(code)
-
-    _main()
+    cli.hydra_main("serve", SCHEMAS, run, cli.repo_conf_dir())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lp.config import DecodingConfig, ModelConfig, ParallelConfig, _is_int
+from lp.config import DecodingConfig, ModelConfig, ParallelConfig, _is_int, field_check
 
 
 @dataclass
@@ -37,9 +37,7 @@ class ServerConfig:
     draft_store: bool = False
 
     def validate(self) -> "ServerConfig":
-        def need(ok: bool, name: str, allowed: str, value) -> None:
-            if not ok:
-                raise ValueError(f"server.{name} must be {allowed}, got {value!r}")
+        need = field_check("server")
 
         need(isinstance(self.host, str) and bool(self.host), "host", "a host name or address", self.host)
         need(_is_int(self.port) and 0 <= self.port <= 65535, "port", "an integer in [0, 65535]", self.port)
