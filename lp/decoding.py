@@ -338,7 +338,9 @@ class LookaheadDecoder:
         if index is not None and cfg.draft_budget == "auto" and self.tq is None:
             from lp.calibrate import row_cost_curve
 
-            curve = row_cost_curve(self.runner) if self.rank == 0 else None
+            # every rank measures (or reads its cache) at the same time, so none waits out
+            # parallel.timeout_s in the broadcast; rank 0's curve and kernel choice are used
+            curve = row_cost_curve(self.runner)
             self.tq, small = self.merge.share_curve(curve, self.runner.small_rows)
             if self.runner.small_rows_mode == "auto":
                 self.runner.small_rows = small  # rank 0's choice of kernel on every rank

@@ -70,6 +70,13 @@ def run(cfg: ServeConfig) -> int:
         raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")
     runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows)
     eos = eos_ids(model, tokenizer)
+    if cfg.decoding.draft_budget == "auto":
+        # the draft budget's t(Q) curve, measured now on every rank at once (once per machine,
+        # then cached) rather than inside the first request
+        from lp.calibrate import cache_path, row_cost_curve
+
+        log.info("[lp.serve] rank %d: t(Q) for the draft budget: %s", rank, cache_path(runner))
+        row_cost_curve(runner)
     try:
         if group is not None:
             n_params = sum(p.numel() for p in model.parameters())
