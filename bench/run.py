@@ -460,13 +460,6 @@ SCHEMAS = {
 }
 
 
-def register_configs() -> None:
-    cli.register(SCHEMAS)
-
-
-to_config = cli.to_config
-
-
 def main() -> None:
     cli.hydra_main("bench", SCHEMAS, run_bench, str(ROOT / "conf" / "bench"))
 

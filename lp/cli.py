@@ -14,6 +14,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from lp.config import DecodingConfig, ModelConfig, ParallelConfig
+
+# the groups every runtime entry point (lp.generate, lp.serve) shares
+RUNTIME_SCHEMAS = {
+    ("model", "model_schema"): ModelConfig,
+    ("decoding", "decoding_schema"): DecodingConfig,
+    ("parallel", "parallel_schema"): ParallelConfig,
+}
 RANK_OVERRIDES = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
                   "hydra/hydra_logging=disabled"]
 
@@ -36,9 +44,8 @@ def to_config(dcfg):
     return OmegaConf.to_object(dcfg)
 
 
-def repo_conf_dir(*parts: str) -> str | None:
+def repo_conf_dir() -> str | None:
     path = Path(__file__).resolve().parent.parent / "conf"
-    path = path.joinpath(*parts)
     return str(path) if path.is_dir() else None
 
 

@@ -182,7 +182,7 @@ class WorkerGroup:
         zs = [row[1 + m : 1 + m + len(plan[k].columns)] for k, row in enumerate(rows)]
         return roots, nodes, zs, cancelled
 
-    def share_curve(self, curve, small_rows=frozenset()):
+    def share_curve(self, curve, small_rows):
         """Rank 0's [(Q, seconds)] and its small-row kernel set (lp.kernels, a subset of the
         curve's Q) on every rank (one broadcast per generation that calibrates)."""
         from lp.calibrate import QS

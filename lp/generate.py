@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lp import cli
-from lp.config import DecodingConfig, GenerateConfig, ModelConfig, ParallelConfig
+from lp.config import DecodingConfig, GenerateConfig
 from lp.dist import WorkerFailure, init_worker_group, torchrun_env, worker_device
 
 DEFAULT_PROMPT = "Explain in three short paragraphs what a hash table is and when to use one."
@@ -94,7 +94,8 @@ def run(cfg: GenerateConfig) -> dict | None:
             ids, stats = _run_ar(model, tokenizer, prompt_ids, dcfg, eos, streamer)
         else:
             on_step = _step_logger() if (lead and cfg.log_steps) else None
-            decoder = LookaheadDecoder(ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows), dcfg, group)
+            runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows)
+            decoder = LookaheadDecoder(runner, dcfg, group)
             dcfg = decoder.cfg  # W/N/G resolved for the hardware
             res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)
             ids, stats = res.output_ids, res.stats.summary()
@@ -181,19 +182,7 @@ def _step_logger():
 # Hydra entry point
 
 
-SCHEMAS = {
-    (None, "generate_schema"): GenerateConfig,
-    ("model", "model_schema"): ModelConfig,
-    ("decoding", "decoding_schema"): DecodingConfig,
-    ("parallel", "parallel_schema"): ParallelConfig,
-}
-
-
-def _register_configs() -> None:
-    cli.register(SCHEMAS)
-
-
-to_config = cli.to_config
+SCHEMAS = {(None, "generate_schema"): GenerateConfig, **cli.RUNTIME_SCHEMAS}
 
 
 def main() -> None:

@@ -214,19 +214,18 @@ class ModelRunner:
             self._static = StaticStepper(self, capture=cuda_graphs)
         self._mask = None  # [1, 1, Q_cap, K_cap] additive, 0 = visible
         self._dirty = (0, 0)  # columns holding the last step's local block
-        # small-row matmuls (lp.kernels): row counts of a step that run W @ x.T; auto: the
-        # counts lp.calibrate measured faster (CPU only, none until calibrated)
+        # small-row matmuls (lp.kernels): "on" for every step of 2+ rows; "auto" for the row
+        # counts in small_rows, those lp.calibrate measured faster (CPU only, none until
+        # calibrated); see uses_small_rows
         if small_rows not in ("auto", "on", "off"):
             raise ValueError(f"model.small_rows must be auto, on or off, got {small_rows!r}")
         self.small_rows_mode = "off" if (small_rows == "auto" and self.device.type != "cpu") else small_rows
-        self._small = None
         self.small_rows: frozenset[int] = frozenset()
+        self._small = None
         if self.small_rows_mode != "off":
             from lp import kernels
 
             self._small = kernels.install(model)
-            if self.small_rows_mode == "on":
-                self.small_rows = frozenset(range(2, 1 << 16))
 
     # -- per-generation state ---------------------------------------------------
 
@@ -335,40 +334,45 @@ class ModelRunner:
         else:
             mask = self._dense_mask(sk, local_add_QQ, cache_len, pos_Q)
         ids_1Q = torch.tensor([layout.tokens], dtype=torch.long).to(self.device, non_blocking=True)
-        small = self._small is not None and sk.num_rows in self.small_rows
-        with self._kernel():
-            if small:
-                self._small.on = True
-            try:
-                out = self.model(
-                    input_ids=ids_1Q,
-                    position_ids=pos_Q[None],
-                    attention_mask=mask,
-                    **{self._cache_kw: cache},
-                    use_cache=True,
-                    logits_to_keep=keep,
-                )
-            finally:
-                if small:
-                    self._small.on = False
+        with self._kernel(sk.num_rows):
+            out = self.model(
+                input_ids=ids_1Q,
+                position_ids=pos_Q[None],
+                attention_mask=mask,
+                **{self._cache_kw: cache},
+                use_cache=True,
+                logits_to_keep=keep,
+            )
         return out.logits[0].float()
 
+    def uses_small_rows(self, rows: int) -> bool:
+        """Whether a forward of ``rows`` rows runs small-row matmuls (lp.kernels)."""
+        if self._small is None or rows < 2:
+            return False
+        return self.small_rows_mode == "on" or rows in self.small_rows
+
     @contextlib.contextmanager
-    def _kernel(self):
-        """Select this runner's attention function for one forward and restore the model's
-        own afterwards (the user's model keeps working with ``generate``; runners with
-        different kernels may share one model). One attribute per model config."""
+    def _kernel(self, rows: int = 1):
+        """Select this runner's kernels for one forward of ``rows`` rows (its attention
+        function; small-row matmuls where chosen) and restore the model's own afterwards
+        (the user's model keeps working with ``generate``; runners with different kernels
+        may share one model). One attention attribute per model config."""
         saved = [c._attn_implementation_internal for c in self._configs]
-        if all(v == self.attn_impl for v in saved):
-            yield
-            return
-        for c in self._configs:
-            c._attn_implementation_internal = self.attn_impl
+        swap = any(v != self.attn_impl for v in saved)
+        small = self.uses_small_rows(rows)
+        if swap:
+            for c in self._configs:
+                c._attn_implementation_internal = self.attn_impl
+        if small:
+            self._small.on = True
         try:
             yield
         finally:
-            for c, v in zip(self._configs, saved):
-                c._attn_implementation_internal = v
+            if small:
+                self._small.on = False
+            if swap:
+                for c, v in zip(self._configs, saved):
+                    c._attn_implementation_internal = v
 
     @staticmethod
     def crop(cache, length: int) -> None:

@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 from lp import cli
-from lp.config import DecodingConfig, ModelConfig, ParallelConfig
 from lp.dist import RequestChannel, WorkerFailure, init_worker_group, torchrun_env, worker_device
 from lp.server.config import ServeConfig, ServerConfig
 
@@ -171,20 +170,7 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
 # Hydra entry point
 
 
-SCHEMAS = {
-    (None, "serve_schema"): ServeConfig,
-    ("model", "model_schema"): ModelConfig,
-    ("decoding", "decoding_schema"): DecodingConfig,
-    ("parallel", "parallel_schema"): ParallelConfig,
-    ("server", "server_schema"): ServerConfig,
-}
-
-
-def _register_configs() -> None:
-    cli.register(SCHEMAS)
-
-
-to_config = cli.to_config
+SCHEMAS = {(None, "serve_schema"): ServeConfig, ("server", "server_schema"): ServerConfig, **cli.RUNTIME_SCHEMAS}
 
 
 def main() -> None:

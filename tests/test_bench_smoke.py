@@ -14,7 +14,8 @@ import pytest
 from bench import scaling
 from bench.config import BenchConfig
 from bench.methods import stage_bounds, tp_shards_attention
-from bench.run import ROOT, Job, first_mismatch, plan_jobs, register_configs, run_bench, to_config
+from bench.run import ROOT, SCHEMAS, Job, first_mismatch, plan_jobs, run_bench
+from lp import cli
 
 ROW_FIELDS = {
     "method", "workers", "threads", "W", "N", "G", "set", "prompt_index", "prompt_id", "new_tokens", "steps", "S",
@@ -27,9 +28,9 @@ def compose(overrides: list[str]) -> BenchConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    register_configs()
+    cli.register(SCHEMAS)
     with initialize_config_dir(config_dir=str(ROOT / "conf" / "bench"), version_base="1.3"):
-        return to_config(hydra_compose("bench", overrides=overrides))
+        return cli.to_config(hydra_compose("bench", overrides=overrides))
 
 
 # ---------------------------------------------------------------------------

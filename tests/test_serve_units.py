@@ -147,11 +147,12 @@ def test_server_draft_store_is_one_shared_store():
 def test_hydra_serve_config_composes():
     from hydra import compose, initialize_config_dir
 
-    from lp.serve import _register_configs, to_config
+    from lp import cli
+    from lp.serve import SCHEMAS
 
-    _register_configs()
+    cli.register(SCHEMAS)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("serve", overrides=["server.port=9001", "server.max_queue=3", "decoding.W=4"]))
+        cfg = cli.to_config(compose("serve", overrides=["server.port=9001", "server.max_queue=3", "decoding.W=4"]))
     assert isinstance(cfg, ServeConfig) and isinstance(cfg.server, ServerConfig)
     assert (cfg.server.port, cfg.server.max_queue, cfg.server.host, cfg.decoding.W) == (9001, 3, "127.0.0.1", 4)
     assert cfg.validate() is cfg
