@@ -99,8 +99,39 @@ class SweepConfig:
 
 
 @dataclass
+class ConcurrencyConfig:
+    """kind=concurrency (bench/concurrency.py): real servers under concurrent openai clients."""
+
+    servers: list[str] = field(default_factory=lambda: ["lp", "lp_max_batch1", "transformers_cb", "transformers"])
+    clients: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    requests_per_client: int = 2  # requests per point = clients x this (at least min_requests)
+    min_requests: int = 4
+    max_tokens: int = 64
+    prompt_set: str = "mt_bench"  # chat prompts, taken in turn
+    lp_overrides: list[str] = field(default_factory=list)  # extra lp.serve Hydra overrides
+
+    def validate(self) -> ConcurrencyConfig:
+        from bench.concurrency import SERVERS
+
+        if not self.servers or any(s not in SERVERS for s in self.servers):
+            raise ValueError(f"concurrency.servers must be a non-empty subset of {list(SERVERS)}, got {self.servers!r}")
+        if not self.clients or any(not _is_int(c) or not 1 <= c <= 64 for c in self.clients):
+            raise ValueError(f"concurrency.clients must be a non-empty list of integers in [1, 64], got {self.clients!r}")
+        for name in ("requests_per_client", "min_requests", "max_tokens"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"concurrency.{name} must be an integer >= 1, got {v!r}")
+        if self.prompt_set not in CHAT_SETS:
+            raise ValueError(f"concurrency.prompt_set must be one of {list(CHAT_SETS)}, got {self.prompt_set!r}")
+        return self
+
+
+@dataclass
 class BenchConfig:
     name: str = "default"
+    # decode: methods x prompts in one process / under torchrun (the default);
+    # concurrency: servers under concurrent clients (bench/concurrency.py, +preset=concurrency)
+    kind: str = "decode"
     out_dir: str | None = None  # null: bench/results/<name>; relative paths are taken from the repo root
     model: str = "smollm2"  # the embedded SmolLM2-135M-Instruct; ignored when model_path is set
     model_path: str | None = None  # any local transformers folder (Llama-style for tp/pp)
@@ -127,8 +158,12 @@ class BenchConfig:
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    concurrency: ConcurrencyConfig = field(default_factory=ConcurrencyConfig)
 
     def validate(self) -> BenchConfig:
+        if self.kind not in ("decode", "concurrency"):
+            raise ValueError(f"kind must be 'decode' or 'concurrency', got {self.kind!r}")
+        self.concurrency.validate()
         self.prompts.validate()
         self.lookahead.validate()
         self.sweep.validate()

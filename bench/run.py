@@ -397,6 +397,12 @@ def run_bench(cfg: BenchConfig) -> Path:
     cfg.validate()
     out = repo_path(cfg.out_dir or f"bench/results/{cfg.name}")
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.kind == "concurrency":
+        from bench.concurrency import run_concurrency
+        from lp.model import resolve_model_path
+
+        run_concurrency(cfg, out, resolve_model_path(cfg.model, cfg.model_path))
+        return out
     data_dir = repo_path(cfg.prompts.data_dir)
     main_prompts = select(cfg.prompts, data_dir)
     sw_prompts = sweep_prompts(cfg, data_dir) if cfg.sweep.W else []

@@ -50,18 +50,20 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m lp.serve`` (or torchrun with K workers) in its own session, logs to a file."""
+    """``python -m lp.serve`` (or torchrun with K workers) in its own session, logs to a file;
+    ``cmd`` (with its ``port``) starts any other OpenAI-compatible server the same way."""
 
-    def __init__(self, workers: int, threads: int, overrides: list[str], log_path: Path, port: int | None = None):
+    def __init__(self, workers: int = 1, threads: int = 2, overrides: list[str] = (), log_path: Path | None = None,
+                 port: int | None = None, cmd: list[str] | None = None):
         import httpx
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [f"server.port={self.port}", "model.dtype=float32", "server.log_level=warning", *overrides]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
-        if workers == 1:
+        if cmd is None and workers == 1:
             cmd = [sys.executable, "-m", "lp.serve", f"model.threads={threads}", *args]
-        else:
+        elif cmd is None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
                    "-m", "lp.serve", f"parallel.workers={workers}", f"model.threads={threads}", *args]
         self.cmd = cmd

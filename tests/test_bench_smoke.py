@@ -8,6 +8,7 @@ directly (lp with 2 workers goes through torchrun + gloo): 2 HumanEval prompts,
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -136,9 +137,33 @@ def test_presets_compose_from_their_header_examples():
         for ln in lines:
             args = shlex.split(ln.split("python -m bench.run", 1)[1])
             cfg = compose(args).validate()
-            assert cfg.interleave and cfg.workers == [1], (path.name, args)
+            if cfg.kind == "concurrency":
+                assert cfg.concurrency.servers and cfg.concurrency.max_tokens == 64, (path.name, args)
+            else:
+                assert cfg.interleave and cfg.workers == [1], (path.name, args)
     cfg = compose(["+preset=drafts", "prompts.sets=[humaneval]", "prompts.num_prompts=20"])
     assert cfg.prompts.max_new_tokens["humaneval"] == 128 and cfg.lookahead.W == 1
     assert [j.method for j, _ in plan_jobs(cfg)] == ["ar", "prompt_lookup", "lp_default", "lp_torch_matmul", "lookahead"]
     cfg = compose(["+preset=lookahead_vs_ar"])
     assert cfg.lookahead.W == 15 and cfg.prompts.max_new_tokens["humaneval"] == 256
+
+
+def test_concurrency_config_and_commands():
+    """The concurrency preset's servers start with the commands a user would type; bad fields name themselves."""
+    from bench.concurrency import server_command
+
+    cfg = compose(["+preset=concurrency"]).validate()
+    assert cfg.kind == "concurrency" and cfg.concurrency.clients == [1, 2, 4, 8, 16]
+    lp = server_command("lp_max_batch1", 8123, Path("/m"), 2, ["server.kv_tokens=4096"])
+    assert lp[1:3] == ["-m", "lp.serve"] and "server.port=8123" in lp and lp[-2:] == ["server.kv_tokens=4096",
+                                                                                       "server.max_batch=1"]
+    cb = server_command("transformers_cb", 8124, Path("/m"), 2, [])
+    assert cb[1:3] == ["serve", "--continuous-batching"] and cb[-1] == "/m" and "8124" in cb
+    assert "--continuous-batching" not in server_command("transformers", 8125, Path("/m"), 2, [])
+    for override, field in (("concurrency.servers=[vllm]", "concurrency.servers"),
+                            ("concurrency.clients=[0]", "concurrency.clients"),
+                            ("concurrency.max_tokens=0", "concurrency.max_tokens"),
+                            ("concurrency.prompt_set=humaneval", "concurrency.prompt_set"),
+                            ("kind=serve", "kind")):
+        with pytest.raises(ValueError, match=field):
+            compose(["+preset=concurrency", override]).validate()
