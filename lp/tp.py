@@ -104,6 +104,30 @@ def apply_tp(model, tp_mesh) -> None:
         apply_tensor_parallelism(model, tp_mesh, expanded)
     model._lp_tp = tp  # read by lp.calibrate (a TP step is not a one-device step)
     model._lp_tp_group = tp_mesh.get_group()
+    model.forward = _collective_failures(model.forward)
+
+
+def _collective_failures(forward):
+    """The instance's forward, with a failed all-reduce inside it (a dead or stuck tp peer:
+    gloo/NCCL raise after parallel.timeout_s) raised as lp.dist.WorkerFailure, which the
+    entry points report with this rank and exit on."""
+    import functools
+
+    import torch.distributed as dist
+
+    from lp.dist import WorkerFailure
+
+    @functools.wraps(forward)
+    def tp_forward(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        except (dist.DistError, RuntimeError) as e:
+            text = str(e)
+            if isinstance(e, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "Connection", "Timed out")):
+                raise WorkerFailure(f"tensor-parallel forward failed ({type(e).__name__}: {text[:300]})") from e
+            raise
+
+    return tp_forward
 
 
 def tp_degree(model) -> int:
