@@ -75,6 +75,28 @@ def test_launcher_counts_processes_as_workers_times_tp():
         lp_run.build_command(["--nnodes", "2", "--rdzv-endpoint", "h:1", "parallel.workers=1", "parallel.tp=3"])
 
 
+def test_bench_plans_every_split_the_heads_allow():
+    from bench.config import BenchConfig
+    from bench.run import plan_jobs
+
+    cfg = BenchConfig(methods=["ar", "lp", "lp_tp", "tp", "pp"], workers=[1, 2, 4], tp_engines=["manual"],
+                      reference_threads=0).validate()
+    hybrid = [j for j, _ in plan_jobs(cfg, valid_tp=[1, 2]) if j.method == "lp_tp"]
+    # 4 processes: lp2 x tp2 (lp1 x tp4 is refused: tp 4 does not divide the heads); 2: lp1 x tp2
+    assert [(j.workers, j.engine, j.W, j.G) for j in hybrid] == [(2, "lp1xtp2", 5, 5), (4, "lp2xtp2", 10, 10)]
+    assert {j.method for j, _ in plan_jobs(cfg, valid_tp=[1, 2]) if j.workers == 4} == {"lp", "lp_tp", "tp", "pp"}
+
+
+def test_mesh_model_on_paper():
+    from bench import scaling
+
+    m70, h200 = scaling.MODELS["70b"], scaling.GPUS["h200"]
+    assert not scaling.mesh_fits("h200", m70, 1) and scaling.mesh_fits("h200", m70, 2)
+    # TP shortens a memory-bound step but pays 2 all-reduces per layer
+    t1, t8 = (scaling.mesh_step_time(h200, m70, 1, tp) for tp in (1, 8))
+    assert t8 < t1 / 4 and t8 > t1 / 8
+
+
 # ---------------------------------------------------------------------------
 # the mesh, for real (slow: 3-4 gloo processes on 2 cores)
 
