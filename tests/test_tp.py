@@ -54,6 +54,20 @@ def test_bad_mesh_is_a_clear_error():
         ParallelConfig(tp=0).validate()
 
 
+def test_cli_composes_parallel_tp_and_refuses_a_one_process_mesh():
+    from hydra import compose, initialize_config_dir
+
+    from lp import cli
+    from lp.generate import SCHEMAS, run
+
+    cli.register(SCHEMAS)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = cli.to_config(compose("generate", overrides=["parallel.tp=2", "parallel.workers=2"]))
+    assert (cfg.parallel.tp, cfg.parallel.workers) == (2, 2)
+    with pytest.raises(ValueError, match=r"parallel.workers=2 x parallel.tp=2 = 4 processes .*WORLD_SIZE=1"):
+        run(cfg)  # before any model loads
+
+
 def test_tp_must_divide_the_heads():
     from transformers import LlamaConfig
 
