@@ -266,8 +266,11 @@ def test_serve_lp2_tp2_answers_openai_with_greedy_text(tiny_tok_dir, tmp_path):
            "model.threads=1", f"server.port={port}", "server.log_level=warning", "parallel.timeout_s=60",
            "server.heartbeat_s=2", "decoding.draft_budget=all", "server.model_id=tiny"]
     server = Server(cmd, port, tmp_path, env)
+    workers: list[int] = []
     try:
         server.wait_healthy()
+        # torchrun starts every worker in its own session: keep their ids for the teardown
+        workers = [int(p) for p in Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()]
         model, tok = load_model(tiny_tok_dir, "float32")
         text = "List three uses of a hash map."
         ids = _chat_ids(tok, text)
@@ -279,5 +282,14 @@ def test_serve_lp2_tp2_answers_openai_with_greedy_text(tiny_tok_dir, tmp_path):
         assert la["output_ids"] == ref and la["workers"] == 2
         assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
         assert r.usage.completion_tokens == len(ref)
+        # a clean shutdown of the mesh: SIGTERM reaches rank 0 (the others wait for its SHUTDOWN)
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        assert server.proc.wait(90) == 0, server.log()[-3000:]
     finally:
         server.stop(signal.SIGKILL)
+        for pid in workers:  # whatever is left of this server's workers
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
