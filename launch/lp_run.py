@@ -72,6 +72,10 @@ def build_command(argv: list[str]) -> tuple[list[str], dict]:
             f"multiple of --nnodes {n}"
         )
     per_node = str(procs // n)
+    if n > 1 and (procs // n) % int(tp):
+        print(f"lp_run: warning: parallel.tp={tp} does not divide the {per_node} processes per node: some "
+              "tensor-parallel groups span nodes (every layer's all-reduce crosses the network)",
+              file=sys.stderr, flush=True)
     endpoint = "--rdzv-endpoint" in torchrun_flags or "--rdzv_endpoint" in torchrun_flags
     if endpoint and "--rdzv-backend" not in torchrun_flags:
         torchrun_flags += ["--rdzv-backend", "c10d"]
