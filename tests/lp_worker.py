@@ -61,6 +61,16 @@ def main() -> None:
                 "accept_hist": res.stats.accept_hist,
             }
         )
+    if group is not None and group.tp_size > 1:
+        # the verifier's input: are one forward's logits the same bits on every tp rank?
+        import torch.distributed as dist
+
+        with torch.inference_mode():
+            logits = model(torch.tensor([spec["jobs"][0]["prompt_ids"]])).logits[0]
+        peers = [torch.empty_like(logits) for _ in range(group.tp_size)]
+        dist.all_gather(peers, logits, group=group.tp_mesh.get_group())
+        for r in results:
+            r["tp_logits_identical"] = all(torch.equal(peers[0], p) for p in peers)
     if group is None or group.rank == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(results, f)

@@ -158,6 +158,7 @@ def test_lp2_tp2_equals_one_process_and_generate(tiny_dir, tmp_path):
     for job, a, b in zip(jobs, one, mesh):
         d = job["decoding"]
         assert len(b["mean_rows_per_rank"]) == 2  # 2 LP workers (of 2 processes each)
+        assert b["tp_logits_identical"]  # the all-reduced logits are the same bits on both tp ranks
         assert b["output_ids"] == a["output_ids"], (d, "LP 2 x TP 2 differs from one process")
         if not d.get("do_sample"):
             assert b["output_ids"] == hf_greedy(model, job["prompt_ids"], 24), (d, "differs from generate")
