@@ -18,14 +18,17 @@ CHAT_SETS = ("mt_bench", "gsm8k")  # chat template unless prompts.raw=true
 # lp_torch_matmul: the defaults with torch's own matmul kernel (model.small_rows=off), i.e. the
 # gain of the drafts alone
 METHODS = ("ar", "prompt_lookup", "lookahead", "lp", "tp", "pp", "lp_default", "suffix", "lp_window",
-           "lp_torch_matmul")
+           "lp_torch_matmul", "lp_tp")
 IN_PROCESS_DECODING = {
     "lp_default": ({}, {}),
     "suffix": ({"window_policy": "off"}, {}),
     "lp_window": ({"window_policy": "with_candidates"}, {}),
     "lp_torch_matmul": ({}, {"small_rows": "off"}),
 }
-MULTI_WORKER = ("lp", "tp", "pp")  # run under torchrun when workers > 1
+MULTI_WORKER = ("lp", "tp", "pp", "lp_tp")  # run under torchrun when workers > 1
+# lp_tp: the hybrid rows of the (lp, tp) mesh: for K processes every split lp x tp = K with
+# tp > 1 dividing the model's heads (lp x1 is the plain lp row); each LP worker's W and G are
+# the base ones scaled by its LP worker count
 TP_ENGINES = ("dtensor", "manual")
 
 

@@ -3,7 +3,9 @@
 #   OUT=/tmp/gpu bash bench/gpu_check.sh          (the device tool sets $OUT itself)
 # Sections: env, exactness per attention kernel (fp32 strict, bf16 reported), t(Q), lookahead vs
 # generate on 10 HumanEval prompts, the overhead benchmark on the GPU, and LP over NCCL when
-# more than one GPU is present. Each section's failure is recorded and the next one runs.
+# more than one GPU is present, then the (lp, tp) mesh over NCCL (SmolLM2 on tp=3 when the GPU
+# count divides by 3, else a tiny random Llama with SmolLM2's tokenizer on tp=2), its greedy
+# output compared with transformers generate. Each section's failure is recorded and the next one runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder}
@@ -20,6 +22,29 @@ if [ "${NGPU:-0}" -gt 1 ]; then
   timeout 120 python launch/lp_run.py parallel.workers="$NGPU" parallel.backend=nccl decoding.W=15 decoding.N=5 \
     decoding.G=15 decoding.max_new_tokens=128 stream=false output="$OUT/lp_nccl.json" > "$OUT/lp_nccl.log" 2>&1 \
     || echo "LP over NCCL failed (see lp_nccl.log)" >> "$OUT/gpu_check.log"
+  # the mesh: LP x TP over NCCL
+  if [ $((NGPU % 3)) -eq 0 ]; then TP=3; MODEL_ARGS=(); else TP=2; MODEL_ARGS=(model.path="$OUT/tiny_tp"); fi
+  if [ "$TP" = 2 ]; then
+    python -c "
+import shutil, sys; from pathlib import Path
+from tests.helpers import make_tiny_model; from lp.model import resolve_model_path
+out = Path(sys.argv[1]); make_tiny_model(vocab=49152).save_pretrained(out)
+src = resolve_model_path('smollm2', None)
+[shutil.copy(src / f, out / f) for f in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja') if (src / f).exists()]
+" "$OUT/tiny_tp" >> "$OUT/lp_mesh.log" 2>&1
+  fi
+  timeout 150 python launch/lp_run.py parallel.workers=$((NGPU / TP)) parallel.tp=$TP parallel.backend=nccl \
+    "${MODEL_ARGS[@]}" decoding.W=15 decoding.N=5 decoding.G=15 decoding.max_new_tokens=64 stream=false \
+    output="$OUT/lp_mesh.json" >> "$OUT/lp_mesh.log" 2>&1 \
+    && timeout 120 python -c "
+import json, sys, torch; from lp.model import load_model, resolve_model_path
+r = json.load(open(sys.argv[1])); path = r['model']
+m, tok = load_model(path, r['dtype'], 'cuda'); ids = torch.tensor([r['prompt_ids']], device='cuda')
+ref = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,
+                 eos_token_id=[tok.eos_token_id])[0, ids.shape[1]:].tolist()
+print('mesh', r['workers'], 'x tp', r['tp'], 'equals generate:', r['output_ids'] == ref, r['tokens_per_second'], 'tok/s')
+" "$OUT/lp_mesh.json" >> "$OUT/gpu_check.log" 2>&1 \
+    || echo "LP x TP mesh over NCCL failed (see lp_mesh.log)" >> "$OUT/gpu_check.log"
 else
   echo "one GPU: LP over NCCL not run" >> "$OUT/gpu_check.log"
 fi

@@ -59,7 +59,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
         g["tokens_per_row"] = tokens / all_rows if row_vals and all_rows else None
         out.append(g)
     order = {"ar": 0, "prompt_lookup": 1, "lp_default": 2, "lp_torch_matmul": 3, "suffix": 4, "lp_window": 5,
-             "lookahead": 6, "lp": 7, "tp": 8, "pp": 9}
+             "lookahead": 6, "lp": 7, "lp_tp": 8, "tp": 9, "pp": 10}
     out.sort(key=lambda g: (g["set"] == "all", g["set"], order.get(g["method"], 9), g["workers"], g["threads"],
                             g["W"] or 0, g["G"] or 0))
     return out
@@ -139,13 +139,13 @@ def summary_markdown(groups: list[dict], rows: list[dict], machine: dict, errors
             f"| {_f(g['speedup_same_cores'], '{:.2f}x')} "
             f"| {_f(g['exchange_ms_per_step'], '{:.2f}')} | {_f(g['rows_per_rank'], '{}')} | {g['mismatches']} |"
         )
-    scaling = [g for g in groups if g["set"] == "all" and g["method"] in ("lp", "tp", "pp")]
+    scaling = [g for g in groups if g["set"] == "all" and g["method"] in ("lp", "lp_tp", "tp", "pp")]
     if scaling:
         ks = sorted({g["workers"] for g in scaling})
         lines += ["", "## Strong scaling (all sets, speedup over ar at the same threads per worker)", "",
                   "| method | " + " | ".join(f"{k} worker{'s' if k > 1 else ''}" for k in ks) + " |",
                   "|---|" + "---|" * len(ks)]
-        for m in ("lp", "tp", "pp"):
+        for m in ("lp", "lp_tp", "tp", "pp"):  # lp_tp: one row per mesh split (lp{A}xtp{B})
             engines = sorted({g["tp_engine"] or "" for g in scaling if g["method"] == m and g["workers"] > 1})
             for engine in engines or [""]:
                 by_k = {g["workers"]: g for g in scaling
@@ -185,7 +185,7 @@ def plot_speedup(groups: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), squeeze=False)
     for ax, s in zip(axes[0], sets):
         gs = [g for g in groups if g["set"] == s]
-        for m, style in (("lp", "o-"), ("tp", "s--"), ("pp", "^:")):
+        for m, style in (("lp", "o-"), ("lp_tp", "D"), ("tp", "s--"), ("pp", "^:")):
             engines = sorted({g["tp_engine"] or "" for g in gs if g["method"] == m and g["workers"] > 1}) or [""]
             for engine in engines:
                 pts = sorted((g["workers"], g["speedup"]) for g in gs if g["method"] == m and g["speedup"] is not None

@@ -56,7 +56,7 @@ class Job:
     W: int | None = None
     N: int | None = None
     G: int | None = None
-    engine: str | None = None  # tp engine
+    engine: str | None = None  # tp engine; for lp_tp the mesh split, "lp{A}xtp{B}"
 
     @property
     def kernel(self) -> tuple:
@@ -80,8 +80,14 @@ class Job:
         return f"{self.method}{engine} x{self.workers} t{self.threads}{wng}"
 
 
-def plan_jobs(cfg: BenchConfig) -> list[tuple[Job, str]]:
-    """(job, which prompts: 'main' or 'sweep'), ar first: every other output is compared with it."""
+def mesh_splits(k: int, valid_tp=None) -> list[tuple[int, int]]:
+    """(LP workers, tp) for every split of k processes with tp > 1 (and tp in ``valid_tp``)."""
+    return [(k // tp, tp) for tp in range(2, k + 1) if k % tp == 0 and (valid_tp is None or tp in valid_tp)]
+
+
+def plan_jobs(cfg: BenchConfig, valid_tp=None) -> list[tuple[Job, str]]:
+    """(job, which prompts: 'main' or 'sweep'), ar first: every other output is compared with it.
+    ``valid_tp``: the tp degrees the model's heads allow (lp_tp), None: every divisor."""
     la: LookaheadConfig = cfg.lookahead
     t, ref = cfg.threads, cfg.reference_threads
     jobs: list[tuple[Job, str]] = [(Job("ar", 1, t), "main")]
@@ -107,6 +113,10 @@ def plan_jobs(cfg: BenchConfig) -> list[tuple[Job, str]]:
                 jobs += [(Job("tp", k, t, engine=e), "main") for e in cfg.tp_engines]
             else:
                 jobs.append((Job(m, k, t), "main"))
+        if "lp_tp" in cfg.methods:
+            for lp_k, tp in mesh_splits(k, valid_tp):
+                W, N, G = la.for_workers(lp_k)
+                jobs.append((Job("lp_tp", k, t, W, N, G, engine=f"lp{lp_k}xtp{tp}"), "main"))
     if "lookahead" in cfg.methods or "lp" in cfg.methods:
         for w in cfg.sweep.W:
             jobs.append((Job("lookahead", 1, t, w, la.N, w), "sweep"))
@@ -217,6 +227,7 @@ class Runner:
             "threads": job.threads, "W": job.W, "N": job.N, "G": job.G, "prompt_pool": la.prompt_pool,
             "window_policy": la.window_policy,
             "tp_engine": job.engine,
+            "tp": int(job.engine.rpartition("tp")[2]) if job.method == "lp_tp" else 1,
             "dist_timeout_s": cfg.dist_timeout_s, "warmup": cfg.warmup, "eos": self.eos,
             "prompts": [
                 {"key": [p.set, p.index], "ids": self.prompt_ids(p), "max_new_tokens": self.max_new(p)}
@@ -415,7 +426,9 @@ def run_bench(cfg: BenchConfig) -> Path:
     rows: list[dict] = []
     ar_kernel = Job("ar", 1, cfg.threads).kernel
     t0 = time.perf_counter()
-    plan = plan_jobs(cfg)
+    from lp.tp import valid_tp
+
+    plan = plan_jobs(cfg, valid_tp(runner.model.config) if "lp_tp" in cfg.methods else None)
     if cfg.interleave:
         for i, p in enumerate(main_prompts):
             if cfg.budget_s is not None and time.perf_counter() - t0 > cfg.budget_s:

@@ -14,6 +14,7 @@ plan) and t_exchange the per-step all_gather. The paper's law (arXiv 2402.02057
     python -m bench.scaling check bench/results/default [--tq DIR/tq.json]    # predicted vs measured LP
     python -m bench.scaling search --tq DIR/tq.json --devices 2 --fit bench/results/default
     python -m bench.scaling paper                                             # the 8-GPU note (SCALING.md)
+    python -m bench.scaling mesh [--gpu h200 --devices 8]                     # best lp x tp split (SCALING.md)
 
 Only the t(Q) measurement touches a model (lp.model.ModelRunner); the rest reads JSON.
 """
@@ -21,6 +22,7 @@ Only the t(Q) measurement touches a model (lp.model.ModelRunner); the rest reads
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -318,6 +320,7 @@ GPUS = {
     "a100-40gb": GPU("A100-SXM4-40GB", 1555.0, 312.0, 25.0),
     "a100-80gb": GPU("A100-SXM4-80GB", 2039.0, 312.0, 25.0),
     "h100": GPU("H100-SXM5-80GB", 3350.0, 989.0, 20.0),
+    "h200": GPU("H200-SXM-141GB", 4800.0, 989.0, 20.0),
 }
 
 
@@ -360,6 +363,111 @@ def _count(params: float) -> str:
 def _knee(gpu: GPU, params: float, bw_eff: float = 0.8, flop_eff: float = 0.5) -> float:
     t_mem = params * 2 / (bw_eff * gpu.hbm_GBps * 1e9)
     return t_mem * flop_eff * gpu.bf16_TFLOPS * 1e12 / (2 * params)
+
+
+# ---------------------------------------------------------------------------
+# the (lp, tp) mesh on paper: which split of D devices decodes one sequence fastest
+
+
+@dataclass
+class ModelShape:
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    kv_heads: int
+
+
+MODELS = {  # Llama-3 shapes (tp must divide the 8 KV heads: 1, 2, 4, 8)
+    "1b": ModelShape("Llama-3.2-1B", 1.24e9, 16, 2048, 8),
+    "8b": ModelShape("Llama-3.1-8B", 8.03e9, 32, 4096, 8),
+    "70b": ModelShape("Llama-3.1-70B", 70.6e9, 80, 8192, 8),
+}
+GPU_MEM_GB = {"h200": 141.0, "h100": 80.0, "a100-80gb": 80.0, "a100-40gb": 40.0}
+ALLREDUCE_US = {1: 0.0, 2: 10.0, 4: 15.0, 8: 20.0}  # small-message NCCL all-reduce on NVLink (assumed)
+BUS_GBPS = 350.0  # effective NCCL bus bandwidth for the all-reduce's bandwidth term (assumed)
+
+
+MESH_WS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)  # the search grid of W (= G)
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_cached(P: int, W: int, N: int, G: int, pending: int) -> int:
+    return rows_per_device(P, W, N, G, pending)
+
+
+def mesh_step_time(gpu: GPU, m: ModelShape, q: float, tp: int, overhead_ms: float = 0.0,
+                   bw_eff: float = 0.8, flop_eff: float = 0.5) -> float:
+    """Seconds of one TP-group forward of q rows: the roofline on 1/tp of the weights, plus the
+    2 all-reduces per layer (o_proj, down_proj) of q x hidden bf16 values."""
+    t_mem = m.params * 2 / tp / (bw_eff * gpu.hbm_GBps * 1e9)
+    t_flop = q * 2 * m.params / tp / (flop_eff * gpu.bf16_TFLOPS * 1e12)
+    t_ar = 0.0
+    if tp > 1:
+        nbytes = q * m.hidden * 2
+        t_ar = 2 * m.layers * (ALLREDUCE_US[tp] * 1e-6 + 2 * (tp - 1) / tp * nbytes / (BUS_GBPS * 1e9))
+    return overhead_ms * 1e-3 + max(t_mem, t_flop) + t_ar
+
+
+def mesh_fits(gpu_key: str, m: ModelShape, tp: int, kv_gb: float = 8.0) -> bool:
+    """Weights / tp plus a KV cache share fit in 90% of one device's memory."""
+    return m.params * 2 / tp / 1e9 + kv_gb / tp <= 0.9 * GPU_MEM_GB[gpu_key]
+
+
+def mesh_rows(gpu_key: str, model_key: str, overhead_ms: float, devices: int = 8, alpha: float = 0.425,
+              f: float = 3.106) -> list[dict]:
+    """Every split lp x tp = devices (tp dividing the KV heads, the shard fitting in memory) with
+    its best (W, N, G = W) under the law, plus plain TP and PP greedy on all devices; tok/s each."""
+    gpu, m = GPUS[gpu_key], MODELS[model_key]
+    one = mesh_step_time(gpu, m, 1, 1, overhead_ms)  # greedy on one device (if it fitted)
+    rows = []
+    for tp in (t for t in (1, 2, 4, 8) if devices % t == 0 and m.kv_heads % t == 0):
+        lp = devices // tp
+        if not mesh_fits(gpu_key, m, tp):
+            rows.append({"split": f"lp{lp} x tp{tp}", "fits": False})
+            continue
+        best = None
+        for N in range(3, 9):
+            for W in MESH_WS:
+                S = compression(alpha, f, N - 1, W)
+                q = _rows_cached(lp, W, N, W, 1 if lp == 1 else max(1, round(S)))
+                t = mesh_step_time(gpu, m, q, tp, overhead_ms) + (gpu.allgather_us * 1e-6 if lp > 1 else 0.0)
+                if best is None or S / t > best["tok_s"]:
+                    best = {"W": W, "N": N, "G": W, "S": S, "Q_dev": q, "t_ms": t * 1e3, "tok_s": S / t}
+        rows.append({"split": f"lp{lp} x tp{tp}", "fits": True, **best})
+    t_tp = mesh_step_time(gpu, m, 1, devices, overhead_ms)
+    rows.append({"split": f"TP {devices} greedy", "fits": mesh_fits(gpu_key, m, devices), "S": 1.0, "Q_dev": 1,
+                 "t_ms": t_tp * 1e3, "tok_s": 1 / t_tp})
+    # PP at batch 1: the stages run one after another; one device's time plus (D-1) hops
+    t_pp = one + (devices - 1) * 10e-6
+    rows.append({"split": f"PP {devices} greedy", "fits": mesh_fits(gpu_key, m, 1) or devices > 1, "S": 1.0,
+                 "Q_dev": 1, "t_ms": t_pp * 1e3, "tok_s": 1 / t_pp})
+    for r in rows:
+        if r.get("fits"):
+            r["vs_one"] = r["tok_s"] * one  # over greedy on one device (a reference even where it does not fit)
+    return rows
+
+
+def mesh_table(gpu_key: str, model_key: str, overhead_ms: float, devices: int = 8, alpha: float = 0.425,
+               f: float = 3.106) -> str:
+    m = MODELS[model_key]
+    rows = mesh_rows(gpu_key, model_key, overhead_ms, devices, alpha, f)
+    best = max((r for r in rows if r.get("fits")), key=lambda r: r["tok_s"])
+    lines = [
+        f"**{devices} x {GPUS[gpu_key].name}**, {m.name} ({_count(m.params)} params, bf16), per-step overhead "
+        f"{overhead_ms:g} ms: best **{best['split']}** ({best['tok_s']:.0f} tok/s)",
+        "",
+        "| split | W | N | G | S | rows/GPU | step ms | tok/s | vs 1-GPU greedy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r.get("fits"):
+            lines.append(f"| {r['split']} | – | – | – | – | – | – | does not fit | – |")
+            continue
+        w = (r.get("W", "–"), r.get("N", "–"), r.get("G", "–"))
+        lines.append(f"| {r['split']} | {w[0]} | {w[1]} | {w[2]} | {r['S']:.2f} | {r['Q_dev']} | {r['t_ms']:.2f} "
+                     f"| {r['tok_s']:.0f} | {r['vs_one']:.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------
@@ -409,6 +517,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", type=float, nargs="+", default=[7e9, 135e6])
     p.add_argument("--alpha", type=float, default=0.425)
     p.add_argument("--f", type=float, default=3.106)
+    h = sub.add_parser("mesh", help="on-paper best lp x tp split of one node (bench/SCALING.md)")
+    h.add_argument("--gpu", default="h200", choices=sorted(GPUS))
+    h.add_argument("--devices", type=int, default=8)
+    h.add_argument("--models", nargs="+", default=list(MODELS), choices=sorted(MODELS))
+    h.add_argument("--overhead-ms", type=float, nargs="+", default=[0.0, 10.0])
+    h.add_argument("--alpha", type=float, default=0.425)
+    h.add_argument("--f", type=float, default=3.106)
     args = ap.parse_args(argv)
 
     if args.cmd == "measure":
@@ -436,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
             for gpu in ("a100-40gb", "h100"):
                 for overhead in (0.0, 10.0):
                     print(paper_table(gpu, params, args.alpha, args.f, overhead))
+    elif args.cmd == "mesh":
+        for model in args.models:
+            for overhead in args.overhead_ms:
+                print(mesh_table(args.gpu, model, overhead, args.devices, args.alpha, args.f))
     return 0
 
 

@@ -3,7 +3,8 @@
 Contract: ``bench.run`` writes the job spec (method, model, dtype, threads,
 W/N/G, the prompts as token ids, eos ids) to a JSON file and starts this module
 under torchrun with OMP_NUM_THREADS = threads per worker. Every rank loads the
-model, applies its parallel plan (lp: a WorkerGroup; tp: shards; pp: a stage),
+model, applies its parallel plan (lp: a WorkerGroup; tp: shards; pp: a stage; lp_tp: the
+(lp, tp) mesh, each LP worker's replica sharded by lp.tp over its tp ranks),
 and decodes every prompt with the same call. Rank 0 writes the per-prompt runs
 to ``--out``; a rank that fails exits non-zero and torchrun stops the others.
 """
@@ -32,11 +33,17 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
     torch.set_num_threads(spec["threads"])
     rank, world, _ = torchrun_env()
     device = worker_device(spec.get("device", "cpu"))
-    group = init_worker_group(ParallelConfig(timeout_s=spec["dist_timeout_s"]), device)
-    model, _ = load_model(Path(spec["model_path"]), spec["dtype"], str(device))
     method, eos = spec["method"], spec["eos"]
+    tp = (spec.get("tp") or 1) if method == "lp_tp" else 1
+    group = init_worker_group(ParallelConfig(timeout_s=spec["dist_timeout_s"], tp=tp), device)
+    model, _ = load_model(Path(spec["model_path"]), spec["dtype"], str(device))
     info: dict = {"workers": world, "threads": torch.get_num_threads()}
-    if method == "lp":
+    if method == "lp_tp":
+        from lp.tp import shard_for
+
+        shard_for(model, group)
+        info.update(lp_workers=world // tp, tp=tp)
+    if method in ("lp", "lp_tp"):
 
         def decode(ids, n):
             W, N, G = spec["W"], spec["N"], spec["G"]
@@ -60,7 +67,7 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
             return stage.run(ids, n, eos)
 
     else:
-        raise ValueError(f"bench.worker runs lp, tp or pp, got method={method!r}")
+        raise ValueError(f"bench.worker runs lp, lp_tp, tp or pp, got method={method!r}")
 
     prompts = spec["prompts"]
     if spec["warmup"] and prompts:

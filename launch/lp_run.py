@@ -1,12 +1,16 @@
 """Launch ``lp.generate`` under torchrun: ``python launch/lp_run.py parallel.workers=K [overrides]``.
 
 Takes the same Hydra overrides as ``python -m lp.generate``, plus ``parallel.workers=K``
-(workers in total, over all nodes). Multi-node: pass ``--nnodes``, ``--node-rank`` and
+(LP workers in total, over all nodes) and optionally ``parallel.tp=T`` (each worker a
+tensor-parallel group of T processes): K x T processes, (K x T) / nnodes per node, in rank
+order, so a worker's tp ranks sit on one node when T divides the processes per node and
+LP spans the nodes. Multi-node: pass ``--nnodes``, ``--node-rank`` and
 ``--rdzv-endpoint HOST:PORT`` (or set LP_NNODES / LP_NODE_RANK / LP_RDZV_ENDPOINT); they
 go to torchrun unchanged. Sets one run dir (LP_RUN_DIR) for every rank and
 ``OMP_NUM_THREADS`` (LP_THREADS, default 1 per worker on CPU).
 
     python launch/lp_run.py parallel.workers=2 prompt="def quicksort(arr):" raw_prompt=true
+    python launch/lp_run.py parallel.workers=4 parallel.tp=2                  # 8 processes: LP 4 x TP 2
     python launch/lp_run.py --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500 parallel.workers=8
     python launch/lp_run.py --module lp.serve parallel.workers=2 server.port=8000   # the HTTP server
 """
@@ -25,6 +29,7 @@ def build_command(argv: list[str]) -> tuple[list[str], dict]:
     torchrun_flags: list[str] = []
     overrides: list[str] = []
     workers = None
+    tp = "1"
     module = "lp.generate"
     it = iter(argv)
     for arg in it:
@@ -43,10 +48,14 @@ def build_command(argv: list[str]) -> tuple[list[str], dict]:
             overrides.append(arg)
             if arg.startswith("parallel.workers="):
                 workers = arg.split("=", 1)[1]
+            if arg.startswith("parallel.tp="):
+                tp = arg.split("=", 1)[1]
     if workers is None:
         raise SystemExit("lp_run: pass parallel.workers=K (workers in total, over all nodes)")
     if not workers.isdigit() or int(workers) < 1:
         raise SystemExit(f"lp_run: parallel.workers must be an integer >= 1, got {workers!r}")
+    if not tp.isdigit() or int(tp) < 1:
+        raise SystemExit(f"lp_run: parallel.tp must be an integer >= 1, got {tp!r}")
     nnodes = os.environ.get("LP_NNODES")
     if nnodes and "--nnodes" not in torchrun_flags:
         torchrun_flags += ["--nnodes", nnodes, "--node-rank", os.environ.get("LP_NODE_RANK", "0")]
@@ -55,12 +64,18 @@ def build_command(argv: list[str]) -> tuple[list[str], dict]:
     n = 1
     if "--nnodes" in torchrun_flags:
         n = int(torchrun_flags[torchrun_flags.index("--nnodes") + 1])
-    # parallel.workers is the world size (all nodes together), everywhere in lp
-    if int(workers) % n:
+    # parallel.workers x parallel.tp is the world size (all nodes together), everywhere in lp
+    procs = int(workers) * int(tp)
+    if procs % n:
         raise SystemExit(
-            f"lp_run: parallel.workers={workers} (workers in total) must be a multiple of --nnodes {n}"
+            f"lp_run: parallel.workers={workers} x parallel.tp={tp} = {procs} processes (in total) must be a "
+            f"multiple of --nnodes {n}"
         )
-    per_node = str(int(workers) // n)
+    per_node = str(procs // n)
+    if n > 1 and (procs // n) % int(tp):
+        print(f"lp_run: warning: parallel.tp={tp} does not divide the {per_node} processes per node: some "
+              "tensor-parallel groups span nodes (every layer's all-reduce crosses the network)",
+              file=sys.stderr, flush=True)
     endpoint = "--rdzv-endpoint" in torchrun_flags or "--rdzv_endpoint" in torchrun_flags
     if endpoint and "--rdzv-backend" not in torchrun_flags:
         torchrun_flags += ["--rdzv-backend", "c10d"]

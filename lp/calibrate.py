@@ -32,7 +32,11 @@ def cache_path(runner) -> Path:
     blob = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
     digest = hashlib.sha1(blob.encode()).hexdigest()[:12]
     dtype = str(runner.dtype).replace("torch.", "")
-    name = (f"{digest}-{runner.device.type}-{dtype}-t{torch.get_num_threads()}-{runner.attention}"
+    from lp.tp import tp_degree
+
+    tp = tp_degree(runner.model)  # a TP step (all-reduces included) is not a one-device step
+    name = (f"{digest}-{runner.device.type}-{dtype}-t{torch.get_num_threads()}{f'-tp{tp}' if tp > 1 else ''}"
+            f"-{runner.attention}"
             f"-small{runner.small_rows_mode}-{VERSION}.json")
     return default_cache_dir() / "tq" / name
 
@@ -40,18 +44,24 @@ def cache_path(runner) -> Path:
 def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False) -> list[tuple[int, float]]:
     """The curve (cached); with ``model.small_rows=auto`` it also sets ``runner.small_rows``
     to the row counts that ran faster with small-row matmuls (lp.kernels)."""
+    from lp.tp import tp_all
+
     path = cache_path(runner)
     cores = os.cpu_count() or 1
+    cached = None
     if path.is_file() and not refresh:
         try:
             saved = json.loads(path.read_text())
             if not (saved.get("busy") and _load() < 0.75 * cores):
-                curve = [(int(q), float(t)) for q, t in saved["curve"]]
-                if runner.small_rows_mode == "auto":
-                    runner.small_rows = frozenset(int(q) for q in saved["small_rows"])
-                return curve
+                cached = ([(int(q), float(t)) for q, t in saved["curve"]],
+                          frozenset(int(q) for q in saved["small_rows"]))
         except (ValueError, KeyError, TypeError, AttributeError):
             pass
+    # under TP the forwards are collective: the worker's tp ranks read or measure together
+    if tp_all(runner.model, cached is not None):
+        if runner.small_rows_mode == "auto":
+            runner.small_rows = cached[1]
+        return cached[0]
     load = _load()
     curve, small = measure(runner, qs, repeats)
     if runner.small_rows_mode == "auto":

@@ -133,7 +133,8 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    workers: int | None = None  # must equal torchrun's WORLD_SIZE when set
+    workers: int | None = None  # LP workers; workers x tp must equal torchrun's WORLD_SIZE when set
+    tp: int = 1  # tensor-parallel degree: each LP worker's replica sharded over tp processes (lp.tp)
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     timeout_s: float = 60.0  # a stuck or dead worker ends the job within this time
     check_divergence: bool = False  # compare a hash of pool/window/output across ranks each step
@@ -141,6 +142,8 @@ class ParallelConfig:
     def validate(self) -> "ParallelConfig":
         if self.workers is not None and (not _is_int(self.workers) or self.workers < 1):
             raise ValueError(f"parallel.workers must be an integer >= 1, got {self.workers!r}")
+        if not _is_int(self.tp) or self.tp < 1:
+            raise ValueError(f"parallel.tp must be an integer >= 1, got {self.tp!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend must be auto, gloo or nccl, got {self.backend!r}")
         if not self.timeout_s > 0:

@@ -135,12 +135,13 @@ class LocalMerge:
 
 
 class GatherMerge:
-    """LP: one fixed-shape int64 all_gather per step (lp.dist.WorkerGroup)."""
+    """LP (and TP: any process group): one fixed-shape int64 all_gather per step
+    (lp.dist.WorkerGroup); the decoder sees LP workers, not processes."""
 
     def __init__(self, group):
         self.group = group
-        self.workers = group.world_size
-        self.rank = group.rank
+        self.workers = group.lp_size
+        self.rank = group.lp_rank
 
     def begin(self, emit_slots: int, node_slots: int, column_slots: int) -> None:
         self.group.begin(emit_slots, node_slots, column_slots)
@@ -227,7 +228,7 @@ class LookaheadDecoder:
         self.cfg = cfg.validate().with_hardware_defaults(runner.device.type, dtype_name, cpu_has_amx_bf16())
         self.group = group  # lp.dist.WorkerGroup or None
         self.merge = GatherMerge(group) if group is not None else LocalMerge()
-        self.commit = RefeedCommit() if group is not None else CompactCommit()
+        self.commit = RefeedCommit() if group is not None and group.lp_size > 1 else CompactCommit()
         self.workers = self.merge.workers
         self.rank = self.merge.rank
         c = self.cfg

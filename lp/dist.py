@@ -1,15 +1,27 @@
-"""The one module that owns torch.distributed: worker setup and the per-step exchange.
+"""The one module that owns torch.distributed: the (lp, tp) mesh and the per-step exchange.
 
 Contract: ``init_worker_group(parallel_cfg, model_device)`` reads torchrun's
-environment (global RANK / WORLD_SIZE, LOCAL_RANK for the device), opens one
-process group (nccl on CUDA, gloo on CPU) with a bounded timeout, and returns a
-``WorkerGroup`` (or None outside torchrun with one worker).
+environment (global RANK / WORLD_SIZE, LOCAL_RANK for the device), checks
+``parallel.workers x parallel.tp == WORLD_SIZE``, opens one process group (nccl on
+CUDA, gloo on CPU) with a bounded timeout and, with ``parallel.tp > 1``, the 2-D
+device mesh ``(workers, tp)`` named ("lp", "tp"), every sub-group with the same
+timeout; it returns a ``WorkerGroup`` (or None outside torchrun with one process).
 
-One exchange per step, one fixed-shape int64 ``all_gather_into_tensor`` into buffers
-allocated once per generation (``begin``; no pickled objects, no per-step
-allocation). Every payload ends with [cancel, state_hash]; rank 0's cancel flag
-stops every rank at the same step. Every rank knows the shard plan, so the payload
-layout is known to all:
+The mesh by rank order: global rank r is LP worker ``r // tp``, tp rank ``r % tp``,
+so a worker's tp ranks are consecutive (on one node when tp divides the processes
+per node) and LP spans the nodes. Each LP worker is one TP group (``group.tp_mesh``,
+lp.tp shards its replica over it); ``lp_rank``/``lp_size`` are what the shard plan
+and the decoder see, ``rank``/``world_size`` the global process.
+
+One exchange per step, one fixed-shape int64 ``all_gather_into_tensor`` over the
+whole world into buffers allocated once per generation (``begin``; no pickled
+objects, no per-step allocation). Every rank reads LP worker k's payload from
+the row of k's tp rank 0, so every tp rank of every worker applies the very same
+verdicts (the tp ranks compute the same rows and send the same payload; reading
+one of them makes agreement hold by construction, with no extra broadcast, and
+rank 0's cancel flag reaches every process). Every payload ends with [cancel,
+state_hash]; rank 0's cancel flag stops every rank at the same step. Every rank
+knows the shard plan, so the payload layout is known to all:
 
 greedy   [hits, winner, emitted[0..E-1], z[0..C-1], state_hash]
          hits: the rank's longest verified run over its own candidates;
@@ -29,8 +41,8 @@ sampled  [root, outcome[0..M-1], z[0..C-1], state_hash]
          outcome from the rank that owns it, so all reach the same decision.
 
 ``state_hash`` is a fingerprint of pool, window and output taken before the step
-when ``parallel.check_divergence`` is on (else 0); a mismatch stops the job at
-the first divergent step.
+when ``parallel.check_divergence`` is on (else 0), compared over every process
+(tp ranks included); a mismatch stops the job at the first divergent step.
 
 Failure: a collective that does not complete within ``parallel.timeout_s``
 (a dead or stuck peer) raises; ``lp.generate`` turns that into a clear message
@@ -81,13 +93,26 @@ def worker_device(requested: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def mesh_shape(cfg: ParallelConfig, world: int) -> tuple[int, int]:
+    """(LP workers, tp) for a world of ``world`` processes; ValueError with the fix otherwise."""
+    tp = cfg.tp
+    if cfg.workers is not None and cfg.workers * tp != world:
+        raise ValueError(
+            f"parallel.workers={cfg.workers} x parallel.tp={tp} = {cfg.workers * tp} processes but torchrun "
+            f"started WORLD_SIZE={world}; launch --nproc-per-node (x nnodes) = workers x tp, or set "
+            f"parallel.workers={world // tp if world % tp == 0 else '<world / tp>'} (or drop it)"
+        )
+    if world % tp:
+        raise ValueError(
+            f"parallel.tp={tp} does not divide WORLD_SIZE={world}: launch a multiple of {tp} processes "
+            f"(workers x tp) or pick parallel.tp from the divisors of {world}"
+        )
+    return world // tp, tp
+
+
 def init_worker_group(cfg: ParallelConfig, device: torch.device) -> "WorkerGroup | None":
     rank, world, local_rank = torchrun_env()
-    if cfg.workers is not None and cfg.workers != world:
-        raise ValueError(
-            f"parallel.workers={cfg.workers} but torchrun started WORLD_SIZE={world} workers; "
-            "launch with --nproc-per-node (x nnodes) equal to parallel.workers, or drop it"
-        )
+    workers, tp = mesh_shape(cfg, world)
     if world == 1:
         return None
     backend = cfg.backend
@@ -98,21 +123,42 @@ def init_worker_group(cfg: ParallelConfig, device: torch.device) -> "WorkerGroup
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            timeout=timeout,
             **({"device_id": device} if backend == "nccl" else {}),
         )
-    return WorkerGroup(rank, world, local_rank, device, cfg)
+    mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        opts = _pg_options(backend, timeout)  # sub-groups otherwise get torch's 30-min default
+        mesh = init_device_mesh(device.type, (workers, tp), mesh_dim_names=("lp", "tp"),
+                                backend_override={"lp": (backend, opts), "tp": (backend, opts)})
+    return WorkerGroup(rank, world, local_rank, device, cfg, tp=tp, mesh=mesh)
+
+
+def _pg_options(backend: str, timeout: datetime.timedelta):
+    opts = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    return opts
 
 
 class WorkerGroup:
-    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, cfg: ParallelConfig):
-        self.rank = rank
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, cfg: ParallelConfig,
+                 tp: int = 1, mesh=None):
+        self.rank = rank  # global process rank
         self.world_size = world_size
         self.local_rank = local_rank
         self.device = device
+        self.tp_size = tp
+        self.tp_rank = rank % tp
+        self.lp_rank = rank // tp  # this process's LP worker (the shard plan's rank)
+        self.lp_size = world_size // tp  # LP workers
+        self.mesh = mesh  # DeviceMesh (lp, tp) when tp > 1
+        self.tp_mesh = mesh["tp"] if mesh is not None else None
         self.check_divergence = cfg.check_divergence
         self._slots = 0
         self._n_slots = 0
@@ -158,7 +204,8 @@ class WorkerGroup:
                 raise WorkerFailure(
                     f"ranks diverged: pool/window/output fingerprints differ across ranks {hashes}"
                 )
-        return rows, bool(rows[0][-2])  # rank 0 decides cancellation
+        # LP worker k's payload: the row of its tp rank 0 (global rank k * tp)
+        return rows[:: self.tp_size], bool(rows[0][-2])  # rank 0 decides cancellation
 
     def exchange_greedy(self, hits, winner, emitted, z_local, plan, cancel=False, state_hash=0):
         """-> ([RankHit per rank], cancelled)."""

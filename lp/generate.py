@@ -73,6 +73,7 @@ def run(cfg: GenerateConfig) -> dict | None:
 
     from lp.decoding import LookaheadDecoder
     from lp.model import ModelRunner, load_model, resolve_model_path
+    from lp.tp import check_tp_path, shard_for
 
     cfg.validate()
     rank, world, _ = torchrun_env()
@@ -85,7 +86,9 @@ def run(cfg: GenerateConfig) -> dict | None:
     lead = rank == 0
     try:
         path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
+        check_tp_path(path, cfg.parallel.tp)  # heads vs parallel.tp, before any weights load
         model, tokenizer = load_model(path, cfg.model.dtype, str(device))
+        shard_for(model, group)  # this LP worker's replica over its tp ranks (parallel.tp > 1)
         prompt_ids = build_prompt_ids(tokenizer, cfg)
         eos = eos_ids(model, tokenizer)
         streamer = TextStreamer(tokenizer, skip_prompt=True) if (lead and cfg.stream) else None
@@ -117,14 +120,15 @@ def run(cfg: GenerateConfig) -> dict | None:
         "G": dcfg.G,
         "window_policy": dcfg.window_policy,
         "prompt_pool": dcfg.prompt_pool,
-        "workers": world,
+        "workers": world // cfg.parallel.tp,  # LP workers
+        "tp": cfg.parallel.tp,
         "dtype": str(model.dtype).replace("torch.", ""),
         "device": str(device),
         "threads": torch.get_num_threads(),
         "model": str(path),
     }
     print(
-        f"\n[lp] {_shape(dcfg)} workers={world} dtype={result['dtype']}: "
+        f"\n[lp] {_shape(dcfg)} workers={result['workers']} tp={cfg.parallel.tp} dtype={result['dtype']}: "
         f"{result['new_tokens']} tokens in {result['steps']} steps (S={result['compression_ratio']:.2f}), "
         f"{result['decode_time_s']:.2f} s, {result['tokens_per_second']:.1f} tok/s",
         flush=True,

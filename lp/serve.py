@@ -52,6 +52,7 @@ def run(cfg: ServeConfig) -> int:
     """Load the model on every rank and serve until shutdown. Returns the exit status (0)."""
     from lp.generate import eos_ids
     from lp.model import ModelRunner, load_model, resolve_model_path
+    from lp.tp import check_tp_path, shard_for
 
     cfg.validate()
     _setup_logging()
@@ -64,7 +65,9 @@ def run(cfg: ServeConfig) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
+    check_tp_path(path, cfg.parallel.tp)  # heads vs parallel.tp, before any weights load
     model, tokenizer = load_model(path, cfg.model.dtype, str(device))
+    shard_for(model, group)  # this LP worker's replica over its tp ranks (parallel.tp > 1)
     if tokenizer is None:
         raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")
     runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows)
@@ -119,7 +122,7 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
     from lp.server.protocol import ServingContext
 
     s = cfg.server
-    world = group.world_size if group is not None else 1
+    world = group.lp_size if group is not None else 1  # LP workers (each a TP group of parallel.tp)
     heartbeat = min(s.heartbeat_s, cfg.parallel.timeout_s / 3)
     metrics = ServerMetrics(world)
     engine = Engine(runner, tokenizer, eos, group, s.max_queue, heartbeat, metrics, draft_store=_draft_store(cfg))
@@ -145,8 +148,8 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
     engine.start()
     d = cfg.decoding
-    log.info("[lp.serve] model %s loaded (%s, %s), %d worker(s), W/N/G default %s/%s/%s; http://%s:%d",
-             ctx.model_id, str(model.dtype).replace("torch.", ""), runner.device, world, d.W, d.N, d.G, s.host, s.port)
+    log.info("[lp.serve] model %s loaded (%s, %s), %d worker(s) x tp %d, W/N/G default %s/%s/%s; http://%s:%d",
+             ctx.model_id, str(model.dtype).replace("torch.", ""), runner.device, world, cfg.parallel.tp, d.W, d.N, d.G, s.host, s.port)
     try:
         server.run()
     finally:

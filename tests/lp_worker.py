@@ -1,7 +1,7 @@
 """Worker script for the LP tests: ``torchrun --nproc-per-node K tests/lp_worker.py SPEC.json OUT.json``.
 
 Runs every job of SPEC (prompt ids + decoding config) with ``LookaheadDecoder`` on the
-torchrun worker group (or one process when started without torchrun) and writes, from
+torchrun worker group (spec "tp": LP workers x tp processes, lp.tp shards each replica) (or one process when started without torchrun) and writes, from
 rank 0, one result per job: output ids, steps, rows per rank.
 """
 
@@ -16,6 +16,7 @@ from lp.config import DecodingConfig, ParallelConfig
 from lp.decoding import LookaheadDecoder
 from lp.dist import WorkerGroup, init_worker_group
 from lp.model import ModelRunner, load_model, resolve_model_path
+from lp.tp import shard_for
 
 
 class FaultyGroup(WorkerGroup):
@@ -38,12 +39,14 @@ def main() -> None:
     parallel = ParallelConfig(
         timeout_s=spec.get("timeout_s", 120),
         check_divergence=spec.get("check_divergence", True),
+        tp=spec.get("tp", 1),
     )
     group = init_worker_group(parallel, torch.device("cpu"))
     if spec.get("kill_rank_at_step") and group is not None:
         group = FaultyGroup(group, *spec["kill_rank_at_step"])
     path = spec.get("model_path") or resolve_model_path("smollm2", None)
     model, _ = load_model(path, spec.get("dtype", "float32"))
+    shard_for(model, group)  # spec "tp" > 1: each LP worker's replica over its tp ranks
     runner = ModelRunner(model)
     results = []
     for job in spec["jobs"]:
@@ -58,6 +61,16 @@ def main() -> None:
                 "accept_hist": res.stats.accept_hist,
             }
         )
+    if group is not None and group.tp_size > 1:
+        # the verifier's input: are one forward's logits the same bits on every tp rank?
+        import torch.distributed as dist
+
+        with torch.inference_mode():
+            logits = model(torch.tensor([spec["jobs"][0]["prompt_ids"]])).logits[0]
+        peers = [torch.empty_like(logits) for _ in range(group.tp_size)]
+        dist.all_gather(peers, logits, group=group.tp_mesh.get_group())
+        for r in results:
+            r["tp_logits_identical"] = all(torch.equal(peers[0], p) for p in peers)
     if group is None or group.rank == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(results, f)

@@ -169,7 +169,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos = eos
         self.group = group
-        self.workers = group.world_size if group is not None else 1
+        self.workers = group.lp_size if group is not None else 1  # LP workers (x parallel.tp processes)
         self.channel = RequestChannel(group) if group is not None else None
         self.max_queue = max_queue
         self.heartbeat_s = heartbeat_s
@@ -266,7 +266,7 @@ class Engine:
             if self.channel is not None and self.failed is None:
                 try:
                     self.channel.send(RequestChannel.SHUTDOWN)
-                    log.info("sent shutdown to %d worker(s)", self.workers - 1)
+                    log.info("sent shutdown to %d other rank(s)", self.group.world_size - 1)
                 except WorkerFailure as e:
                     log.error("could not send shutdown to the workers: %s", e)
 

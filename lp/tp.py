@@ -1,0 +1,164 @@
+"""Tensor parallelism for one LP worker: shard a loaded model over its tp ranks.
+
+Contract: ``check_tp(config, tp)`` raises ValueError (naming ``parallel.tp`` and the values
+that work) when the model's attention heads or key/value heads do not divide by ``tp``; it
+needs only the config, so callers run it before loading any weights.
+``apply_tp(model, tp_mesh)`` shards the model in place over the 1-D ``tp_mesh`` (lp.dist
+builds it: the "tp" dimension of the (lp, tp) mesh) with the model's own transformers
+``tp_plan`` (``base_model_tp_plan`` of its config plus the class's head plan: q/k/v and
+gate/up column-wise, o/down row-wise with an all-reduce, a vocab-parallel embedding and a
+column-wise LM head whose logits are all-gathered), applied by transformers'
+``apply_tensor_parallelism``; no model class is patched. Models that tie the LM head to the
+embedding keep both replicated (one parameter cannot be sharded two ways).
+
+Every tp rank ends each layer with the same all-reduced (or all-gathered) tensor, so the
+logits the verifier reads are the same on every tp rank of a worker: the collectives of gloo
+and NCCL hand every rank one result (reduce-scatter then all-gather). lp.dist's exchange
+reads every verdict from tp rank 0 of its worker anyway, so a difference could never split
+a worker. The products differ from one process only by float rounding (the summation order
+of the row-wise all-reduce).
+
+Inference only: the sharded Linear layers run on their local shards (transformers' local
+fast path when grad is off), so the forward costs plain matmuls plus 2 all-reduces per layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _heads(config) -> tuple[int, int]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    return heads, kv
+
+
+def valid_tp(config) -> list[int]:
+    """The tp degrees that divide both the attention heads and the key/value heads."""
+    heads, kv = _heads(config)
+    g = math.gcd(heads, kv)
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def check_tp(config, tp: int) -> None:
+    """ValueError unless ``tp`` shards this model's heads evenly (and the model has a plan)."""
+    if tp == 1:
+        return
+    heads, kv = _heads(config)
+    if heads % tp or kv % tp:
+        raise ValueError(
+            f"parallel.tp={tp} does not divide this model's heads (num_attention_heads={heads}, "
+            f"num_key_value_heads={kv}); use parallel.tp in {valid_tp(config)} "
+            "(and parallel.workers = world size / tp)"
+        )
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(
+            f"parallel.tp={tp}: model type {getattr(config, 'model_type', '?')!r} ships no tensor-parallel "
+            "plan (config.base_model_tp_plan); use parallel.tp=1"
+        )
+
+
+def tp_plan(model) -> dict[str, str]:
+    """The model's transformers plan, without the embedding and head when they are tied."""
+    plan = dict(model.tp_plan)
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False) or getattr(
+        model.config, "tie_word_embeddings", False)
+    if tied:
+        embed = model.get_input_embeddings()
+        names = {n for n, m in model.named_modules() if m is embed or m is model.get_output_embeddings()}
+        plan = {k: v for k, v in plan.items() if k not in names}
+    return plan
+
+
+def _expand(model, plan: dict[str, str]) -> dict[str, str]:
+    """One entry per parameter (to shard), then per module (to hook), layer numbers filled in."""
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        style = plan.get(replace_layer_number_by_wildcard(name))
+        if style is None:
+            continue
+        for pname, _ in module.named_parameters(recurse=False):
+            out[f"{name}.{pname}"] = style
+        out[name] = style
+    return out
+
+
+def apply_tp(model, tp_mesh) -> None:
+    """Shard ``model`` in place over ``tp_mesh`` (every rank holds the full weights on entry)."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from lp import kernels
+
+    tp = tp_mesh.size()
+    check_tp(model.config, tp)
+    # the small-row layers must exist before the TP hooks wrap their forward
+    kernels.install(model)
+    expanded = _expand(model, tp_plan(model))
+    assert expanded, "the model's tp_plan matched no module"
+    with torch.no_grad():
+        apply_tensor_parallelism(model, tp_mesh, expanded)
+    model._lp_tp = tp  # read by lp.calibrate (a TP step is not a one-device step)
+    model._lp_tp_group = tp_mesh.get_group()
+    model.forward = _collective_failures(model.forward)
+
+
+def _collective_failures(forward):
+    """The instance's forward, with a failed all-reduce inside it (a dead or stuck tp peer:
+    gloo/NCCL raise after parallel.timeout_s) raised as lp.dist.WorkerFailure, which the
+    entry points report with this rank and exit on."""
+    import functools
+
+    import torch.distributed as dist
+
+    from lp.dist import WorkerFailure
+
+    @functools.wraps(forward)
+    def tp_forward(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        except (dist.DistError, RuntimeError) as e:
+            text = str(e)
+            if isinstance(e, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "Connection", "Timed out")):
+                raise WorkerFailure(f"tensor-parallel forward failed ({type(e).__name__}: {text[:300]})") from e
+            raise
+
+    return tp_forward
+
+
+def tp_degree(model) -> int:
+    return getattr(model, "_lp_tp", 1)
+
+
+def tp_all(model, flag: bool) -> bool:
+    """True on every tp rank of this worker iff ``flag`` is true on all of them (one
+    all-reduce; ``flag`` unchanged without TP). Ranks that run forwards together must take
+    the same branch (e.g. measure t(Q) or read it from the cache)."""
+    group = getattr(model, "_lp_tp_group", None)
+    if group is None:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], dtype=torch.long, device=next(model.parameters()).device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+def check_tp_path(path, tp: int) -> None:
+    """``check_tp`` from a model folder's config.json alone (before any weights load)."""
+    if tp == 1:
+        return
+    from transformers import AutoConfig
+
+    check_tp(AutoConfig.from_pretrained(path), tp)
+
+
+def shard_for(model, group):
+    """Shard ``model`` over ``group``'s tp ranks (lp.dist.WorkerGroup); unchanged without TP."""
+    if group is not None and group.tp_size > 1:
+        apply_tp(model, group.tp_mesh)
+    return model
