@@ -330,10 +330,10 @@ class LookaheadDecoder:
             lps = _logprobs(raw_KV, layout, path, len(emitted), cfg.top_logprobs) if cfg.logprobs else None
             if lps:
                 run.logprobs.extend(lps)
-            if streamer is not None and emitted:
-                streamer.put(torch.tensor(emitted))
             if on_emit is not None and emitted:
                 on_emit(emitted, lps)
+            if streamer is not None and emitted:
+                streamer.put(torch.tensor(emitted))
             self.collect(run, prop, z_all, emitted)
             if not run.done:
                 run.pending = self.commit(self.runner, run.cache, prop.cache_len, layout, path, emitted)
