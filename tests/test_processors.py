@@ -187,3 +187,35 @@ def test_bad_processor_settings_name_the_field(field, value):
 def test_logit_bias_outside_vocab(tiny_factory):
     with pytest.raises(ValueError, match=r"decoding.logit_bias keys must be token ids in \[0, 128\)"):
         lookahead(ModelRunner(tiny_factory("llama")), [1, 2, 3], max_new_tokens=4, logit_bias={500: 1.0})
+
+
+# ---------------------------------------------------------------------------
+# sampling with penalties and min_p: same distribution as transformers sampling
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.9, repetition_penalty=1.4, min_p=0.05),
+    dict(frequency_penalty=0.7, presence_penalty=0.4, logit_bias={3: 1.5}, top_k=6),
+], ids=["repetition-minp", "openai-bias-topk"])
+def test_sampled_with_processors_matches_generate(kw):
+    from tests.test_sampling_dist import ALPHA, NEW, TREE, _fmt, compare, lookahead_samples, small_vocab_model
+
+    model, runner, prompt = small_vocab_model()
+    n = 1500
+    cfg = DecodingConfig(do_sample=True, **kw).validate()
+    gen_kw, custom = hf_processors(cfg, len(prompt))
+    torch.manual_seed(99)
+    ids = torch.tensor([prompt])
+    sample_kw = {k: v for k, v in kw.items() if k in ("temperature", "top_k", "min_p")}
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=n,
+                             max_new_tokens=NEW, logits_processor=custom, **{"top_k": 0, **sample_kw, **gen_kw})
+    b = out[:, len(prompt):].numpy()
+    a, hist = lookahead_samples(runner, prompt, n, drafts=TREE, **kw)
+    assert hist[2] + hist[3] > 0.1 * n, dict(hist)  # drafts were verified and accepted under the processors
+    res = compare(a, b)
+    assert all(p > ALPHA for p, _, _ in res.values()), _fmt(res)
+    # power: the processors matter here; lp sampling without them is told apart
+    plain = {k: v for k, v in kw.items() if k in ("temperature", "top_k")}
+    c, _ = lookahead_samples(runner, prompt, n, drafts=TREE, **plain)
+    assert min(p for p, _, _ in compare(c, b).values()) < 1e-6
