@@ -219,3 +219,29 @@ def test_sampled_with_processors_matches_generate(kw):
     plain = {k: v for k, v in kw.items() if k in ("temperature", "top_k")}
     c, _ = lookahead_samples(runner, prompt, n, drafts=TREE, **plain)
     assert min(p for p, _, _ in compare(c, b).values()) < 1e-6
+
+
+# ---------------------------------------------------------------------------
+# LP: 2 workers, each applying the processors to its own shard of the tree
+
+
+@pytest.mark.slow
+def test_lp_two_workers_with_processors_equal_generate(smollm2, tmp_path):
+    from lp.config import GenerateConfig
+    from lp.generate import build_prompt_ids
+    from tests.test_lp import torchrun
+
+    model, tok = smollm2
+    ids = build_prompt_ids(tok, GenerateConfig(prompt="Write a Python function that reverses a string."))
+    cases = [dict(repetition_penalty=1.3, W=5, N=4, G=5), dict(frequency_penalty=0.8, presence_penalty=0.5),
+             dict(repetition_penalty=1.2, frequency_penalty=0.3, top_k=5, drafts="suffix", draft_budget="all",
+                  window_policy="off")]
+    jobs, refs = [], []
+    for settings in cases:
+        cfg = DecodingConfig(max_new_tokens=32, **settings).validate()
+        kw, custom = hf_processors(cfg, len(ids))
+        refs.append(hf_greedy(model, ids, 32, logits_processor=custom, **kw))
+        jobs.append({"prompt_ids": ids, "decoding": dict(max_new_tokens=32, **settings)})
+    proc, results = torchrun(2, {"jobs": jobs, "threads": 1}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["output_ids"] for r in results] == refs
