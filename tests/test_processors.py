@@ -139,7 +139,8 @@ def test_smollm2_processors_equal_generate(smollm2, smollm2_runner):
             cfg = DecodingConfig(max_new_tokens=40, **settings).validate()
             kw, custom = hf_processors(cfg, len(ids))
             ref = hf_greedy(model, ids, 40, logits_processor=custom, **kw)
-            res = lookahead(smollm2_runner, ids, max_new_tokens=40, **settings)
+            eos = model.generation_config.eos_token_id
+            res = lookahead(smollm2_runner, ids, max_new_tokens=40, eos_token_ids=eos, **settings)
             assert res.output_ids == ref, (text, settings)
 
 
@@ -242,6 +243,9 @@ def test_lp_two_workers_with_processors_equal_generate(smollm2, tmp_path):
         kw, custom = hf_processors(cfg, len(ids))
         refs.append(hf_greedy(model, ids, 32, logits_processor=custom, **kw))
         jobs.append({"prompt_ids": ids, "decoding": dict(max_new_tokens=32, **settings)})
+    eos = model.generation_config.eos_token_id
+    for job in jobs:
+        job["eos"] = [eos] if isinstance(eos, int) else list(eos or [])
     proc, results = torchrun(2, {"jobs": jobs, "threads": 1}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["output_ids"] for r in results] == refs
