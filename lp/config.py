@@ -45,6 +45,18 @@ class DecodingConfig:
     top_p: float = 1.0  # 1.0: off
     seed: int = 0
     stop_strings: list[str] = field(default_factory=list)
+    # logits processors (lp.processors), applied to every verified row with that row's own
+    # history (committed tokens + its ancestors in the draft tree), in transformers' order:
+    # logit_bias, repetition_penalty, then OpenAI's frequency/presence penalties
+    repetition_penalty: float = 1.0  # 1.0: off; prompt + output tokens (transformers' formula)
+    frequency_penalty: float = 0.0  # in [-2, 2]: logit -= f * count (output tokens)
+    presence_penalty: float = 0.0  # in [-2, 2]: logit -= p * [count > 0] (output tokens)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    min_p: float = 0.0  # sampling: drop tokens below min_p x the top probability (0: off)
+    # logprobs of each emitted token (raw: log-softmax of the model's logits, before any
+    # processor), and the top_logprobs most likely tokens of its position (0..20)
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def with_hardware_defaults(self, device_type: str, dtype_name: str, amx: bool) -> "DecodingConfig":
         """A copy with every unset W/N/G/window_policy taken from ``hardware_defaults``."""
@@ -92,6 +104,20 @@ class DecodingConfig:
         need(_is_int(self.seed), "seed", "an integer", self.seed)
         for s in self.stop_strings:
             need(isinstance(s, str) and len(s) > 0, "stop_strings", "a list of non-empty strings", self.stop_strings)
+        need(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             "a number > 0 (1.0: off)", self.repetition_penalty)
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            need(_is_num(v) and -2 <= v <= 2, name, "a number in [-2, 2] (0: off)", v)
+        need(isinstance(self.logit_bias, dict), "logit_bias", "a mapping of token id -> bias", self.logit_bias)
+        for t, b in self.logit_bias.items():
+            need(_is_int(t) and t >= 0, "logit_bias", "token ids (integers >= 0) as keys", t)
+            need(_is_num(b) and -100 <= b <= 100, "logit_bias", "biases in [-100, 100]", b)
+        need(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0: off)", self.min_p)
+        need(isinstance(self.logprobs, bool), "logprobs", "true or false", self.logprobs)
+        need(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20, "top_logprobs", "an integer in [0, 20]",
+             self.top_logprobs)
+        need(self.top_logprobs == 0 or self.logprobs, "top_logprobs", "0 unless logprobs is true", self.top_logprobs)
         return self
 
 
@@ -208,3 +234,9 @@ def field_check(group: str):
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    import math
+
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -9,7 +9,8 @@ check stop strings). A step is a chain of named stages, each a small method:
               candidates), cut to the draft budget (lp.drafts, lp.budget), the shard plan
     lay_out   the packed rows (lp.layout: the drafts as one token trie, a row per node;
               the skeleton is cached by shape)
-    forward   one packed forward (lp.model), logits of the kept rows on the device
+    forward   one packed forward (lp.model), logits of the kept rows on the device;
+              logit_bias and penalties applied per row with its own history (lp.processors)
     verify    walk the candidate trie (lp.verify; greedy argmax with ONE device->host
               read per step, or the exact sampler of lp.sampling)
     merge     combine the workers' verdicts (identity in one process; one
@@ -45,6 +46,7 @@ from lp.drafts import Scored, observe, select_tree, suffix_drafts
 from lp.layout import build_tree_layout
 from lp.model import ModelRunner
 from lp.pool import ContextIndex, NGramPool
+from lp.processors import RowProcessor, row_extras, wants_processing
 from lp.sampling import node_generator, verify_node, warp
 from lp.shard import Shard, column_rows, plan_tree_shards
 from lp.suffix import DraftStore, SuffixIndex
@@ -102,6 +104,13 @@ class GenerationStats:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float  # raw: log-softmax of the model's logits at the row that verified the token
+    top: tuple[tuple[int, float], ...] = ()  # the position's top_logprobs (token, logprob), most likely first
+
+
 @dataclass
 class GenerationResult:
     output_ids: list[int]
@@ -109,6 +118,7 @@ class GenerationResult:
     # "stop": an eos id or a stop string ended it; "length": max_new_tokens;
     # "cancelled": the caller's ``cancel()`` returned True (rank 0's decides under LP)
     finish_reason: str = "length"
+    logprobs: list[TokenLogprob] | None = None  # one per output token when cfg.logprobs
 
 
 # ---------------------------------------------------------------------------
@@ -197,7 +207,9 @@ class _Run:
     eos: set[int]
     index: SuffixIndex | None = None  # prompt + output (drafts=suffix)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    proc: RowProcessor | None = None  # logit_bias / penalties along the tree
     out: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     step: int = 0
     done: bool = False
     finish: str = "length"
@@ -248,6 +260,12 @@ class LookaheadDecoder:
         vocab = self.runner.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_ids):
             raise ValueError(f"prompt ids must be integers in [0, {vocab})")
+        bad = [t for t in self.cfg.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"decoding.logit_bias keys must be token ids in [0, {vocab}), got {bad[0]}")
+        if self.cfg.logprobs and self.group is not None:
+            raise ValueError("decoding.logprobs is not supported with parallel.workers > 1 (the verifying rows "
+                             "may live on another worker); use one process")
         limit = self.runner.max_positions
         need = len(prompt_ids) + self.cfg.max_new_tokens
         if limit is not None and need > limit:
@@ -273,13 +291,16 @@ class LookaheadDecoder:
         tokenizer=None,
         on_step=None,
         cancel=None,
+        on_emit=None,
     ) -> GenerationResult:
         """Decode up to ``cfg.max_new_tokens`` tokens after ``prompt_ids``.
 
         ``cancel``: a callable polled once per step; when it returns True the step's
         verified tokens are still published and generation ends (finish_reason
         "cancelled"). Under LP only rank 0's answer counts; it rides in the per-step
-        exchange so every rank stops at the same step."""
+        exchange so every rank stops at the same step. ``on_emit(tokens, logprobs)``: called
+        each step with the published tokens and, when ``cfg.logprobs``, their TokenLogprobs
+        (else None)."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_request(prompt_ids)
         cfg = self.cfg
@@ -297,13 +318,21 @@ class LookaheadDecoder:
             prop = self.propose(run)
             layout = self.lay_out(run, prop)
             t1 = time.perf_counter()
-            logits_KV = self.runner.forward(layout, run.cache)
+            raw_KV = self.runner.forward(layout, run.cache)
+            logits_KV = raw_KV if run.proc is None else run.proc.apply(raw_KV, row_extras(layout))
             verdict = self.verify(run, prop, layout, logits_KV)  # the step's one device->host read
             t2 = time.perf_counter()
             asked = self.rank == 0 and cancel is not None and bool(cancel())
             path, z_all, cancelled = self.merge_verdicts(run, prop, verdict, asked)
             t3 = time.perf_counter()
             emitted = self.publish(run, path.emitted, cancelled, tokenizer)
+            if run.proc is not None:
+                run.proc.extend(emitted)
+            lps = _logprobs(raw_KV, layout, path, len(emitted), cfg.top_logprobs) if cfg.logprobs else None
+            if lps:
+                run.logprobs.extend(lps)
+            if on_emit is not None and emitted:
+                on_emit(emitted, lps)
             if streamer is not None and emitted:
                 streamer.put(torch.tensor(emitted))
             self.collect(run, prop, z_all, emitted)
@@ -323,7 +352,7 @@ class LookaheadDecoder:
         if streamer is not None:
             streamer.end()
         _finish_stats(stats, len(run.out), self.workers)
-        return GenerationResult(run.out, stats, run.finish)
+        return GenerationResult(run.out, stats, run.finish, run.logprobs if cfg.logprobs else None)
 
     def _start(self, prompt_ids: list[int], eos: set[int]) -> _Run:
         cfg = self.cfg
@@ -348,7 +377,9 @@ class LookaheadDecoder:
         rows = self.max_step_rows()
         cache = self.runner.new_cache(len(prompt_ids) + cfg.max_new_tokens + rows, rows)
         self.merge.begin(self.max_draft + 1, self.draft_rows, cfg.W + cfg.N - 2)
-        return _Run(list(prompt_ids), list(prompt_ids), window, pool, context, cache, eos, index)
+        proc = RowProcessor(cfg, prompt_ids, self.runner.vocab_size, self.runner.device) if wants_processing(cfg) \
+            else None
+        return _Run(list(prompt_ids), list(prompt_ids), window, pool, context, cache, eos, index, proc=proc)
 
     # -- stages -------------------------------------------------------------
 
@@ -476,7 +507,7 @@ class LookaheadDecoder:
         z_local = logits_KV[[row_of[r] for r in sk.z_rows]].argmax(-1).tolist() if sk.z_rows else []
 
         def probs(row: int) -> torch.Tensor:
-            return warp(logits_KV[row_of[row]], cfg.temperature, cfg.top_k, cfg.top_p)
+            return warp(logits_KV[row_of[row]], cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
 
         root_children = children(candidates, range(len(candidates)), 0)
         root = verify_node(probs(sk.num_pending - 1), root_children, node_generator(cfg.seed, run.step, 0))
@@ -507,6 +538,27 @@ class LookaheadDecoder:
 def _row_index(sk) -> dict[int, int]:
     """Row -> index among the kept rows (the logits' first dimension)."""
     return {row: i for i, row in enumerate(sk.keep)}
+
+
+def _logprobs(raw_KV: torch.Tensor, layout, path: Path, count: int, top: int) -> list[TokenLogprob]:
+    """Raw logprobs of the first ``count`` emitted tokens, read from the rows that verified them:
+    the ordinary row, then the accepted candidate's rows (one process: candidate = own candidate)."""
+    if count == 0:
+        return []
+    row_of = _row_index(layout.skeleton)
+    rows = [layout.skeleton.num_pending - 1]
+    if path.winner is not None:
+        rows += list(layout.cand_rows[path.winner][: path.hits])
+    rows = rows[:count]
+    lp_RV = torch.log_softmax(raw_KV[[row_of[r] for r in rows]].float(), dim=-1)
+    tokens = path.emitted[:count]
+    chosen = lp_RV.gather(1, torch.tensor(tokens, device=lp_RV.device)[:, None])[:, 0].tolist()
+    if top:
+        vals, ids = lp_RV.topk(top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    else:
+        tops = [()] * len(rows)
+    return [TokenLogprob(t, c, tp) for t, c, tp in zip(tokens, chosen, tops)]
 
 
 def _record(stats: GenerationStats, rec: StepRecord) -> None:

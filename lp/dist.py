@@ -281,7 +281,7 @@ def _pad(values: list[int], size: int) -> list[int]:
 class RequestChannel:
     MAGIC = 0x4C50_5256  # "LPRV"
     IDLE, REQUEST, SHUTDOWN = 0, 1, 2
-    FIELDS = 16
+    FIELDS = 24
     HEADER = 4 + FIELDS
 
     def __init__(self, group: WorkerGroup):

@@ -102,6 +102,9 @@ def run(cfg: GenerateConfig) -> dict | None:
             dcfg = decoder.cfg  # W/N/G resolved for the hardware
             res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)
             ids, stats = res.output_ids, res.stats.summary()
+            if res.logprobs is not None:
+                stats["logprobs"] = [{"token": t.token, "logprob": t.logprob, "top": [list(x) for x in t.top]}
+                                     for t in res.logprobs]
     except WorkerFailure as e:
         print(f"[lp] rank {rank}: {e}; stopping this worker", file=sys.stderr, flush=True)
         os._exit(3)
@@ -147,7 +150,12 @@ def run(cfg: GenerateConfig) -> dict | None:
 
 
 def _run_ar(model, tokenizer, prompt_ids, dcfg: DecodingConfig, eos, streamer):
-    kwargs = dict(max_new_tokens=dcfg.max_new_tokens, do_sample=dcfg.do_sample, eos_token_id=eos)
+    from lp.processors import generate_kwargs
+
+    if dcfg.logprobs:
+        raise ValueError("decoding.logprobs is reported by decoding.mode=lookahead only")
+    kwargs = dict(max_new_tokens=dcfg.max_new_tokens, do_sample=dcfg.do_sample, eos_token_id=eos,
+                  **generate_kwargs(dcfg, len(prompt_ids)))
     if dcfg.do_sample:
         torch.manual_seed(dcfg.seed)
         kwargs.update(temperature=dcfg.temperature, top_k=dcfg.top_k or None, top_p=dcfg.top_p)

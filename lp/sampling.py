@@ -1,7 +1,7 @@
 """Sampling: logits warpers and the exact multi-candidate verifier (seeds/000 §0x05B).
 
 Contract: the warpers reproduce transformers' TemperatureLogitsWarper ->
-TopKLogitsWarper -> TopPLogitsWarper chain, so "the target distribution" means
+TopKLogitsWarper -> TopPLogitsWarper -> MinPLogitsWarper chain, so "the target distribution" means
 the same thing here and in ``generate(do_sample=True)``.
 
 ``verify_node`` tests each *distinct* candidate token as a point mass, in order:
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 
-def warp(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def warp(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """Float32 logits [..., V] -> sampling probabilities [..., V]."""
     scores = logits_V.float()
     if temperature != 1.0:
@@ -39,6 +39,10 @@ def warp(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float) -
         remove_sorted[..., -1:] = False  # keep at least one token
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        floor = min_p * probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(probs < floor, float("-inf"))  # the top token always stays
     return torch.softmax(scores, dim=-1)
 
 

@@ -126,7 +126,8 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
     heartbeat = min(s.heartbeat_s, cfg.parallel.timeout_s / 3)
     metrics = ServerMetrics(world)
     engine = Engine(runner, tokenizer, eos, group, s.max_queue, heartbeat, metrics, draft_store=_draft_store(cfg))
-    ctx = ServingContext(model_id_of(cfg), tokenizer, runner.vocab_size, runner.max_positions, cfg.decoding, s)
+    ctx = ServingContext(model_id_of(cfg), tokenizer, runner.vocab_size, runner.max_positions, cfg.decoding, s,
+                         workers=world)
     app = create_app(engine, ctx, metrics, s.retry_after_s)
 
     class _Server(uvicorn.Server):

@@ -27,12 +27,16 @@ NEW = 3
 ALPHA = 1e-3  # per statistic; 5 statistics per comparison
 
 
-@pytest.fixture(scope="module")
-def small_vocab():
+def small_vocab_model():
     model = make_tiny_model("llama", vocab=VOCAB, initializer_range=0.3)
     seed_prompt = [1, 2, 3, 4, 5]
     prompt = seed_prompt + hf_greedy(model, seed_prompt, 20)
     return model, ModelRunner(model), prompt
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    return small_vocab_model()
 
 
 def hf_samples(model, prompt, n, seed=1234, **kw) -> np.ndarray:

@@ -26,13 +26,17 @@ ROOT = Path(__file__).resolve().parent.parent
         DecodingConfig(W=3, N=2, G=0, max_new_tokens=1, do_sample=True, temperature=0.37, top_k=5, top_p=0.91,
                        seed=-(2**63), stop_strings=["\n\n", "é😀 stop", "x"], window_policy="always", prompt_pool=False),
         DecodingConfig(W=15, N=5, G=15, seed=2**63 - 1, window_policy="with_candidates"),
+        DecodingConfig(repetition_penalty=1.3, frequency_penalty=-0.7, presence_penalty=1.9, min_p=0.05,
+                       logit_bias={0: -100.0, 49151: 0.25, 7: 3.5}, do_sample=True),
     ],
 )
 def test_pack_unpack_roundtrip(d):
     prompt = [1, 0, 49151, 5, 5]
     fields, payload = pack_request(prompt, d)
     assert all(isinstance(x, int) and -(2**63) <= x < 2**63 for x in fields + payload)
-    assert len(fields) <= 16  # RequestChannel.FIELDS
+    from lp.dist import RequestChannel
+
+    assert len(fields) <= RequestChannel.FIELDS
     got_prompt, got = unpack_request(fields, payload, DecodingConfig(max_new_tokens=99, prompt_pool=True))
     assert got_prompt == prompt
     assert got == d

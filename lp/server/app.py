@@ -32,7 +32,9 @@ from lp.server.protocol import (
     ChatRequest,
     CompletionRequest,
     ServingContext,
+    chat_logprobs,
     chunk,
+    completion_logprobs,
     full_response,
     lookahead_info,
     new_id,
@@ -111,13 +113,21 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
             return _error(ApiError(f"The server is unavailable: {e}", status=503, type="server_error",
                                    code="unavailable"))
         rid = new_id(kind)
+        if prep.user:
+            log.info("%s for user %r", rid, prep.user)
         detok = Detokenizer(ctx.tokenizer, prep.decoding.stop_strings)
         if prep.stream:
             return StreamingResponse(_stream(job, kind, rid, detok, prep), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _whole(request, job, kind, rid, detok, prep)
 
+    def _logprobs(kind, lps, offset):
+        if kind == "chat":
+            return chat_logprobs(ctx.tokenizer, lps)
+        return completion_logprobs(ctx.tokenizer, lps, offset)
+
     async def _whole(request, job, kind, rid, detok, prep):
+        lps = []
         try:
             while True:
                 try:
@@ -130,6 +140,8 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
                     continue
                 if ev == "tokens":
                     detok.ids.extend(data)
+                elif ev == "logprobs":
+                    lps.extend(data)
                 elif ev == "error":
                     return _error(data)
                 elif ev == "done":
@@ -142,24 +154,37 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
                     la = lookahead_info(res, out.decoding, engine.workers, out.ttft_s, out.queue_s)
                     if prep.return_token_ids:
                         la["output_ids"] = list(res.output_ids)
+                    logprobs = _logprobs(kind, lps[: len(res.output_ids)], 0) if prep.decoding.logprobs else None
+                    if prep.echo_text is not None:
+                        text = prep.echo_text + text
                     return JSONResponse(full_response(kind, rid, ctx.model_id, text, res.finish_reason,
-                                                      usage(len(prep.prompt_ids), len(res.output_ids)), la))
+                                                      usage(len(prep.prompt_ids), len(res.output_ids)), la,
+                                                      logprobs))
         finally:
             job.cancel()  # no-op once done; stops the decode if this handler is torn down
 
     async def _stream(job, kind, rid, detok, prep):
         done = False
+        lps, offset = [], 0  # logprobs waiting for their tokens' chunk; completions' text offset
         try:
             yield _sse(chunk(kind, rid, ctx.model_id, "", role=True))
+            if prep.echo_text is not None:
+                yield _sse(chunk(kind, rid, ctx.model_id, prep.echo_text))
             while True:
                 try:
                     ev, data = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
                 except asyncio.TimeoutError:
                     yield ": keep-alive\n\n"  # a write to a vanished client fails here
                     continue
-                if ev == "tokens":
+                if ev == "logprobs":
+                    lps = data
+                elif ev == "tokens":
                     delta = detok.push(data)
-                    if delta:
+                    if lps:
+                        yield _sse(chunk(kind, rid, ctx.model_id, delta, logprobs=_logprobs(kind, lps, offset)))
+                        offset += sum(len(ctx.tokenizer.decode([t.token])) for t in lps)
+                        lps = []
+                    elif delta:
                         yield _sse(chunk(kind, rid, ctx.model_id, delta))
                 elif ev == "error":
                     done = True

@@ -133,26 +133,37 @@ def pack_request(prompt_ids: list[int], d: DecodingConfig) -> tuple[list[int], l
         len(d.stop_strings),
         _POLICIES.index(d.window_policy),
         int(d.prompt_pool),
+        _f2i(d.repetition_penalty),
+        _f2i(d.frequency_penalty),
+        _f2i(d.presence_penalty),
+        _f2i(d.min_p),
+        len(d.logit_bias),
     ]
     payload = list(prompt_ids)
     for s in d.stop_strings:
         b = s.encode("utf-8")
         payload += [len(b), *b]
+    for t, b in d.logit_bias.items():
+        payload += [int(t), _f2i(b)]
     return fields, payload
 
 
 def unpack_request(fields: list[int], payload: list[int], base: DecodingConfig) -> tuple[list[int], DecodingConfig]:
     n_prompt, max_new, W, N, G, do_sample, temp, top_k, top_p, seed, n_stop, policy, pool = fields[:13]
+    rep, freq, pres, min_p, n_bias = fields[13:18]
     prompt_ids = payload[:n_prompt]
     stops, i = [], n_prompt
     for _ in range(n_stop):
         n = payload[i]
         stops.append(bytes(payload[i + 1 : i + 1 + n]).decode("utf-8"))
         i += 1 + n
+    bias = {payload[i + 2 * k]: _i2f(payload[i + 2 * k + 1]) for k in range(n_bias)}
     d = dataclasses.replace(
         base, max_new_tokens=max_new, W=None if W < 0 else W, N=None if N < 0 else N, G=None if G < 0 else G,
         do_sample=bool(do_sample), temperature=_i2f(temp), top_k=top_k, top_p=_i2f(top_p), seed=seed,
         stop_strings=stops, window_policy=_POLICIES[policy], prompt_pool=bool(pool),
+        repetition_penalty=_i2f(rep), frequency_penalty=_i2f(freq), presence_penalty=_i2f(pres), min_p=_i2f(min_p),
+        logit_bias=bias,
     )
     return prompt_ids, d
 
@@ -283,8 +294,12 @@ class Engine:
             fields, payload = pack_request(job.prompt_ids, job.decoding)
             self.channel.send(RequestChannel.REQUEST, fields, payload)
         try:
+            def on_emit(tokens, logprobs):
+                if logprobs is not None:
+                    job.emit("logprobs", logprobs)  # before their tokens: the stream attaches them to that chunk
+
             res = decoder.generate(job.prompt_ids, self.eos, streamer=_Streamer(job), tokenizer=self.tokenizer,
-                                   cancel=lambda: job.cancelled)
+                                   cancel=lambda: job.cancelled, on_emit=on_emit)
         except WorkerFailure as e:
             job.emit("error", ApiError(f"an LP worker failed: {e}", status=503, type="server_error",
                                        code="worker_failure"))

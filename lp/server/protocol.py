@@ -10,6 +10,12 @@ touches the model. Request fields not sent take the server's ``decoding`` group 
 ``temperature: 0`` is greedy, ``> 0`` samples. ``lookahead: {W, N, G, return_token_ids}``
 is an extension: W/N/G bounded by ``server.max_W/max_N/max_G``; ``return_token_ids`` adds
 the completion's token ids (``output_ids``) to the response's ``lookahead`` object.
+
+Every field is honored or refused, none ignored (``FIELD_POLICY``): a field of the OpenAI
+API (or a vLLM extension) that lp does not implement gets a 400 naming it
+(``unsupported_parameter``) unless it carries its no-op value (``tools: []``,
+``response_format: {"type": "text"}``, ``n: 1``, ...); a field neither defines gets OpenAI's
+``Unrecognized request argument supplied`` 400.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -43,7 +49,7 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class LookaheadParams(_Strict):
@@ -56,6 +62,7 @@ class LookaheadParams(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: Any = None  # refused unless false
 
 
 class TextPart(_Strict):
@@ -81,21 +88,89 @@ class _Common(_Strict):
     max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None  # vLLM extension
+    min_p: float | None = None  # vLLM extension
+    repetition_penalty: float | None = None  # vLLM extension (transformers' formula)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id: written to the server's request log
     lookahead: LookaheadParams | None = None
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage]
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    safety_identifier: str | None = None  # like user: written to the request log
+    # OpenAI fields lp does not implement: refused unless they carry their no-op value
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    moderation: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = None  # top logprobs per token, 0..20 (0: the chosen token's only)
+    echo: bool | None = None
+    best_of: Any = None  # refused unless 1
+    suffix: Any = None  # refused unless null
+
+
+# field -> its no-op values: any other value is refused with a 400 naming the field
+_NOOP = {
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    "web_search_options": (None,), "store": (None, False), "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"), "moderation": (None,), "prompt_cache_key": (None,),
+    "prompt_cache_retention": (None,), "prompt_cache_options": (None,), "best_of": (None, 1), "suffix": (None, ""),
+}
+_WHY = {
+    "tools": "tool calling is not implemented", "tool_choice": "tool calling is not implemented",
+    "parallel_tool_calls": "tool calling is not implemented", "functions": "function calling is not implemented",
+    "function_call": "function calling is not implemented",
+    "response_format": "only {\"type\": \"text\"} is supported (no JSON mode or schemas)",
+    "audio": "audio output is not supported", "modalities": "only [\"text\"] is supported",
+    "prediction": "predicted outputs are not supported", "reasoning_effort": "this model does not reason",
+    "verbosity": "this model does not reason", "web_search_options": "web search is not available",
+    "store": "completions are not stored", "metadata": "completions are not stored",
+    "service_tier": "there is one service tier", "moderation": "moderation is not available",
+    "prompt_cache_key": "there is no cross-request prompt cache",
+    "prompt_cache_retention": "there is no cross-request prompt cache",
+    "prompt_cache_options": "there is no cross-request prompt cache", "best_of": "only best_of=1 is supported",
+    "suffix": "insertion (suffix) is not supported",
+}
+# every request field of the OpenAI chat / completions APIs and the vLLM extensions lp knows:
+# honored (implemented) or refused (400 unless its no-op value); see README "OpenAI fields"
+FIELD_POLICY = {
+    **{f: "honored" for f in ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
+                              "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                              "presence_penalty", "logit_bias", "seed", "stop", "n", "stream", "stream_options",
+                              "user", "safety_identifier", "logprobs", "top_logprobs", "echo", "lookahead")},
+    **{f: "refused" for f in _NOOP},
+}
 
 
 def parse(cls: type[_Common], body: bytes) -> _Common:
@@ -154,6 +229,7 @@ class ServingContext:
     max_positions: int | None
     base: DecodingConfig  # the server's decoding group: every request's defaults
     limits: ServerConfig
+    workers: int = 1  # LP workers behind the server
 
 
 @dataclass
@@ -163,6 +239,8 @@ class Prepared:
     stream: bool
     include_usage: bool
     return_token_ids: bool = False
+    echo_text: str | None = None  # completions with echo: the prompt text, returned before the completion
+    user: str | None = None  # user / safety_identifier, for the request log
 
 
 def prepare(req: _Common, ctx: ServingContext) -> Prepared:
@@ -171,11 +249,33 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
                        param="model", code="model_not_found")
     if req.n is not None and req.n != 1:
         raise ApiError(f"Invalid value for 'n': only n=1 is supported (got {req.n}).", param="n", code="invalid_value")
+    _refuse_unsupported(req)
     prompt_ids, prompt_param = _prompt_ids(req, ctx)
     d = _decoding(req, ctx, len(prompt_ids), prompt_param)
     stream = bool(req.stream)
+    echo_text = None
+    if isinstance(req, CompletionRequest) and req.echo:
+        if d.logprobs:
+            raise ApiError("Invalid value for 'echo': echo with logprobs (prompt logprobs) is not supported.",
+                           param="echo", code="unsupported_parameter")
+        p = req.prompt
+        echo_text = p if isinstance(p, str) else p[0] if p and isinstance(p[0], str) else ctx.tokenizer.decode(p)
+    user = req.user or getattr(req, "safety_identifier", None)
     return Prepared(prompt_ids, d, stream, bool(stream and req.stream_options and req.stream_options.include_usage),
-                    bool(req.lookahead and req.lookahead.return_token_ids))
+                    bool(req.lookahead and req.lookahead.return_token_ids), echo_text, user)
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    for name, ok in _NOOP.items():
+        if name in type(req).model_fields:
+            v = getattr(req, name)
+            if v not in ok:
+                raise ApiError(f"'{name}' is not supported by this server: {_WHY[name]} (got {_short(v)}).",
+                               param=name, code="unsupported_parameter")
+    so = req.stream_options
+    if so is not None and so.include_obfuscation not in (None, False):
+        raise ApiError("'stream_options.include_obfuscation' is not supported by this server.",
+                       param="stream_options.include_obfuscation", code="unsupported_parameter")
 
 
 def _prompt_ids(req: _Common, ctx: ServingContext) -> tuple[list[int], str]:
@@ -261,6 +361,47 @@ def _decoding(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: 
         if req.top_k < 0:
             raise bad("top_k", "expected an integer >= 0 (0: off)", req.top_k)
         upd["top_k"] = req.top_k
+    if req.min_p is not None:
+        if not 0 <= req.min_p <= 1:
+            raise bad("min_p", "expected a number in [0, 1]", req.min_p)
+        upd["min_p"] = float(req.min_p)
+    if req.repetition_penalty is not None:
+        if not 0 < req.repetition_penalty <= 10:
+            raise bad("repetition_penalty", "expected a number in (0, 10]", req.repetition_penalty)
+        upd["repetition_penalty"] = float(req.repetition_penalty)
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = getattr(req, name)
+        if v is not None:
+            if not -2 <= v <= 2:
+                raise bad(name, "expected a number in [-2, 2]", v)
+            upd[name] = float(v)
+    if req.logit_bias is not None:
+        bias = {}
+        if len(req.logit_bias) > 300:
+            raise bad("logit_bias", "at most 300 tokens", f"{len(req.logit_bias)} entries")
+        for key, b in req.logit_bias.items():
+            if not key.isdigit() or int(key) >= ctx.vocab_size:
+                raise bad("logit_bias", f"keys must be token ids in [0, {ctx.vocab_size})", key)
+            if not -100 <= b <= 100:
+                raise bad("logit_bias", "biases must be in [-100, 100]", b)
+            bias[int(key)] = float(b)
+        upd["logit_bias"] = bias
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise bad("top_logprobs", "expected an integer in [0, 20]", req.top_logprobs)
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError("Invalid value for 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is set.",
+                           param="top_logprobs", code="invalid_value")
+        if req.logprobs:
+            upd.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
+    elif req.logprobs is not None:
+        if not 0 <= req.logprobs <= 20:
+            raise bad("logprobs", "expected an integer in [0, 20]", req.logprobs)
+        upd.update(logprobs=True, top_logprobs=req.logprobs)
+    if upd.get("logprobs") and ctx.workers > 1:
+        raise ApiError(f"Invalid value for 'logprobs': logprobs are not supported with {ctx.workers} LP workers "
+                       "(the verifying rows may live on another worker); run one process.", param="logprobs",
+                       code="unsupported_parameter")
     if req.seed is not None:
         if not INT64_MIN <= req.seed <= INT64_MAX:
             raise bad("seed", "expected a 64-bit integer", req.seed)
@@ -314,30 +455,31 @@ def lookahead_info(result, decoding: DecodingConfig, workers: int, ttft_s: float
     }
 
 
-def full_response(kind: str, rid: str, model: str, text: str, finish: str, use: dict, la: dict) -> dict:
+def full_response(kind: str, rid: str, model: str, text: str, finish: str, use: dict, la: dict,
+                  logprobs: dict | None = None) -> dict:
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": use, "lookahead": la}
 
 
 def chunk(kind: str, rid: str, model: str, text: str | None, finish: str | None = None, role: bool = False,
-          **extra) -> dict:
+          logprobs: dict | None = None, **extra) -> dict:
     if kind == "chat":
         delta: dict = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice], **extra}
 
@@ -345,3 +487,34 @@ def chunk(kind: str, rid: str, model: str, text: str | None, finish: str | None 
 def usage_chunk(kind: str, rid: str, model: str, use: dict) -> dict:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": use}
+
+
+# ---------------------------------------------------------------------------
+# logprobs (raw: log-softmax of the model's logits at the verifying row)
+
+
+def _token_text(tok, token_id: int) -> str:
+    return tok.decode([token_id])
+
+
+def chat_logprobs(tok, lps) -> dict:
+    """OpenAI chat ``logprobs`` object for a list of lp.decoding.TokenLogprob."""
+    def entry(t: int, lp: float) -> dict:
+        s = _token_text(tok, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                        for x in lps], "refusal": None}
+
+
+def completion_logprobs(tok, lps, offset: int) -> dict:
+    """Legacy completions ``logprobs`` object; ``offset``: characters of text before these tokens."""
+    tokens, offsets = [], []
+    for x in lps:
+        s = _token_text(tok, x.token)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{_token_text(tok, t): v for t, v in x.top} for x in lps],
+            "text_offset": offsets}
