@@ -67,6 +67,11 @@ def _shape(dcfg: DecodingConfig) -> str:
     return f"lookahead drafts={dcfg.drafts} G={dcfg.G} window {window}"
 
 
+def _quant_note(quant: str) -> str:
+    """The summary line names a quantized model loudly: outputs equal generate on *it*, not fp32."""
+    return "" if quant == "none" else f" QUANT={quant.upper()} (exact vs generate on the {quant} model)"
+
+
 def run(cfg: GenerateConfig) -> dict | None:
     """Load the model, decode one prompt, report. Returns the result dict on rank 0."""
     from transformers import TextStreamer
@@ -85,7 +90,7 @@ def run(cfg: GenerateConfig) -> dict | None:
     lead = rank == 0
     try:
         path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
-        model, tokenizer = load_model(path, cfg.model.dtype, str(device))
+        model, tokenizer = load_model(path, cfg.model.dtype, str(device), cfg.model.quant)
         prompt_ids = build_prompt_ids(tokenizer, cfg)
         eos = eos_ids(model, tokenizer)
         streamer = TextStreamer(tokenizer, skip_prompt=True) if (lead and cfg.stream) else None
@@ -119,12 +124,13 @@ def run(cfg: GenerateConfig) -> dict | None:
         "prompt_pool": dcfg.prompt_pool,
         "workers": world,
         "dtype": str(model.dtype).replace("torch.", ""),
+        "quant": getattr(model, "_lp_quant", None) or "none",
         "device": str(device),
         "threads": torch.get_num_threads(),
         "model": str(path),
     }
     print(
-        f"\n[lp] {_shape(dcfg)} workers={world} dtype={result['dtype']}: "
+        f"\n[lp] {_shape(dcfg)} workers={world} dtype={result['dtype']}{_quant_note(result['quant'])}: "
         f"{result['new_tokens']} tokens in {result['steps']} steps (S={result['compression_ratio']:.2f}), "
         f"{result['decode_time_s']:.2f} s, {result['tokens_per_second']:.1f} tok/s",
         flush=True,

@@ -52,7 +52,9 @@ def install(model: nn.Module) -> SmallRows:
         return switch
     switch = SmallRows()
     for module in model.modules():
-        if type(module) is nn.Linear and module.bias is None:
+        # plain float weights only: a quantized linear (torchao tensor subclass, lp.quant)
+        # runs its own kernel
+        if type(module) is nn.Linear and module.bias is None and type(module.weight) is nn.Parameter:
             module.__class__ = SmallRowsLinear  # same object: same Parameters, hooks, tying
             module.switch = switch
     model._lp_small_rows = switch

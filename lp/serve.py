@@ -64,7 +64,7 @@ def run(cfg: ServeConfig) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
-    model, tokenizer = load_model(path, cfg.model.dtype, str(device))
+    model, tokenizer = load_model(path, cfg.model.dtype, str(device), cfg.model.quant)
     if tokenizer is None:
         raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")
     runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows)

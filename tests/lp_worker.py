@@ -43,7 +43,7 @@ def main() -> None:
     if spec.get("kill_rank_at_step") and group is not None:
         group = FaultyGroup(group, *spec["kill_rank_at_step"])
     path = spec.get("model_path") or resolve_model_path("smollm2", None)
-    model, _ = load_model(path, spec.get("dtype", "float32"))
+    model, _ = load_model(path, spec.get("dtype", "float32"), quant=spec.get("quant", "none"))
     runner = ModelRunner(model)
     results = []
     for job in spec["jobs"]:
