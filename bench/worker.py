@@ -33,7 +33,7 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
     rank, world, _ = torchrun_env()
     device = worker_device(spec.get("device", "cpu"))
     group = init_worker_group(ParallelConfig(timeout_s=spec["dist_timeout_s"]), device)
-    model, _ = load_model(Path(spec["model_path"]), spec["dtype"], str(device))
+    model, _ = load_model(Path(spec["model_path"]), spec["dtype"], str(device), spec.get("quant", "none"))
     method, eos = spec["method"], spec["eos"]
     info: dict = {"workers": world, "threads": torch.get_num_threads()}
     if method == "lp":

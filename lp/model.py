@@ -240,7 +240,9 @@ class ModelRunner:
         # calibrated); see uses_small_rows
         if small_rows not in ("auto", "on", "off"):
             raise ValueError(f"model.small_rows must be auto, on or off, got {small_rows!r}")
-        self.small_rows_mode = "off" if (small_rows == "auto" and self.device.type != "cpu") else small_rows
+        # quantized linears (lp.quant) run their own kernels: auto steps aside for them
+        off = self.device.type != "cpu" or self.quant != "none"
+        self.small_rows_mode = "off" if (small_rows == "auto" and off) else small_rows
         self.small_rows: frozenset[int] = frozenset()
         self._small = None
         if self.small_rows_mode != "off":

@@ -124,3 +124,20 @@ def test_smollm2_int8_lp_two_workers(smollm2_int8, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for k, (res, ref) in enumerate(zip(results, refs)):
         assert res["output_ids"] == ref, f"LP int8 prompt {k} differs from generate on the int8 model"
+
+
+def test_int8_packed_step_equals_one_row_steps_bitwise():
+    """With per-row int8 linears and lp_rowexact attention, a packed chain of Q rows gives each
+    row's logits exactly as Q one-row steps do (what makes lookahead == generate)."""
+    from lp.layout import chain_layout
+
+    runner = ModelRunner(make_tiny_model(seed=2), quant="int8")
+    assert runner.attention == "rowexact" and runner.small_rows_mode == "off"
+    prefix, chain = REPETITIVE_PROMPT, [7, 21, 3, 99, 64, 5, 17, 33]
+    cache = runner.new_cache(64, 16)
+    runner.forward(chain_layout(prefix), cache)
+    packed_QV = runner.forward(chain_layout(chain), cache)
+    cache = runner.new_cache(64, 16)
+    runner.forward(chain_layout(prefix), cache)
+    ones_QV = torch.cat([runner.forward(chain_layout([t]), cache) for t in chain])
+    assert torch.equal(packed_QV, ones_QV)
