@@ -3,7 +3,8 @@
 #   OUT=/tmp/gpu bash bench/gpu_check.sh          (the device tool sets $OUT itself)
 # Sections: env, exactness per attention kernel (fp32 strict, bf16 reported), t(Q), lookahead vs
 # generate on 10 HumanEval prompts, the overhead benchmark on the GPU, and LP over NCCL when
-# more than one GPU is present. Each section's failure is recorded and the next one runs.
+# more than one GPU is present, then bf16 vs int4 weight-only (torchao, bench/gpu_quant.py; never
+# fatal, needs torchao installed). Each section's failure is recorded and the next one runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder}
@@ -23,4 +24,6 @@ if [ "${NGPU:-0}" -gt 1 ]; then
 else
   echo "one GPU: LP over NCCL not run" >> "$OUT/gpu_check.log"
 fi
+timeout 240 python -m bench.gpu_quant --out "$OUT/gpu" > "$OUT/gpu_quant.log" 2>&1 \
+  || echo "int4 section failed or timed out (see gpu_quant.log)" >> "$OUT/gpu_check.log"
 ls -la "$OUT" "$OUT/gpu" >> "$OUT/gpu_check.log" 2>&1
