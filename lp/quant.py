@@ -72,7 +72,10 @@ class RowInt8Linear(nn.Module):
         # the two pinning columns get zero weights: they shift nothing in the product
         w_OI2 = torch.cat([w_OI, w_OI.new_zeros(w_OI.shape[0], 2)], dim=1)
         scale_O = (w_OI2.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
-        w_q = torch.quantize_per_channel(w_OI2, scale_O, torch.zeros_like(scale_O, dtype=torch.long), 0, torch.qint8)
+        with warnings.catch_warnings():  # quantized dtypes are deprecated, fbgemm's prepack still takes them
+            warnings.simplefilter("ignore")
+            w_q = torch.quantize_per_channel(w_OI2, scale_O, torch.zeros_like(scale_O, dtype=torch.long), 0,
+                                             torch.qint8)
         bias = None if linear.bias is None else linear.bias.detach().float()
         self._packed = torch.ops.quantized.linear_prepack(w_q, bias)
         self.register_buffer("_pin", torch.tensor([_C, -_C]), persistent=False)
