@@ -42,6 +42,24 @@ def test_config_validation():
     assert resolve_quant("auto", torch.device("cpu")) in ("none", "int8", "int4")
 
 
+def test_cli_composes_model_quant():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from lp import cli
+    from lp.generate import SCHEMAS
+
+    cli.register(SCHEMAS)
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = cli.to_config(compose("generate", overrides=["model.quant=int8"]))
+        assert cfg.validate().model.quant == "int8"
+        bad = cli.to_config(compose("generate", overrides=["model.quant=int2"]))
+    with pytest.raises(ValueError, match=r"model\.quant must be one of"):
+        bad.validate()
+
+
 def test_int8_linear_rows_are_independent():
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=False)
