@@ -1,6 +1,7 @@
 """Small-row matmuls for the packed step on the CPU: ``W @ x.T`` instead of ``x @ W.T``.
 
-Contract: ``install(model)`` swaps every bias-free ``nn.Linear`` of a model for a
+Contract: ``install(model)`` swaps every bias-free ``nn.Linear`` with a plain float weight
+(quantized linears of lp.quant / torchao keep their own kernels) for a
 ``SmallRowsLinear`` that shares its Parameters (tied weights stay tied) and returns the
 model's one ``SmallRows`` switch (a second call returns the same switch). While the
 switch is off, a swapped layer runs ``nn.Linear.forward`` unchanged, so the user's
