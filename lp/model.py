@@ -52,8 +52,6 @@ def cpu_has_amx_bf16() -> bool:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 on CUDA with bf16 support and on CPUs with AMX-BF16, else float32."""
     if name == "auto":
-        if loaded == "lp_rowexact":
-            return "rowexact"
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
