@@ -79,7 +79,6 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 
 def main(argv=None) -> None:
-    from bench import methods
     from bench.config import PromptsConfig
     from bench.prompts import select, to_ids
     from lp.generate import eos_ids
@@ -92,7 +91,10 @@ def main(argv=None) -> None:
     ap.add_argument("--quants", default="fp32,bf16,int8,int4")
     ap.add_argument("--methods", default="ar,prompt_lookup,lp")
     ap.add_argument("--tq-rounds", type=int, default=2)
+    ap.add_argument("--kl-tokens", type=int, default=1024)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant"))
+    ap.add_argument("--summarize", action="store_true",
+                    help="no new timings: read tq.json and results.jsonl (of a run cut short), add quality, summarize")
     args = ap.parse_args(argv)
     names = args.quants.split(",")
     for n in names:
@@ -109,9 +111,28 @@ def main(argv=None) -> None:
     ids = [to_ids(tok, p) for p in prompts]
     eos = eos_ids(models[names[0]], tok)
 
-    print("[quant] t(Q)", file=sys.stderr, flush=True)
-    tq = measure_tq(models, list(range(1, 17)), args.tq_rounds)
-    (out / "tq.json").write_text(json.dumps(tq, indent=1))
+    if args.summarize:
+        tq = json.loads((out / "tq.json").read_text())
+        rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+        done = {(r["set"], r["prompt_index"]) for r in rows if r["variant"] == names[-1]}
+        prompts = [p for p in prompts if (p.set, p.index) in done]  # prompts every variant finished
+        rows = [r for r in rows if (r["set"], r["prompt_index"]) in done]
+    else:
+        print("[quant] t(Q)", file=sys.stderr, flush=True)
+        tq = measure_tq(models, list(range(1, 17)), args.tq_rounds)
+        (out / "tq.json").write_text(json.dumps(tq, indent=1))
+        rows = run_methods(models, names, prompts, ids, eos, args, out)
+    # the KL text: every selected prompt's tokens (also those a cut-short run did not decode)
+    text_ids = [t for pid in ids for t in pid][: args.kl_tokens]
+    quality = measure_quality(models, names, prompts, rows, text_ids)
+    if quality:
+        (out / "quality.json").write_text(json.dumps(quality, indent=1))
+    write_summary(out, args, argv, rows, tq, quality, names, load_start, time.time() - t_start)
+
+
+def run_methods(models, names, prompts, ids, eos, args, out) -> list[dict]:
+    """Every variant and method on a prompt before the next prompt; rows appended to results.jsonl."""
+    from bench import methods
 
     rows = []
     with open(out / "results.jsonl", "w") as f:
@@ -140,21 +161,23 @@ def main(argv=None) -> None:
                     f.flush()
                     print(f"[quant] {p.set}/{p.index} {n:5s} {meth:14s} {row['tokens_per_second']:6.1f} tok/s "
                           f"S {row['S']:.2f} eq_gen {row['matches_generate']}", file=sys.stderr, flush=True)
+    return rows
 
-    # quality vs fp32: KL on the prompts' text teacher-forced, greedy agreement on the outputs
+
+def measure_quality(models, names, prompts, rows, text_ids) -> dict:
+    """Against fp32: KL per token on ``text_ids`` (teacher-forced) and greedy agreement (ar rows)."""
+    if "fp32" not in models:
+        return {}
+    ar = {(r["variant"], r["set"], r["prompt_index"]): r["output_ids"] for r in rows if r["method"] == "ar"}
     quality = {}
-    if "fp32" in models:
-        text_ids = [t for pid in ids for t in pid][:1024]
-        ar = {(r["variant"], r["prompt_index"], r["set"]): r["output_ids"] for r in rows if r["method"] == "ar"}
-        for n in names:
-            agree = [agreement(ar[(n, p.index, p.set)], ar[("fp32", p.index, p.set)]) for p in prompts
-                     if (n, p.index, p.set) in ar]
-            same = [ar[(n, p.index, p.set)] == ar[("fp32", p.index, p.set)] for p in prompts if (n, p.index, p.set) in ar]
-            quality[n] = {"kl_per_token": kl_per_token(models["fp32"], models[n], text_ids), "kl_tokens": len(text_ids),
-                          "identical_outputs": f"{sum(same)}/{len(same)}",
-                          "mean_tokens_before_first_difference": round(sum(agree) / max(1, len(agree)), 1)}
-        (out / "quality.json").write_text(json.dumps(quality, indent=1))
-    write_summary(out, args, argv, rows, tq, quality, names, load_start, time.time() - t_start)
+    for n in names:
+        pairs = [(ar[(n, p.set, p.index)], ar[("fp32", p.set, p.index)]) for p in prompts
+                 if (n, p.set, p.index) in ar and ("fp32", p.set, p.index) in ar]
+        quality[n] = {"kl_per_token": kl_per_token(models["fp32"], models[n], text_ids), "kl_tokens": len(text_ids),
+                      "identical_outputs": f"{sum(a == b for a, b in pairs)}/{len(pairs)}",
+                      "mean_tokens_before_first_difference":
+                          round(sum(agreement(a, b) for a, b in pairs) / max(1, len(pairs)), 1)}
+    return quality
 
 
 def write_summary(out: Path, args, argv, rows, tq, quality, names, load_start, wall_s) -> None:
