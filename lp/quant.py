@@ -46,6 +46,21 @@ QUANTS = ("none", "int8", "int4", "auto")
 _C = 1.0  # every activation row is scaled to this absolute maximum before quantization
 
 
+def _cpu_has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+# fbgemm multiplies u8 x s8 pairs into int16 (saturating) without VNNI, so activations get 7 bits
+# there (reduce_range); with VNNI the products accumulate in int32 and all 8 bits are used.
+# Measured on SmolLM2: mean KL vs fp32 per token 0.124 with 7 bits, 0.028 with 8.
+_REDUCE_RANGE = not _cpu_has_vnni()
+
+
 def resolve_quant(name: str, device: torch.device) -> str:
     """``auto``: ``none`` everywhere for now (measured: see the module docstring and README)."""
     if name not in QUANTS:
@@ -85,7 +100,7 @@ class RowInt8Linear(nn.Module):
         x_MI = x.reshape(-1, self.in_features).float()
         amax_M1 = x_MI.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
         x_MI2 = torch.cat([x_MI * (_C / amax_M1), self._pin.expand(x_MI.shape[0], 2)], dim=1)
-        y_MO = torch.ops.quantized.linear_dynamic(x_MI2, self._packed, True)  # reduce_range: no int16 saturation
+        y_MO = torch.ops.quantized.linear_dynamic(x_MI2, self._packed, _REDUCE_RANGE)
         y_MO = y_MO * (amax_M1 / _C)
         return y_MO.to(dtype).reshape(*x.shape[:-1], self.out_features)
 
