@@ -69,7 +69,10 @@ def _shape(dcfg: DecodingConfig) -> str:
 
 def _quant_note(quant: str) -> str:
     """The summary line names a quantized model loudly: outputs equal generate on *it*, not fp32."""
-    return "" if quant == "none" else f" QUANT={quant.upper()} (exact vs generate on the {quant} model)"
+    if quant == "none":
+        return ""
+    exact = "exact" if quant == "int8" else "exact up to bf16 near-ties"  # int4 runs bf16 activations
+    return f" QUANT={quant.upper()} ({exact} vs generate on the {quant} model)"
 
 
 def run(cfg: GenerateConfig) -> dict | None:
