@@ -19,7 +19,7 @@ torchao 0.18; numbers in bench/results/quant/):
   the tensor's range to exactly ``[-C, C]``: every row of every step is quantized with the
   same parameters, the integer GEMM is exact, and the output is scaled back per row. A
   row's output therefore depends only on that row: a Q-row linear equals Q one-row
-  linears bit for bit (tests/test_quant.py). torchao's own int8 tensors ran 2-10x slower
+  linears bit for bit (tests/test_quant.py). torchao's own int8 tensors ran 1.8-10x slower
   than float32 on this CPU (no fast int8 CPU GEMM behind them), hence fbgemm.
 * ``int8`` on CUDA: torchao's ``Int8WeightOnlyConfig`` (weight-only; activations stay
   bf16/fp16, so packed rows round like one row up to the GEMM's summation order).
