@@ -5,7 +5,9 @@
 # generate on 10 HumanEval prompts, the overhead benchmark on the GPU, and LP over NCCL when
 # more than one GPU is present, then the (lp, tp) mesh over NCCL (SmolLM2 on tp=3 when the GPU
 # count divides by 3, else a tiny random Llama with SmolLM2's tokenizer on tp=2), its greedy
-# output compared with transformers generate. Each section's failure is recorded and the next one runs.
+# output compared with transformers generate, then bf16 vs int4 weight-only (torchao,
+# bench/gpu_quant.py; never fatal, needs torchao installed). Each section's failure is recorded
+# and the next one runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder}
@@ -48,4 +50,6 @@ print('mesh', r['workers'], 'x tp', r['tp'], 'equals generate:', r['output_ids']
 else
   echo "one GPU: LP over NCCL not run" >> "$OUT/gpu_check.log"
 fi
+timeout 240 python -m bench.gpu_quant --out "$OUT/gpu" > "$OUT/gpu_quant.log" 2>&1 \
+  || echo "int4 section failed or timed out (see gpu_quant.log)" >> "$OUT/gpu_check.log"
 ls -la "$OUT" "$OUT/gpu" >> "$OUT/gpu_check.log" 2>&1

@@ -147,7 +147,7 @@ class Runner:
         self.cfg = cfg
         self.out = out
         self.model_path = resolve_model_path(cfg.model, cfg.model_path)
-        self.model, self.tokenizer = load_model(self.model_path, cfg.dtype, cfg.device)
+        self.model, self.tokenizer = load_model(self.model_path, cfg.dtype, cfg.device, cfg.quant)
         self.dtype = str(self.model.dtype).replace("torch.", "")
         self.eos = eos_ids(self.model, self.tokenizer)
         self.memo: dict[tuple, dict] = {}  # (kernel, set, index) -> run dict
@@ -223,7 +223,7 @@ class Runner:
         spec_path, out_path = jobs_dir / f"{stem}.spec.json", jobs_dir / f"{stem}.out.json"
         out_path.unlink(missing_ok=True)
         spec = {
-            "method": job.method, "model_path": str(self.model_path), "dtype": cfg.dtype, "device": cfg.device,
+            "method": job.method, "model_path": str(self.model_path), "dtype": cfg.dtype, "quant": cfg.quant, "device": cfg.device,
             "threads": job.threads, "W": job.W, "N": job.N, "G": job.G, "prompt_pool": la.prompt_pool,
             "window_policy": la.window_policy,
             "tp_engine": job.engine,

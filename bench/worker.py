@@ -36,7 +36,7 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
     method, eos = spec["method"], spec["eos"]
     tp = (spec.get("tp") or 1) if method == "lp_tp" else 1
     group = init_worker_group(ParallelConfig(timeout_s=spec["dist_timeout_s"], tp=tp), device)
-    model, _ = load_model(Path(spec["model_path"]), spec["dtype"], str(device))
+    model, _ = load_model(Path(spec["model_path"]), spec["dtype"], str(device), spec.get("quant", "none"))
     info: dict = {"workers": world, "threads": torch.get_num_threads()}
     if method == "lp_tp":
         from lp.tp import shard_for

@@ -136,6 +136,10 @@ class ModelConfig:
     # small-row matmuls W @ x.T for steps of 2+ rows (lp.kernels): auto (CPU: the row counts
     # the t(Q) calibration measured faster) | on | off (torch's x @ W.T everywhere)
     small_rows: str = "auto"
+    # quantized weights (lp.quant), applied identically on every LP worker: none | int8 (CPU:
+    # int8 weights x per-row int8 activations over fbgemm; CUDA: torchao int8 weight-only) |
+    # int4 (torchao int4 weight-only, bf16 activations) | auto (per hardware: see README)
+    quant: str = "none"
 
     def validate(self) -> "ModelConfig":
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -144,12 +148,14 @@ class ModelConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"model.device must be auto, cpu or cuda, got {self.device!r}")
-        if self.attention not in ("auto", "sdpa", "eager", "flex", "flash"):
+        if self.attention not in ("auto", "sdpa", "eager", "flex", "flash", "rowexact"):
             raise ValueError(
-                f"model.attention must be one of auto, sdpa, eager, flex, flash, got {self.attention!r}"
+                f"model.attention must be one of auto, sdpa, eager, flex, flash, rowexact, got {self.attention!r}"
             )
         if self.small_rows not in ("auto", "on", "off"):
             raise ValueError(f"model.small_rows must be auto, on or off, got {self.small_rows!r}")
+        if self.quant not in ("none", "int8", "int4", "auto"):
+            raise ValueError(f"model.quant must be one of none, int8, int4, auto, got {self.quant!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"model.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if not _is_int(self.threads) or self.threads < 0:

@@ -67,6 +67,14 @@ def _shape(dcfg: DecodingConfig) -> str:
     return f"lookahead drafts={dcfg.drafts} G={dcfg.G} window {window}"
 
 
+def _quant_note(quant: str) -> str:
+    """The summary line names a quantized model loudly: outputs equal generate on *it*, not fp32."""
+    if quant == "none":
+        return ""
+    exact = "exact" if quant == "int8" else "exact up to bf16 near-ties"  # int4 runs bf16 activations
+    return f" QUANT={quant.upper()} ({exact} vs generate on the {quant} model)"
+
+
 def run(cfg: GenerateConfig) -> dict | None:
     """Load the model, decode one prompt, report. Returns the result dict on rank 0."""
     from transformers import TextStreamer
@@ -86,8 +94,8 @@ def run(cfg: GenerateConfig) -> dict | None:
     lead = rank == 0
     try:
         path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
-        check_tp_path(path, cfg.parallel.tp)  # heads vs parallel.tp, before any weights load
-        model, tokenizer = load_model(path, cfg.model.dtype, str(device))
+        check_tp_path(path, cfg.parallel.tp, cfg.model.quant)  # heads vs parallel.tp, before any weights load
+        model, tokenizer = load_model(path, cfg.model.dtype, str(device), cfg.model.quant)
         shard_for(model, group)  # this LP worker's replica over its tp ranks (parallel.tp > 1)
         prompt_ids = build_prompt_ids(tokenizer, cfg)
         eos = eos_ids(model, tokenizer)
@@ -126,12 +134,14 @@ def run(cfg: GenerateConfig) -> dict | None:
         "workers": world // cfg.parallel.tp,  # LP workers
         "tp": cfg.parallel.tp,
         "dtype": str(model.dtype).replace("torch.", ""),
+        "quant": getattr(model, "_lp_quant", None) or "none",
         "device": str(device),
         "threads": torch.get_num_threads(),
         "model": str(path),
     }
     print(
-        f"\n[lp] {_shape(dcfg)} workers={result['workers']} tp={cfg.parallel.tp} dtype={result['dtype']}: "
+        f"\n[lp] {_shape(dcfg)} workers={result['workers']} tp={cfg.parallel.tp} dtype={result['dtype']}"
+        f"{_quant_note(result['quant'])}: "
         f"{result['new_tokens']} tokens in {result['steps']} steps (S={result['compression_ratio']:.2f}), "
         f"{result['decode_time_s']:.2f} s, {result['tokens_per_second']:.1f} tok/s",
         flush=True,

@@ -1,6 +1,7 @@
 """Small-row matmuls for the packed step on the CPU: ``W @ x.T`` instead of ``x @ W.T``.
 
-Contract: ``install(model)`` swaps every bias-free ``nn.Linear`` of a model for a
+Contract: ``install(model)`` swaps every bias-free ``nn.Linear`` with a plain float weight
+(quantized linears of lp.quant / torchao keep their own kernels) for a
 ``SmallRowsLinear`` that shares its Parameters (tied weights stay tied) and returns the
 model's one ``SmallRows`` switch (a second call returns the same switch). While the
 switch is off, a swapped layer runs ``nn.Linear.forward`` unchanged, so the user's
@@ -52,7 +53,9 @@ def install(model: nn.Module) -> SmallRows:
         return switch
     switch = SmallRows()
     for module in model.modules():
-        if type(module) is nn.Linear and module.bias is None:
+        # plain float weights only: a quantized linear (torchao tensor subclass, lp.quant)
+        # runs its own kernel
+        if type(module) is nn.Linear and module.bias is None and type(module.weight) is nn.Parameter:
             module.__class__ = SmallRowsLinear  # same object: same Parameters, hooks, tying
             module.switch = switch
     model._lp_small_rows = switch

@@ -115,14 +115,19 @@ def resolve_model_path(name: str, path: str | None, cache_dir: str | None = None
     raise ValueError(f"model.name must be 'smollm2' or model.path must be set, got name={name!r}")
 
 
-def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
-    """Load (model, tokenizer or None) from a transformers folder with the sdpa attention."""
+def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str = "none"):
+    """Load (model, tokenizer or None) from a transformers folder with the sdpa attention;
+    ``quant`` != none quantizes its linears (lp.quant; int4 casts the model to bf16)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
     model.to(dev).eval()
+    if quant != "none":
+        from lp.quant import quantize
+
+        quantize(model, quant, dev)
     has_tokenizer = any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None  # id-only models in tests
     return model, tokenizer
@@ -131,17 +136,20 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu"):
 # ---------------------------------------------------------------------------
 # packed forward
 
-ATTENTION = ("auto", "sdpa", "eager", "flex", "flash")
+ATTENTION = ("auto", "sdpa", "eager", "flex", "flash", "rowexact")
 
 
 def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> str:
     """``auto``: flash (cascade over flash-attn) or flex on CUDA; on the CPU the kernel the
-    model was loaded with (sdpa or eager)."""
+    model was loaded with (sdpa or eager); ``rowexact`` wherever the model holds it (lp.quant's
+    int8 sets it: lp.exact_attention)."""
     from lp.attention import flash_attn_available
 
     if name not in ATTENTION:
         raise ValueError(f"model.attention must be one of {', '.join(ATTENTION)}, got {name!r}")
     if name == "auto":
+        if loaded == "lp_rowexact":
+            return "rowexact"
         if device.type == "cuda":
             return "flash" if flash_attn_available() else "flex"
         return loaded if loaded in ("sdpa", "eager") else "sdpa"
@@ -159,12 +167,18 @@ class ModelRunner:
     """
 
     def __init__(self, model, attention: str = "auto", cuda_graphs: bool = False, static_shapes: bool = False,
-                 small_rows: str = "auto"):
+                 small_rows: str = "auto", quant: str | None = None):
         config = model.config
+        if quant not in (None, "none") and getattr(model, "_lp_quant", None) is None:
+            from lp.quant import quantize
+
+            quantize(model, quant)  # in place: model.generate then runs the same quantized model
+        # the scheme the model holds (lp.quant), part of the t(Q) cache key
+        self.quant = getattr(model, "_lp_quant", None) or "none"
         if not getattr(config, "is_decoder", True) or getattr(config, "is_encoder_decoder", False):
             raise ValueError("lookahead decoding needs a decoder-only causal LM")
         impl = getattr(config, "_attn_implementation", None) or "eager"
-        if impl not in ("sdpa", "eager", "lp_flex", "lp_cascade"):
+        if impl not in ("sdpa", "eager", "lp_flex", "lp_cascade", "lp_rowexact"):
             raise ValueError(
                 f"model attention implementation {impl!r} cannot take a custom 4-D mask; load the model with "
                 "attn_implementation='sdpa' (or 'eager') and pick a kernel with model.attention=sdpa|eager|flex|flash"
@@ -190,7 +204,8 @@ class ModelRunner:
                 "model.attention=flash (cascade) needs full attention over the prefix; this model has "
                 "sliding-window layers: use sdpa, eager or flex"
             )
-        self.attn_impl = {"sdpa": "sdpa", "eager": "eager", "flex": "lp_flex", "flash": "lp_cascade"}[self.attention]
+        self.attn_impl = {"sdpa": "sdpa", "eager": "eager", "flex": "lp_flex", "flash": "lp_cascade",
+                          "rowexact": "lp_rowexact"}[self.attention]
         from transformers import PreTrainedModel
 
         configs = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
@@ -199,6 +214,10 @@ class ModelRunner:
             from lp import attention as kernels
 
             kernels.register()
+        if self.attention == "rowexact":
+            from lp import exact_attention
+
+            exact_attention.register()
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"model.cuda_graphs=true needs a CUDA device; this model is on {self.device}")
         self.cuda_graphs = cuda_graphs
@@ -219,7 +238,9 @@ class ModelRunner:
         # calibrated); see uses_small_rows
         if small_rows not in ("auto", "on", "off"):
             raise ValueError(f"model.small_rows must be auto, on or off, got {small_rows!r}")
-        self.small_rows_mode = "off" if (small_rows == "auto" and self.device.type != "cpu") else small_rows
+        # quantized linears (lp.quant) run their own kernels: auto steps aside for them
+        off = self.device.type != "cpu" or self.quant != "none"
+        self.small_rows_mode = "off" if (small_rows == "auto" and off) else small_rows
         self.small_rows: frozenset[int] = frozenset()
         self._small = None
         if self.small_rows_mode != "off":
@@ -238,7 +259,7 @@ class ModelRunner:
             capacity = self.max_positions or 4096
         if self._static is not None:
             return self._static.new_cache(capacity, max_step_rows)
-        if self.attention in ("sdpa", "eager"):
+        if self.attention in ("sdpa", "eager", "rowexact"):
             shape = (1, 1, max(max_step_rows, 1), capacity)
             if self._mask is None or self._mask.shape != shape:
                 self._mask = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -65,8 +65,8 @@ def run(cfg: ServeConfig) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
-    check_tp_path(path, cfg.parallel.tp)  # heads vs parallel.tp, before any weights load
-    model, tokenizer = load_model(path, cfg.model.dtype, str(device))
+    check_tp_path(path, cfg.parallel.tp, cfg.model.quant)  # heads vs parallel.tp, before any weights load
+    model, tokenizer = load_model(path, cfg.model.dtype, str(device), cfg.model.quant)
     shard_for(model, group)  # this LP worker's replica over its tp ranks (parallel.tp > 1)
     if tokenizer is None:
         raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")

@@ -148,10 +148,13 @@ def tp_all(model, flag: bool) -> bool:
     return bool(t.item())
 
 
-def check_tp_path(path, tp: int) -> None:
+def check_tp_path(path, tp: int, quant: str = "none") -> None:
     """``check_tp`` from a model folder's config.json alone (before any weights load)."""
     if tp == 1:
         return
+    if quant not in ("none", "auto"):
+        raise ValueError(f"model.quant={quant} cannot be combined with parallel.tp={tp} (quantized linears are not "
+                         "sharded); use model.quant=none or parallel.tp=1")
     from transformers import AutoConfig
 
     check_tp(AutoConfig.from_pretrained(path), tp)

@@ -45,7 +45,7 @@ def main() -> None:
     if spec.get("kill_rank_at_step") and group is not None:
         group = FaultyGroup(group, *spec["kill_rank_at_step"])
     path = spec.get("model_path") or resolve_model_path("smollm2", None)
-    model, _ = load_model(path, spec.get("dtype", "float32"))
+    model, _ = load_model(path, spec.get("dtype", "float32"), quant=spec.get("quant", "none"))
     shard_for(model, group)  # spec "tp" > 1: each LP worker's replica over its tp ranks
     runner = ModelRunner(model)
     results = []

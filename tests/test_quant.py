@@ -1,0 +1,161 @@
+"""Quantized weights (lp.quant): exactness relative to the model as quantized.
+
+Checks: ``model.quant`` validation; the int8 CPU linear computes every row of a packed
+input exactly as it computes that row alone (per-row activation scales); small-row kernels
+step aside for quantized linears; the t(Q) cache key names the quant; lookahead on a
+quantized tiny model (suffix-drafted trees and the paper's pooled window) equals
+transformers ``generate`` on the same quantized model; the same on real SmolLM2 prompts in
+one process and under LP with 2 gloo workers (slow).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lp.config import ModelConfig
+from lp.model import ModelRunner
+from lp.quant import RowInt8Linear, quantize, resolve_quant
+from tests.helpers import REPETITIVE_PROMPT, hf_greedy, lookahead, make_tiny_model
+
+MAX_NEW = 32
+
+
+def _has_int4_cpu() -> bool:
+    try:
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig  # noqa: F401
+    except Exception:
+        return False
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+QUANTS = ["int8", pytest.param("int4", marks=pytest.mark.skipif(not _has_int4_cpu(), reason="no torchao CPU int4"))]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match=r"model\.quant must be one of none, int8, int4, auto, got 'int3'"):
+        ModelConfig(quant="int3").validate()
+    assert ModelConfig(quant="int8").validate().quant == "int8"
+    with pytest.raises(ValueError, match=r"model\.quant"):
+        resolve_quant("fp8", torch.device("cpu"))
+    assert resolve_quant("auto", torch.device("cpu")) in ("none", "int8", "int4")
+
+
+def test_cli_composes_model_quant():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from lp import cli
+    from lp.generate import SCHEMAS
+
+    cli.register(SCHEMAS)
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = cli.to_config(compose("generate", overrides=["model.quant=int8"]))
+        assert cfg.validate().model.quant == "int8"
+        bad = cli.to_config(compose("generate", overrides=["model.quant=int2"]))
+    with pytest.raises(ValueError, match=r"model\.quant must be one of"):
+        bad.validate()
+
+
+def test_int8_linear_rows_are_independent():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=False)
+    q = RowInt8Linear(lin)
+    x_MI = torch.randn(9, 64) * torch.logspace(-2, 2, 9)[:, None]  # rows of very different scales
+    full_MO = q(x_MI)
+    rows_MO = torch.cat([q(x_MI[i : i + 1]) for i in range(9)])
+    assert torch.equal(full_MO, rows_MO), "a row's output depends on the other rows of the step"
+    ref_MO = lin(x_MI)
+    rel = (full_MO - ref_MO).norm(dim=1) / ref_MO.norm(dim=1)
+    assert rel.max() < 0.05, f"int8 linear too far from float32: relative error {rel.max():.3g}"
+
+
+def test_quantized_runner_kernels_and_cache_key(tmp_path, monkeypatch):
+    from lp.calibrate import cache_path
+
+    monkeypatch.setenv("LP_CACHE", str(tmp_path))
+    plain = ModelRunner(make_tiny_model(seed=3), small_rows="on")
+    model = make_tiny_model(seed=3)
+    runner = ModelRunner(model, small_rows="on", quant="int8")
+    assert runner.quant == "int8"
+    assert not any(type(m) is nn.Linear or type(m).__name__ == "SmallRowsLinear" for m in model.modules())
+    assert sum(isinstance(m, RowInt8Linear) for m in model.modules()) == 2 * 7 + 1  # 7 per layer + the head
+    assert "-int8-" in cache_path(runner).name and "-int8-" not in cache_path(plain).name
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(model, "int4")
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("shape", [{}, {"W": 5, "N": 4, "G": 5}], ids=["tree", "paper_window"])
+def test_tiny_quantized_lookahead_equals_generate(quant, shape):
+    model = make_tiny_model(seed=1)
+    runner = ModelRunner(model, quant=quant)  # quantizes the model in place
+    prompt = REPETITIVE_PROMPT
+    ref = hf_greedy(model, prompt, MAX_NEW)  # generate on the same quantized model
+    res = lookahead(runner, prompt, max_new_tokens=MAX_NEW, **shape)
+    assert res.output_ids == ref
+    assert res.stats.steps < MAX_NEW, "no step published more than one token"
+
+
+# ---------------------------------------------------------------------------
+# real SmolLM2, int8 (slow)
+
+SMOL_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8():
+    from lp.model import load_model, resolve_model_path
+    from tests.test_smollm2 import prompt_ids
+
+    model, tok = load_model(resolve_model_path("smollm2", None), "float32", quant="int8")
+    torch.set_num_threads(2)
+    prompts = [prompt_ids(tok, "code", 0), prompt_ids(tok, "code", 2), prompt_ids(tok, "chat", 0)]
+    refs = [hf_greedy(model, ids, SMOL_NEW, eos_token_id=[2]) for ids in prompts]
+    return model, prompts, refs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [{}, {"W": 5, "N": 4, "G": 5}], ids=["tree", "paper_window"])
+def test_smollm2_int8_equals_generate(smollm2_int8, shape):
+    from tests.test_smollm2 import assert_equal_or_tie
+
+    model, prompts, refs = smollm2_int8
+    runner = ModelRunner(model)
+    for k, (ids, ref) in enumerate(zip(prompts, refs)):
+        res = lookahead(runner, ids, max_new_tokens=SMOL_NEW, eos_token_ids=[2], **shape)
+        assert_equal_or_tie(model, ids, res.output_ids, ref, f"int8 prompt {k} {shape}")
+
+
+@pytest.mark.slow
+def test_smollm2_int8_lp_two_workers(smollm2_int8, tmp_path):
+    from tests.test_lp import torchrun
+
+    model, prompts, refs = smollm2_int8
+    jobs = [{"prompt_ids": ids, "eos": [2], "decoding": {"W": 5, "N": 4, "G": 5, "max_new_tokens": SMOL_NEW}}
+            for ids in prompts[:2]]
+    spec = {"jobs": jobs, "dtype": "float32", "quant": "int8", "threads": 1}
+    proc, results = torchrun(2, spec, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for k, (res, ref) in enumerate(zip(results, refs)):
+        assert res["output_ids"] == ref, f"LP int8 prompt {k} differs from generate on the int8 model"
+
+
+def test_int8_packed_step_equals_one_row_steps_bitwise():
+    """With per-row int8 linears and lp_rowexact attention, a packed chain of Q rows gives each
+    row's logits exactly as Q one-row steps do (what makes lookahead == generate)."""
+    from lp.layout import chain_layout
+
+    runner = ModelRunner(make_tiny_model(seed=2), quant="int8")
+    assert runner.attention == "rowexact" and runner.small_rows_mode == "off"
+    prefix, chain = REPETITIVE_PROMPT, [7, 21, 3, 99, 64, 5, 17, 33]
+    cache = runner.new_cache(64, 16)
+    runner.forward(chain_layout(prefix), cache)
+    packed_QV = runner.forward(chain_layout(chain), cache)
+    cache = runner.new_cache(64, 16)
+    runner.forward(chain_layout(prefix), cache)
+    ones_QV = torch.cat([runner.forward(chain_layout([t]), cache) for t in chain])
+    assert torch.equal(packed_QV, ones_QV)
