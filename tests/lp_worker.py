@@ -2,13 +2,15 @@
 
 Runs every job of SPEC (prompt ids + decoding config) with ``LookaheadDecoder`` on the
 torchrun worker group (or one process when started without torchrun) and writes, from
-rank 0, one result per job: output ids, steps, rows per rank.
+rank 0, one result per job: output ids, steps, rows per rank. ``planted_bug``: the name of a
+wrong verifier in tests.helpers swapped in on every rank (a negative control).
 """
 
 import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
@@ -39,6 +41,11 @@ def main() -> None:
         timeout_s=spec.get("timeout_s", 120),
         check_divergence=spec.get("check_divergence", True),
     )
+    if spec.get("planted_bug"):  # a negative control: a wrong verifier on every rank
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tests import helpers
+
+        helpers.plant_verifier(getattr(helpers, spec["planted_bug"]))
     group = init_worker_group(parallel, torch.device("cpu"))
     if spec.get("kill_rank_at_step") and group is not None:
         group = FaultyGroup(group, *spec["kill_rank_at_step"])

@@ -139,63 +139,63 @@ def test_lp_tree_drafts_greedy_matches_one_process(smollm2_refs, tmp_path):
 # sampling on a tiny model
 
 
-def tiny_model_dir(tmp_path: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model_dir(tmp_path: Path) -> tuple[Path, list[int]]:
+    """The 12-token model of test_sampling_dist saved for the workers, and its prompt."""
+    from tests.helpers import hf_greedy, make_tiny_model
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      initializer_range=0.3, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
+    model = make_tiny_model("llama", vocab=12, initializer_range=0.2)
     path = tmp_path / "tiny"
-    model.save_pretrained(path)
-    # a minimal tokenizer is not needed: the worker only uses token ids
-    return path
+    model.save_pretrained(path)  # the worker only uses token ids: no tokenizer needed
+    return path, [1, 2, 3, 4, 5] + hf_greedy(model, [1, 2, 3, 4, 5], 20)
 
 
-SAMPLE_PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+SAMPLING = dict(max_new_tokens=3, do_sample=True, temperature=0.9, top_p=0.95)
+LP_SHAPES = [
+    dict(W=3, N=4, G=5, prompt_pool=True),  # the paper's pool: candidates split over workers
+    # suffix drafts in a token tree: outcomes exchanged per trie node
+    dict(W=3, N=4, G=5, drafts="suffix", draft_budget="all", max_draft_len=6, max_draft_rows=10),
+]
 
 
-def test_lp_sampling_same_draws_and_distribution(tmp_path):
-    from scipy.stats import chi2_contingency
+def sampling_spec(path: Path, prompt: list[int], draws: int, **extra) -> dict:
+    jobs = [{"prompt_ids": prompt, "decoding": dict(LP_SHAPES[s % 2], seed=s, **SAMPLING)} for s in range(draws)]
+    return {"jobs": jobs, "model_path": str(path), "check_divergence": True, **extra}
+
+
+def test_lp_sampling_same_draws_and_exact_distribution(tmp_path):
+    """Same seeds: 1, 2 and 3 workers draw the very same tokens (randomness keyed by
+    seed, step and depth; fp32, where a tie between sampled outcomes does not happen); the
+    2-worker draws fit the exact conditional distributions (tests.helpers), and a planted
+    verifier bug on every rank is rejected by the same test."""
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model_dir(tmp_path)
-    draws = 600
-    dec = {"W": 3, "N": 3, "G": 3, "max_new_tokens": 3, "prompt_pool": True, "do_sample": True, "temperature": 1.0}
-    tree = dict(dec, drafts="suffix", draft_budget="all", max_draft_len=5, max_draft_rows=10)
-    jobs = [{"prompt_ids": SAMPLE_PROMPT, "decoding": dict(dec, seed=s)} for s in range(draws)]
-    # every 3rd draw with suffix drafts in a token tree (outcomes exchanged per trie node)
-    jobs = [dict(j, decoding=tree | {"seed": j["decoding"]["seed"]}) if i % 3 == 2 else j
-            for i, j in enumerate(jobs)]
-    spec = {"jobs": jobs, "model_path": str(path), "check_divergence": True}
-    proc1, single = torchrun(1, spec, tmp_path)
-    assert proc1.returncode == 0, proc1.stderr[-3000:]
-    proc2, multi = torchrun(2, spec, tmp_path)
-    assert proc2.returncode == 0, proc2.stderr[-3000:]
-    same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(single, multi))
-    # keyed randomness: LP samples the very same tokens as one process (ties aside)
-    assert same >= 0.98 * draws, same
-    multi_token_steps = sum(sum(r["accept_hist"][2:]) for r in multi)
-    assert multi_token_steps > draws // 10, multi_token_steps  # the verifier really ran
+    from tests.helpers import conditional_fit, exact_next_probs, fit_verdict
+
+    path, prompt = tiny_model_dir(tmp_path)
+    draws = 800
+    spec = sampling_spec(path, prompt, draws)
+    runs = {}
+    for nproc in (1, 2, 3):
+        proc, runs[nproc] = torchrun(nproc, spec, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(runs[nproc]) == draws
+    for nproc in (2, 3):
+        differ = [(s, a["output_ids"], b["output_ids"]) for s, (a, b) in enumerate(zip(runs[1], runs[nproc]))
+                  if a["output_ids"] != b["output_ids"]]
+        assert not differ, (nproc, len(differ), differ[:5])
+    multi_token_steps = sum(sum(r["accept_hist"][2:]) for r in runs[2])
+    assert multi_token_steps > draws // 5, multi_token_steps  # the verifier really ran
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
-    torch.manual_seed(1234)
-    x = torch.tensor([SAMPLE_PROMPT])
-    plain = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, max_new_tokens=2,
-                           num_return_sequences=4000, top_k=None, top_p=1.0, temperature=1.0,
-                           pad_token_id=0)[:, len(SAMPLE_PROMPT):].tolist()
-    lp_counts = Counter(tuple(r["output_ids"][:2]) for r in multi)
-    hf_counts = Counter(tuple(r) for r in plain)
-    keys = sorted(set(lp_counts) | set(hf_counts))
-    # pool rare outcomes so every expected count is reasonable
-    common = [k for k in keys if lp_counts[k] + hf_counts[k] >= 20]
-    table = [[lp_counts[k] for k in common] + [sum(lp_counts[k] for k in keys if k not in common)],
-             [hf_counts[k] for k in common] + [sum(hf_counts[k] for k in keys if k not in common)]]
-    if table[0][-1] + table[1][-1] == 0:
-        table = [row[:-1] for row in table]
-    _, p, _, _ = chi2_contingency(table)
-    assert p > 0.001, (p, table)
+    kw = {k: SAMPLING[k] for k in ("temperature", "top_p")}
+    exact = exact_next_probs(model, prompt, 3, **kw)
+    ok, report = fit_verdict(conditional_fit([r["output_ids"] for r in runs[2]], exact))
+    assert ok, report
+
+    proc, bad = torchrun(2, sampling_spec(path, prompt, 400, planted_bug="kept_mass_verify_node"), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ok, report = fit_verdict(conditional_fit([r["output_ids"] for r in bad], exact))
+    assert not ok, f"LP 2 workers: the planted verifier bug went unnoticed: {report}"
 
 
 # ---------------------------------------------------------------------------
