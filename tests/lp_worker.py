@@ -7,8 +7,6 @@ wrong verifier in tests.helpers swapped in on every rank (a negative control).
 """
 
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -16,22 +14,8 @@ import torch
 
 from lp.config import DecodingConfig, ParallelConfig
 from lp.decoding import LookaheadDecoder
-from lp.dist import WorkerGroup, init_worker_group
+from lp.dist import init_worker_group
 from lp.model import ModelRunner, load_model, resolve_model_path
-
-
-class FaultyGroup(WorkerGroup):
-    """Test double: rank ``kill_rank`` dies (SIGKILL) entering exchange number ``kill_step``."""
-
-    def __init__(self, group: WorkerGroup, kill_rank: int, kill_step: int):
-        self.__dict__.update(group.__dict__)
-        self.kill_rank, self.kill_step, self.calls = kill_rank, kill_step, 0
-
-    def _all_gather(self, *args, **kwargs):
-        self.calls += 1
-        if self.rank == self.kill_rank and self.calls == self.kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super()._all_gather(*args, **kwargs)
 
 
 def main() -> None:
@@ -47,8 +31,6 @@ def main() -> None:
 
         helpers.plant_verifier(getattr(helpers, spec["planted_bug"]))
     group = init_worker_group(parallel, torch.device("cpu"))
-    if spec.get("kill_rank_at_step") and group is not None:
-        group = FaultyGroup(group, *spec["kill_rank_at_step"])
     path = spec.get("model_path") or resolve_model_path("smollm2", None)
     model, _ = load_model(path, spec.get("dtype", "float32"))
     runner = ModelRunner(model)
