@@ -102,8 +102,11 @@ def test_lp_greedy_matches_one_process_and_generate(smollm2_refs, tmp_path):
             assert many["output_ids"] == ref, (nproc, cfg, "LP differs from generate")
             assert many["steps"] == one["steps"], (nproc, cfg)  # same S as one process
             assert len(many["mean_rows_per_rank"]) == nproc
-            # balanced shards: no worker runs more rows than one process did
-            assert max(many["mean_rows_per_rank"]) <= one["mean_rows_per_rank"][0] + 1e-9
+            # balanced shards: the busiest worker runs about its 1/K share of one process's rows,
+            # plus what no split removes (every worker's pending rows, one indivisible column or
+            # candidate); all rows on one worker fails this wherever that share is a few rows
+            share = one["mean_rows_per_rank"][0] / nproc
+            assert max(many["mean_rows_per_rank"]) <= share + cfg["N"] + 2, (nproc, cfg, many["mean_rows_per_rank"])
         # LP actually accepted multi-token runs somewhere
         assert any(len(r["accept_hist"]) > 2 and sum(r["accept_hist"][2:]) > 0 for r in multi)
 

@@ -261,3 +261,67 @@ def test_smollm2_small_rows_defaults_equal_generate(smollm2, small_rows_runner, 
     res = dec.generate(ids, eos_token_ids=eos_ids(model))
     assert_equal_or_tie(model, ids, res.output_ids, ref, f"small rows {kind}{i}")
     assert res.stats.mean_rows > 1.0  # multi-row steps ran (through the small-row kernel)
+
+
+# ---------------------------------------------------------------------------
+# longer runs at the defaults, and bfloat16
+
+LONG_NEW = 256
+LONG_PROMPTS = [("code", 0), ("code", 1), ("chat", 0), ("math", 0)]
+
+
+def test_smollm2_256_tokens_default_settings_equal_generate(smollm2, smollm2_runner):
+    """The defaults (suffix drafts in a token tree, the measured draft budget) over 256 new
+    tokens on 4 prompts: long enough for the draft index, the rates and the cache to be
+    exercised far past what 48 tokens reach."""
+    from lp.config import DecodingConfig
+    from lp.decoding import LookaheadDecoder
+
+    model, tokenizer = smollm2
+    eos = eos_ids(model)
+    multi = 0
+    for kind, i in LONG_PROMPTS:
+        ids = prompt_ids(tokenizer, kind, i)
+        ref = hf_greedy(model, ids, LONG_NEW, eos_token_id=eos)
+        res = LookaheadDecoder(smollm2_runner, DecodingConfig(max_new_tokens=LONG_NEW)).generate(ids, eos)
+        assert_equal_or_tie(model, ids, res.output_ids, ref, f"{kind}{i} defaults, {LONG_NEW} tokens")
+        multi += sum(res.stats.accept_hist[2:])
+    assert multi > 0, "no step accepted a draft token"
+
+
+BF16_NEW = 64
+BF16_TIE = 0.25  # bfloat16 logits of ~10-30 carry ~0.06-0.125 rounding; packed vs plain rows differ by that
+BF16_MAX_DIVERGED = 1  # prompts (of 4) that may part from generate at a proven near-tie
+
+
+def test_smollm2_bfloat16_equals_generate_except_near_ties():
+    """bfloat16 (the GPU default, and the CPU default on AMX machines): lookahead at the
+    defaults equals generate in bfloat16 on 4 prompts, except where the two part at a
+    near-tie: the top-2 gap of a plain bfloat16 forward on the common prefix below BF16_TIE,
+    the token lookahead took among those two; at most BF16_MAX_DIVERGED prompts."""
+    from lp.config import DecodingConfig
+    from lp.decoding import LookaheadDecoder
+    from lp.model import ModelRunner, load_model, resolve_model_path
+
+    model, tokenizer = load_model(resolve_model_path("smollm2", None), "bfloat16")
+    assert model.dtype == torch.bfloat16
+    runner = ModelRunner(model)
+    eos = eos_ids(model)
+    diverged = []
+    for kind, i in LONG_PROMPTS:
+        ids = prompt_ids(tokenizer, kind, i)
+        ref = hf_greedy(model, ids, BF16_NEW, eos_token_id=eos)
+        got = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=BF16_NEW)).generate(ids, eos).output_ids
+        if got == ref:
+            continue
+        d = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        assert d is not None, f"{kind}{i}: one output is a strict prefix of the other: {len(got)} vs {len(ref)}"
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids + ref[:d]])).logits[0, -1].float()
+        top = torch.topk(logits, 2)
+        gap = (top.values[0] - top.values[1]).item()
+        diverged.append(f"{kind}{i} at new token {d}: lookahead {got[d]} vs generate {ref[d]}, top-2 gap {gap:.3g}")
+        assert gap < BF16_TIE and got[d] in top.indices.tolist(), f"not a near-tie: {diverged[-1]}"
+    for line in diverged:
+        warnings.warn(f"bfloat16 near-tie: {line}")
+    assert len(diverged) <= BF16_MAX_DIVERGED, diverged
