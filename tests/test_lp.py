@@ -134,6 +134,9 @@ def test_lp_tree_drafts_greedy_matches_one_process(smollm2_refs, tmp_path):
             ref = refs[j // len(TREE_CONFIGS)]
             assert one["output_ids"] == ref, (job["decoding"], "single process differs from generate")
             assert many["output_ids"] == ref, (nproc, job["decoding"], "LP differs from generate")
+            # the same trees, so the same steps, where every node is verified; under the default
+            # budget LP prices a node at 1/K of a row (lp.budget.best_k's workers), so its trees are
+            # legitimately larger and its step count differs: only the tokens must agree there
             if job["decoding"].get("draft_budget") == "all":
                 assert many["steps"] == one["steps"], (nproc, job["decoding"])
         assert any(sum(r["accept_hist"][2:]) > 0 for r in multi)
