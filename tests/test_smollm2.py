@@ -294,7 +294,7 @@ def test_smollm2_256_tokens_default_settings_equal_generate(smollm2, smollm2_run
     assert multi > 0, "no step accepted a draft token"
 
 
-BF16_NEW = 64
+BF16_NEW = 32
 BF16_TIE = 0.25  # bfloat16 logits of ~10-30 carry ~0.06-0.125 rounding; packed vs plain rows differ by that
 BF16_MAX_DIVERGED = 1  # prompts (of 4) that may part from generate at a proven near-tie
 
@@ -316,7 +316,9 @@ def test_smollm2_bfloat16_equals_generate_except_near_ties():
     for kind, i in LONG_PROMPTS:
         ids = prompt_ids(tokenizer, kind, i)
         ref = hf_greedy(model, ids, BF16_NEW, eos_token_id=eos)
-        got = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=BF16_NEW)).generate(ids, eos).output_ids
+        # the default suffix-drafted trees on a fixed cost curve (no t(Q) calibration per dtype)
+        dec = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=BF16_NEW), tq_curve=SMALL_CURVE)
+        got = dec.generate(ids, eos).output_ids
         if got == ref:
             continue
         d = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), None)
