@@ -118,3 +118,129 @@ def step_spans(result) -> list[tuple[int, int]]:
     return spans
 
 
+
+
+# ---------------------------------------------------------------------------
+# Sampling against exact probabilities (tiny vocabularies)
+
+
+def exact_next_probs(model, prompt_ids, depth: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                     processors=None) -> dict:
+    """{prefix: float64 probs [V]} of the warped next-token distribution after prompt + prefix,
+    for every prefix of 0 .. depth-1 new tokens (V ** d prefixes at length d, one batched plain
+    forward per length). Warping is transformers' own Temperature -> TopK -> TopP chain, the
+    order ``generate(do_sample=True)`` applies (then MinP), after ``processors`` (a transformers
+    LogitsProcessorList: penalties, bias) on each prefix's own ids; nothing of lp is used."""
+    import itertools
+
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    warpers = LogitsProcessorList(processors or [])
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    if min_p > 0.0:
+        warpers.append(MinPLogitsWarper(min_p))
+    vocab = model.config.vocab_size
+    out = {}
+    for d in range(depth):
+        prefixes = list(itertools.product(range(vocab), repeat=d))
+        ids_BT = torch.tensor([list(prompt_ids) + list(p) for p in prefixes], dtype=torch.long)
+        with torch.inference_mode():
+            logits_BV = model(ids_BT, attention_mask=torch.ones_like(ids_BT)).logits[:, -1].float()
+        scores_BV = warpers(ids_BT, logits_BV)
+        probs_BV = torch.softmax(scores_BV.double(), dim=-1)
+        out.update({p: probs_BV[i] for i, p in enumerate(prefixes)})
+    return out
+
+
+def conditional_fit(draws, exact: dict, min_draws: int = 40, min_expected: float = 5.0) -> list[dict]:
+    """Goodness of fit of every draw's token at position d given its first d tokens.
+
+    ``draws``: equal-length token lists; ``exact``: ``exact_next_probs``. For every prefix
+    that at least ``min_draws`` draws share, the counts of the next token are tested against
+    the exact conditional distribution (Pearson chi-square; cells with expected count below
+    ``min_expected`` pooled, smallest first, exactly as the expectation says). A token drawn
+    where the exact probability is 0 gives p = 0. Returns one row per tested prefix."""
+    from collections import Counter
+
+    import numpy as np
+    from scipy import stats
+
+    depth = len(draws[0])
+    rows = []
+    for d in range(depth):
+        by_prefix: dict = {}
+        for t in draws:
+            by_prefix.setdefault(tuple(t[:d]), Counter())[t[d]] += 1
+        for prefix, counts in sorted(by_prefix.items()):
+            n = sum(counts.values())
+            if n < min_draws:
+                continue
+            probs = exact[prefix].numpy()
+            obs = np.array([counts[v] for v in range(len(probs))], dtype=np.float64)
+            exp = probs * n
+            impossible = int(obs[probs < 1e-12].sum())
+            keep = probs >= 1e-12
+            obs, exp = obs[keep], exp[keep]
+            order = np.argsort(exp)
+            obs, exp = obs[order], exp[order]
+            cut = 0  # pool the smallest cells until the pool expects >= min_expected
+            while cut < len(exp) and exp[:cut].sum() < min_expected and exp[cut] < min_expected:
+                cut += 1
+            if 0 < exp[:cut].sum() < min_expected and cut < len(exp):
+                cut += 1  # a pool still too small joins the next cell
+            if cut > 1:
+                obs = np.concatenate([[obs[:cut].sum()], obs[cut:]])
+                exp = np.concatenate([[exp[:cut].sum()], exp[cut:]])
+            if impossible:
+                p = 0.0
+            elif len(exp) < 2:
+                continue  # one cell: nothing to test
+            else:
+                p = float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+            rows.append({"prefix": prefix, "n": n, "p": p, "impossible": impossible,
+                         "tv": 0.5 * float(np.abs(obs / n - exp / exp.sum()).sum())})
+    return rows
+
+
+def fit_verdict(rows: list[dict], alpha: float = 1e-3) -> tuple[bool, str]:
+    """(every conditional fits at family-wise level alpha (Bonferroni), a readable report)."""
+    assert rows, "no prefix had enough draws to test"
+    worst = sorted(rows, key=lambda r: r["p"])[:4]
+    ok = worst[0]["p"] > alpha / len(rows)
+    report = f"{len(rows)} conditionals, threshold p > {alpha / len(rows):.2g}; worst: " + "; ".join(
+        f"prefix {r['prefix']} n={r['n']} p={r['p']:.3g} tv={r['tv']:.3f}"
+        + (f" impossible={r['impossible']}" if r["impossible"] else "") for r in worst)
+    return ok, report
+
+
+# Planted verifier bugs for the negative controls: the same signature as lp.sampling.verify_node.
+
+
+def kept_mass_verify_node(probs_V, candidates, gen):
+    """BUG: a rejected candidate keeps its mass (the residual is not zeroed at it), so the
+    residual sample can return a token the verifier just rejected."""
+    residual = probs_V.detach().to("cpu", torch.float64)
+    for token in dict.fromkeys(candidates):
+        u = torch.rand((), generator=gen, dtype=torch.float64).item()
+        if u < residual[token].item():
+            return token
+    return int(torch.multinomial(residual, 1, generator=gen).item())
+
+
+def plant_verifier(fake, setattr=setattr) -> None:
+    """Swap lp.sampling.verify_node for ``fake`` in every lp module that imported it
+    (``setattr``: pytest's ``monkeypatch.setattr`` in a test, to undo it afterwards)."""
+    import sys
+
+    import lp.sampling
+
+    original = lp.sampling.verify_node
+    for name, mod in list(sys.modules.items()):
+        if (name == "lp" or name.startswith("lp.")) and getattr(mod, "verify_node", None) is original:
+            setattr(mod, "verify_node", fake)

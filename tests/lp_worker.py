@@ -1,36 +1,23 @@
 """Worker script for the LP tests: ``torchrun --nproc-per-node K tests/lp_worker.py SPEC.json OUT.json``.
 
 Runs every job of SPEC (prompt ids + decoding config) with ``LookaheadDecoder`` on the
-torchrun worker group (spec "tp": LP workers x tp processes, lp.tp shards each replica) (or one process when started without torchrun) and writes, from
-rank 0, one result per job: output ids, steps, rows per rank.
+torchrun worker group (spec "tp": LP workers x tp processes, lp.tp shards each replica; or one
+process when started without torchrun) and writes, from rank 0, one result per job: output ids,
+steps, rows per rank. ``planted_bug``: the name of a wrong verifier in tests.helpers swapped in
+on every rank (a negative control).
 """
 
 import json
-import os
-import signal
 import sys
+from pathlib import Path
 
 import torch
 
 from lp.config import DecodingConfig, ParallelConfig
 from lp.decoding import LookaheadDecoder
-from lp.dist import WorkerGroup, init_worker_group
+from lp.dist import init_worker_group
 from lp.model import ModelRunner, load_model, resolve_model_path
 from lp.tp import shard_for
-
-
-class FaultyGroup(WorkerGroup):
-    """Test double: rank ``kill_rank`` dies (SIGKILL) entering exchange number ``kill_step``."""
-
-    def __init__(self, group: WorkerGroup, kill_rank: int, kill_step: int):
-        self.__dict__.update(group.__dict__)
-        self.kill_rank, self.kill_step, self.calls = kill_rank, kill_step, 0
-
-    def _all_gather(self, *args, **kwargs):
-        self.calls += 1
-        if self.rank == self.kill_rank and self.calls == self.kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super()._all_gather(*args, **kwargs)
 
 
 def main() -> None:
@@ -41,9 +28,12 @@ def main() -> None:
         check_divergence=spec.get("check_divergence", True),
         tp=spec.get("tp", 1),
     )
+    if spec.get("planted_bug"):  # a negative control: a wrong verifier on every rank
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tests import helpers
+
+        helpers.plant_verifier(getattr(helpers, spec["planted_bug"]))
     group = init_worker_group(parallel, torch.device("cpu"))
-    if spec.get("kill_rank_at_step") and group is not None:
-        group = FaultyGroup(group, *spec["kill_rank_at_step"])
     path = spec.get("model_path") or resolve_model_path("smollm2", None)
     model, _ = load_model(path, spec.get("dtype", "float32"), quant=spec.get("quant", "none"))
     shard_for(model, group)  # spec "tp" > 1: each LP worker's replica over its tp ranks

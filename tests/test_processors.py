@@ -16,6 +16,7 @@ from lp.model import ModelRunner
 from lp.processors import RowProcessor, row_extras
 from lp.sampling import warp
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, lookahead
+from tests.test_sampling_dist import small_vocab  # noqa: F401  (fixture)
 
 MAX_NEW = 32
 
@@ -191,35 +192,45 @@ def test_logit_bias_outside_vocab(tiny_factory):
 
 
 # ---------------------------------------------------------------------------
-# sampling with penalties and min_p: same distribution as transformers sampling
+# sampling with penalties and min_p: every token with exactly its target probability
 
 
 @pytest.mark.parametrize("kw", [
     dict(temperature=0.9, repetition_penalty=1.4, min_p=0.05),
     dict(frequency_penalty=0.7, presence_penalty=0.4, logit_bias={3: 1.5}, top_k=6),
 ], ids=["repetition-minp", "openai-bias-topk"])
-def test_sampled_with_processors_matches_generate(kw):
-    from tests.test_sampling_dist import ALPHA, NEW, TREE, _fmt, compare, lookahead_samples, small_vocab_model
+def test_sampled_with_processors_has_exact_conditionals(small_vocab, kw, monkeypatch):
+    """Exact conditionals of the first tokens with transformers' own processors on each
+    prefix's ids (tests.helpers.exact_next_probs); lp's draws with tree drafts fit them. A
+    planted bug that drops the trie ancestors from the rows' histories is rejected."""
+    import lp.processors
+    from tests.helpers import conditional_fit, exact_next_probs, fit_verdict
+    from tests.test_sampling_dist import DRAWS, NEW, TREE, lookahead_draws
 
-    model, runner, prompt = small_vocab_model()
-    n = 1500
+    model, runner, prompt = small_vocab
     cfg = DecodingConfig(do_sample=True, **kw).validate()
     gen_kw, custom = hf_processors(cfg, len(prompt))
-    torch.manual_seed(99)
-    ids = torch.tensor([prompt])
-    sample_kw = {k: v for k, v in kw.items() if k in ("temperature", "top_k", "min_p")}
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=n,
-                             max_new_tokens=NEW, logits_processor=custom, **{"top_k": 0, **sample_kw, **gen_kw})
-    b = out[:, len(prompt):].numpy()
-    a, hist = lookahead_samples(runner, prompt, n, drafts=TREE, **kw)
-    assert hist[2] + hist[3] > 0.1 * n, dict(hist)  # drafts were verified and accepted under the processors
-    res = compare(a, b)
-    assert all(p > ALPHA for p, _, _ in res.values()), _fmt(res)
-    # power: the processors matter here; lp sampling without them is told apart
-    plain = {k: v for k, v in kw.items() if k in ("temperature", "top_k")}
-    c, _ = lookahead_samples(runner, prompt, n, drafts=TREE, **plain)
-    assert min(p for p, _, _ in compare(c, b).values()) < 1e-6
+    procs = LogitsProcessorList()
+    if "sequence_bias" in gen_kw:
+        procs.append(SequenceBiasLogitsProcessor(gen_kw["sequence_bias"]))
+    if "repetition_penalty" in gen_kw:
+        procs.append(RepetitionPenaltyLogitsProcessor(gen_kw["repetition_penalty"]))
+    procs.extend(custom)
+    warp_kw = {k: v for k, v in kw.items() if k in ("temperature", "top_k", "min_p")}
+    exact = exact_next_probs(model, prompt, NEW, processors=procs, **warp_kw)
+    draws, hist = lookahead_draws(runner, prompt, DRAWS, TREE, **kw)
+    assert hist[2] + hist[3] > 0.1 * DRAWS, dict(hist)  # drafts verified and accepted under the processors
+    ok, report = fit_verdict(conditional_fit(draws, exact))
+    assert ok, report
+    if "frequency_penalty" not in kw:
+        return  # repetition counts the prompt, which holds every token of this 12-token vocabulary:
+        # dropping the ancestors changes nothing there, so only the output-count penalties can tell
+    # negative control: rows scored without their trie ancestors' tokens
+    monkeypatch.setattr(lp.processors, "row_extras", lambda layout: [[] for _ in layout.skeleton.keep])
+    monkeypatch.setattr("lp.decoding.row_extras", lambda layout: [[] for _ in layout.skeleton.keep])
+    bad, _ = lookahead_draws(runner, prompt, DRAWS, TREE, **kw)
+    ok, report = fit_verdict(conditional_fit(bad, exact))
+    assert not ok, f"ancestors dropped from the histories went unnoticed: {report}"
 
 
 # ---------------------------------------------------------------------------

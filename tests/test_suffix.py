@@ -6,10 +6,16 @@ import doctest
 import random
 
 import lp.suffix
-from lp.suffix import Draft, DraftStore, SuffixIndex, draft_len
+from lp.suffix import Draft, DraftStore, SuffixIndex
 
 # ---------------------------------------------------------------------------
-# Brute-force references, O(n^2) and worse: obviously right, only for small texts.
+# Brute-force references, O(n^2) and worse: obviously right, only for small texts. They
+# use nothing of lp.suffix: the draft length is the documented rule, written out here.
+
+
+def draft_len(m, max_tokens, alpha=1.0):
+    """min(max_tokens, max(1, floor(alpha * m))), as lp.suffix's docstring states it."""
+    return min(max_tokens, max(1, int(alpha * m)))
 
 
 def bf_longest(t, max_len=None):
