@@ -51,6 +51,7 @@ from lp.decoding import (
     _record,
     _select_candidates,
 )
+from lp.attention import BATCH_SDPA
 from lp.drafts import TreeRequest, select_tree, select_trees
 from lp.layout import build_tree_layout
 from lp.model import ModelRunner
@@ -109,6 +110,10 @@ class BatchEngine:
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
             raise ValueError(f"server.max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens}")
         self.runner = runner
+        if runner.attention == "sdpa":
+            from lp import attention
+
+            attention.register()
         self.cache = PagedCache(kv_tokens, block_size)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
@@ -128,6 +133,22 @@ class BatchEngine:
         """Queue a request; returns its id. ValueError for a bad request or one whose worst
         case (prompt + max_new_tokens + its largest step) exceeds the whole K/V pool."""
         prompt = [int(t) for t in prompt_ids]
+        dec, need = self.check(prompt, cfg, tokenizer)
+        if dec.cfg.drafts == "suffix" and dec.cfg.draft_budget == "auto" and self.tq is None:
+            from lp.calibrate import row_cost_curve
+
+            self.tq = row_cost_curve(self.runner)
+        dec.tq = self.tq
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        rid = self._next_id
+        self._next_id += 1
+        self.waiting.append(_Request(rid, dec, prompt, set(eos_token_ids or []), tokenizer, need))
+        return rid
+
+    def check(self, prompt: list[int], cfg: DecodingConfig, tokenizer=None) -> tuple[LookaheadDecoder, int]:
+        """Validate a request without queueing it (no state changes; a server calls it from
+        its HTTP thread): its decoder and the K/V rows it reserves, or a ValueError."""
         dec = LookaheadDecoder(self.runner, cfg, draft_store=self.draft_store, tq_curve=self.tq)
         if dec.cfg.mode != "lookahead":
             raise ValueError("decoding.mode must be 'lookahead' for a batched engine")
@@ -141,17 +162,7 @@ class BatchEngine:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({dec.cfg.max_new_tokens}) + the largest step "
                 f"({dec.max_step_rows()} rows) needs {need} K/V slots; server.kv_tokens holds {self.cache.kv_tokens}"
             )
-        if dec.cfg.drafts == "suffix" and dec.cfg.draft_budget == "auto" and self.tq is None:
-            from lp.calibrate import row_cost_curve
-
-            self.tq = row_cost_curve(self.runner)
-        dec.tq = self.tq
-        if isinstance(eos_token_ids, int):
-            eos_token_ids = [eos_token_ids]
-        rid = self._next_id
-        self._next_id += 1
-        self.waiting.append(_Request(rid, dec, prompt, set(eos_token_ids or []), tokenizer, need))
-        return rid
+        return dec, need
 
     def abort(self, request_id: int) -> bool:
         """Drop a waiting or running request and free its blocks; False if unknown."""
@@ -161,6 +172,8 @@ class BatchEngine:
                 return True
         for req in self.running:
             if req.id == request_id:
+                if not req.run.done:
+                    req.run.done, req.run.finish = True, "cancelled"
                 self._leave(req)
                 return True
         return False
@@ -275,7 +288,7 @@ class BatchEngine:
         q_total = sum(it.layout.num_rows for it in items)
         k_total = int(self.cache._read.numel())
         allowed_QK = torch.zeros(q_total, k_total, dtype=torch.bool, device=dev)
-        pos, keep, key_pos = [], [], []
+        pos, keep, key_pos, seq_spans = [], [], [], []
         qo = 0
         for it, (length, ko) in zip(items, spans):
             sk = it.layout.skeleton
@@ -287,13 +300,18 @@ class BatchEngine:
             keep.append(keep_t + qo)
             if runner.sliding_window is not None:
                 key_pos += [torch.arange(length, device=dev), depths_Q + length]
+            seq_spans.append((qo, q, ko, length + q))
             qo += q
         pos_Q = torch.cat(pos)
         mask = self._mask(allowed_QK, pos_Q, torch.cat(key_pos) if key_pos else None)
         ids_1Q = torch.tensor([[t for it in items for t in it.layout.tokens]], dtype=torch.long).to(dev)
-        with runner._kernel(q_total):
+        # sdpa: one kernel call per sequence over its own keys (lp.attention.batch_sdpa_forward);
+        # eager and flex: one call over the gathered keys, the mask hiding other sequences
+        extra = {"lp_spans": seq_spans} if runner.attention == "sdpa" else {}
+        with runner._kernel(q_total, BATCH_SDPA if extra else None):
             out = runner.model(input_ids=ids_1Q, position_ids=pos_Q[None], attention_mask=mask,
-                               **{runner._cache_kw: self.cache}, use_cache=True, logits_to_keep=torch.cat(keep))
+                               **{runner._cache_kw: self.cache}, use_cache=True, logits_to_keep=torch.cat(keep),
+                               **extra)
         return out.logits[0].float()
 
     def _mask(self, allowed_QK, pos_Q, key_pos_K):
