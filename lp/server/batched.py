@@ -127,18 +127,25 @@ class BatchedEngine:
         self._cfgs[rid] = self.batch.waiting[-1].decoder.cfg
 
     def _reap_cancelled(self) -> None:
+        """Abort the cancelled jobs (their blocks are free at once), update the gauges, then
+        answer them: a running one with its partial result (finish_reason "cancelled")."""
+        reaped = []
         for rid, job in list(self._jobs.items()):
             if job.cancelled:
                 running = any(r.id == rid for r in self.batch.running)
                 self.batch.abort(rid)
                 del self._jobs[rid]
-                res = self.batch.result(rid) if running else None
-                if res is not None:
-                    self._done(rid, job, res)
-                else:
-                    self._cfgs.pop(rid, None)
-                    self._count(job, "cancelled")
-                    job.emit("error", ApiError("cancelled", status=499, type="cancelled"))
+                reaped.append((rid, job, self.batch.result(rid) if running else None))
+        if not reaped:
+            return
+        self._gauges()
+        for rid, job, res in reaped:
+            if res is not None:
+                self._done(rid, job, res)
+            else:
+                self._cfgs.pop(rid, None)
+                self._count(job, "cancelled")
+                job.emit("error", ApiError("cancelled", status=499, type="cancelled"))
 
     def _step(self) -> None:
         outs = self.batch.step()
