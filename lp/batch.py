@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lp.attention import BATCH_SDPA
 from lp.config import DecodingConfig
 from lp.decoding import (
     GenerationResult,
@@ -51,7 +52,6 @@ from lp.decoding import (
     _record,
     _select_candidates,
 )
-from lp.attention import BATCH_SDPA
 from lp.drafts import TreeRequest, select_tree, select_trees
 from lp.layout import build_tree_layout
 from lp.model import ModelRunner
@@ -331,8 +331,8 @@ class BatchEngine:
             masks = {name: block(m) for name, m in masks.items()}
         else:
             neg = torch.finfo(runner.dtype).min
-            masks = {name: torch.zeros(m.shape, dtype=runner.dtype, device=runner.device).masked_fill_(~m, neg)[None, None]
-                     for name, m in masks.items()}
+            masks = {name: torch.zeros(m.shape, dtype=runner.dtype, device=runner.device)
+                     .masked_fill_(~m, neg)[None, None] for name, m in masks.items()}
         if runner.sliding_window is None:
             return masks["full_attention"]
         if runner.mixed_layers:
@@ -397,8 +397,8 @@ def generate_batch(decoder: LookaheadDecoder, prompts: Sequence[Sequence[int]], 
     if len(cfgs) != len(prompts):
         raise ValueError(f"configs must give one DecodingConfig per prompt ({len(prompts)}), got {len(cfgs)}")
     if kv_tokens is None:  # room for every prompt at once (a block of slack each)
-        kv_tokens = sum(len(p) + c.max_new_tokens + LookaheadDecoder(decoder.runner, c, tq_curve=decoder.tq).max_step_rows()
-                        + 16 for p, c in zip(prompts, cfgs))
+        rows = [LookaheadDecoder(decoder.runner, c, tq_curve=decoder.tq).max_step_rows() for c in cfgs]
+        kv_tokens = sum(len(p) + c.max_new_tokens + r + 16 for p, c, r in zip(prompts, cfgs, rows))
     engine = BatchEngine(decoder.runner, kv_tokens, max_batch=max_batch or max(len(prompts), 1),
                          max_prefill_tokens=max_prefill_tokens, tq_curve=decoder.tq, draft_store=decoder.draft_store)
     ids = [engine.add(p, c, eos_token_ids, tokenizer) for p, c in zip(prompts, cfgs)]

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from lp.batch import BatchEngine
+from lp.budget import AcceptanceModel
 from lp.config import DecodingConfig
 from lp.decoding import LookaheadDecoder
 from lp.drafts import Scored, TreeRequest, select_tree, select_trees
-from lp.budget import AcceptanceModel
 from lp.model import ModelRunner
 from lp.paged import BlockTable
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
@@ -164,8 +164,8 @@ def test_smollm2_four_prompts_in_one_batch(smollm2, smollm2_runner):
 
 def test_sampling_in_a_batch_of_four_matches_generate():
     """Sampled requests in batches of 4 (seeds i) draw from transformers' distribution."""
-    from tests.test_sampling_dist import ALPHA, _fmt, compare, hf_samples
     from tests.helpers import make_tiny_model
+    from tests.test_sampling_dist import ALPHA, _fmt, compare, hf_samples
 
     model = make_tiny_model("llama", vocab=12, initializer_range=0.3)
     prompt = [1, 2, 3, 4, 5] + hf_greedy(model, [1, 2, 3, 4, 5], 20)
