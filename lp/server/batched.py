@@ -73,8 +73,11 @@ class BatchedEngine:
             self._cond.notify()
 
     def queue_depth(self) -> int:
-        """Requests waiting to start (submitted, or queued in the batch engine)."""
-        return len(self._new) + len(self.batch.waiting)
+        """Requests waiting to start: submitted or queued in the batch engine, less those the
+        running batch has room for (they join at the next step boundary)."""
+        pending = len(self._new) + len(self.batch.waiting)
+        room = max(0, self.batch.max_batch - len(self.batch.running))
+        return max(0, pending - room)
 
     def request_stop(self) -> None:
         with self._cond:
