@@ -65,9 +65,11 @@ def main() -> None:
     t = time.perf_counter()
     seq = [dec.generate(p, eos) for p in ps]
     t_seq = time.perf_counter() - t
+    print(f"sequential: {t_seq:.1f} s, load {os.getloadavg()}", flush=True)
     t = time.perf_counter()
     bat = dec.generate_batch(ps, eos)
     t_bat = time.perf_counter() - t
+    print(f"batch: {t_bat:.1f} s, load {os.getloadavg()}", flush=True)
     n_seq = sum(len(r.output_ids) for r in seq)
     n_bat = sum(len(r.output_ids) for r in bat)
     same = [a.output_ids == b.output_ids for a, b in zip(seq, bat)]
