@@ -155,6 +155,8 @@ class BatchEngine:
         dec._check_request(prompt)
         if dec.cfg.stop_strings and tokenizer is None:
             raise ValueError("decoding.stop_strings needs a tokenizer to decode the output")
+        if getattr(dec.cfg, "logprobs", False):
+            raise ValueError("decoding.logprobs is not supported in batched steps yet; use generate()")
         need = len(prompt) + dec.cfg.max_new_tokens + dec.max_step_rows()
         blocks = self.cache.blocks
         if blocks_for(need, blocks.block_size) > blocks.num_blocks:
@@ -347,9 +349,15 @@ class BatchEngine:
         for it in items:
             n = len(it.layout.skeleton.keep)
             if not it.chunk:
-                dec = it.req.decoder
+                dec, run = it.req.decoder, it.req.run
                 rows = argmax[ko : ko + n] if argmax is not None and not dec.cfg.do_sample else None
-                verdicts.append(dec.verify(it.req.run, it.prop, it.layout, logits_KV[ko : ko + n], rows))
+                logits = logits_KV[ko : ko + n]
+                proc = getattr(run, "proc", None)  # logit_bias / penalties (lp.processors, where present)
+                if proc is not None:
+                    from lp.processors import row_extras
+
+                    logits, rows = proc.apply(logits, row_extras(it.layout)), None
+                verdicts.append(dec.verify(run, it.prop, it.layout, logits, rows))
             else:
                 verdicts.append(None)
             ko += n
@@ -367,6 +375,8 @@ class BatchEngine:
         path, z_all, _ = dec.merge_verdicts(run, it.prop, verdict, False)
         emitted = dec.publish(run, path.emitted, False, req.tokenizer)
         dec.collect(run, it.prop, z_all, emitted)
+        if getattr(run, "proc", None) is not None:
+            run.proc.extend(emitted)
         run.step += 1
         it.new_tokens = emitted
         if not run.done:
