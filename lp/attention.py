@@ -16,6 +16,8 @@ exploit that shape; ``lp.model.ModelRunner`` builds their masks and selects them
 
   ``attention_mask`` is the additive [1, 1, Q, Q] local block. Sliding-window models
   are refused (the prefix would need a mask).
+* ``lp_batch_sdpa``: a batched step of several sequences (lp.batch): sdpa per sequence
+  over its own gathered keys, with its slice of the batch's additive mask.
 
 Both return ``(out [B, Q, H, D], None)`` like transformers' own attention functions.
 
@@ -123,10 +125,32 @@ def cascade_attention_forward(module, query, key, value, attention_mask, scaling
     return out.transpose(1, 2).contiguous(), None
 
 
+def batch_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, lp_spans=None,
+                       **kwargs):
+    """A batched step (lp.batch): the step's rows and gathered keys are sequence after
+    sequence; ``lp_spans`` = [(row offset, rows, key offset, keys)] per sequence. Each
+    sequence runs its own sdpa over its own keys with its slice of the additive mask, so
+    attention costs sum_s rows_s x keys_s, not (all rows) x (all keys)."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("batched steps do not support attention logit soft-capping; use model.attention=eager")
+    groups = query.shape[1] // key.shape[1]
+    outs = []
+    for qo, q, ko, k in lp_spans:
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, qo : qo + q], key[:, :, ko : ko + k], value[:, :, ko : ko + k],
+            attn_mask=attention_mask[:, :, qo : qo + q, ko : ko + k], scale=scaling, enable_gqa=groups > 1))
+    out_BHQD = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out_BHQD.transpose(1, 2).contiguous(), None
+
+
+BATCH_SDPA = "lp_batch_sdpa"
+
+
 @functools.lru_cache(maxsize=1)
 def register() -> None:
-    """Register both functions with transformers (once per process)."""
+    """Register the functions with transformers (once per process)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(FLEX, flex_attention_forward)
     AttentionInterface.register(CASCADE, cascade_attention_forward)
+    AttentionInterface.register(BATCH_SDPA, batch_sdpa_forward)

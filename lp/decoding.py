@@ -225,6 +225,17 @@ class _Proposal:
     scored: list = field(default_factory=list)  # the drafts before the budget cut (suffix mode)
 
 
+@dataclass
+class _Options:
+    x: int
+    cache_len: int
+    p: int  # position of x
+    window_fits: bool
+    scored: list = field(default_factory=list)
+    base: int = 0  # rows the step runs with or without drafts (suffix mode)
+    extra: int = 0  # window rows that ride along only with drafts
+
+
 class LookaheadDecoder:
     """``draft_store``: a ``lp.suffix.DraftStore`` shared across requests (a server passes
     its own); with ``cfg.draft_store`` and none given, the decoder owns one. ``tq_curve``:
@@ -354,7 +365,21 @@ class LookaheadDecoder:
         _finish_stats(stats, len(run.out), self.workers)
         return GenerationResult(run.out, stats, run.finish, run.logprobs if cfg.logprobs else None)
 
-    def _start(self, prompt_ids: list[int], eos: set[int]) -> _Run:
+    def generate_batch(self, prompts: Sequence[Sequence[int]], eos_token_ids: Sequence[int] | int | None = None,
+                       tokenizer=None, configs=None, max_batch: int | None = None, kv_tokens: int | None = None,
+                       max_prefill_tokens: int | None = None) -> list[GenerationResult]:
+        """Decode several prompts in batched steps over one paged K/V cache (lp.batch), each
+        with this decoder's config or its own (``configs``, one per prompt); one result per
+        prompt, in order. ``kv_tokens`` None: room for all of them at once."""
+        if self.group is not None:
+            raise ValueError("generate_batch runs in one process (parallel.workers=1)")
+        from lp.batch import generate_batch
+
+        return generate_batch(self, prompts, eos_token_ids, tokenizer, configs, max_batch, kv_tokens,
+                              max_prefill_tokens)
+
+    def _start(self, prompt_ids: list[int], eos: set[int], cache=None) -> _Run:
+        """A run's state; ``cache``: the run's K/V (lp.batch passes a view of its paged cache)."""
         cfg = self.cfg
         rng = random.Random(cfg.seed)
         window = Window(cfg.W, cfg.N, [rng.choice(prompt_ids) for _ in range(Window.seed_size(cfg.W, cfg.N))])
@@ -374,8 +399,9 @@ class LookaheadDecoder:
             self.tq, small = self.merge.share_curve(curve, self.runner.small_rows)
             if self.runner.small_rows_mode == "auto":
                 self.runner.small_rows = small  # rank 0's choice of kernel on every rank
-        rows = self.max_step_rows()
-        cache = self.runner.new_cache(len(prompt_ids) + cfg.max_new_tokens + rows, rows)
+        if cache is None:
+            rows = self.max_step_rows()
+            cache = self.runner.new_cache(len(prompt_ids) + cfg.max_new_tokens + rows, rows)
         self.merge.begin(self.max_draft + 1, self.draft_rows, cfg.W + cfg.N - 2)
         proc = RowProcessor(cfg, prompt_ids, self.runner.vocab_size, self.runner.device) if wants_processing(cfg) \
             else None
@@ -385,8 +411,21 @@ class LookaheadDecoder:
 
     def propose(self, run: _Run) -> _Proposal:
         """Candidates keyed by x, whether the window rides along, and the shard plan."""
+        opts = self.draft_options(run)
         cfg = self.cfg
-        R = cfg.N - 1
+        if cfg.drafts == "pool":
+            candidates = _select_candidates(run.pool, run.context, opts.x, cfg.G, cfg.N - 1)
+        else:
+            # one process pads the step to the cheapest measured size (lp.budget.envelope);
+            # LP workers hold different row counts, so they price the curve as measured
+            candidates = select_tree(opts.scored, run.acceptance, opts.base, self.tq, self.draft_rows, opts.extra,
+                                     self.workers, pad=self.workers == 1)
+        return self.proposal(run, opts, candidates)
+
+    def draft_options(self, run: _Run) -> "_Options":
+        """What the budget chooses from: the scored drafts (suffix mode), the step's base rows
+        and the window rows that ride along only with drafts (lp.batch shares this stage)."""
+        cfg = self.cfg
         x = run.pending[-1]
         window = run.window
         cache_len = run.cache.get_seq_length()
@@ -395,43 +434,48 @@ class LookaheadDecoder:
         # near the end of the context, leave out rows whose positions would pass it
         # (models with learned position tables cannot embed them)
         window_fits = limit is None or p + window.depth + window.num_columns - 1 < limit
-        scored = []
-        if cfg.drafts == "pool":
-            candidates = _select_candidates(run.pool, run.context, x, cfg.G, R)
-        else:
-            scored = suffix_drafts(run.index, self.draft_store, run.tokens, cfg.max_draft_len, cfg.G, cfg.draft_alpha)
-            scored += [Scored(s, 0, 1.0) for s in run.pool.get(x, cfg.G)]
+        opts = _Options(x, cache_len, p, window_fits)
+        if cfg.drafts == "suffix":
+            opts.scored = suffix_drafts(run.index, self.draft_store, run.tokens, cfg.max_draft_len, cfg.G,
+                                        cfg.draft_alpha)
+            opts.scored += [Scored(s, 0, 1.0) for s in run.pool.get(x, cfg.G)]
             w_rows = 0
             if window_fits and cfg.window_policy != "off":
                 w_rows = -(-column_rows(range(window.num_columns), window.depth) // self.workers)
             always = cfg.window_policy == "always" or len(run.pending) > 1
-            # one process pads the step to the cheapest measured size (lp.budget.envelope);
-            # LP workers hold different row counts, so they price the curve as measured
-            candidates = select_tree(scored, run.acceptance, len(run.pending) + (w_rows if always else 0), self.tq,
-                                     self.draft_rows, 0 if always else w_rows, self.workers, pad=self.workers == 1)
+            opts.base = len(run.pending) + (w_rows if always else 0)
+            opts.extra = 0 if always else w_rows
+        return opts
+
+    def proposal(self, run: _Run, opts: "_Options", candidates) -> _Proposal:
+        """The step's proposal from the chosen candidates: context cut, window, shard plan."""
+        cfg = self.cfg
+        limit = self.runner.max_positions
         if limit is not None:
-            room = limit - p - 1
+            room = limit - opts.p - 1
             candidates = list(dict.fromkeys(tuple(c[:room]) for c in candidates if room > 0))
         # window_policy=with_candidates: on hardware where any extra row is dear, the window
         # rows ride only on steps that verify candidates anyway (or prefill); other steps
         # are plain one-row decodes and leave the window as it is.
-        use_window = (cfg.window_policy == "always" or bool(candidates) or len(run.pending) > 1) and window_fits
+        use_window = (cfg.window_policy == "always" or bool(candidates) or len(run.pending) > 1) and opts.window_fits
         use_window = use_window and cfg.window_policy != "off"
-        num_columns = window.num_columns if use_window else 0
-        plan = plan_tree_shards(self.workers, len(run.pending), num_columns, window.depth, tuple(candidates))
-        return _Proposal(x, candidates, use_window, plan, cache_len, scored)
+        num_columns = run.window.num_columns if use_window else 0
+        plan = plan_tree_shards(self.workers, len(run.pending), num_columns, run.window.depth, tuple(candidates))
+        return _Proposal(opts.x, candidates, use_window, plan, opts.cache_len, opts.scored)
 
     def lay_out(self, run: _Run, prop: _Proposal):
         mine = prop.plan[self.rank]
         own = [prop.candidates[c] for c in mine.candidates]
         return build_tree_layout(run.pending, run.window.levels, mine.columns, own)
 
-    def verify(self, run: _Run, prop: _Proposal, layout, logits_KV):
-        """The local verdict: greedy (Path over own candidates, z) or sampled (root, outcomes, z)."""
+    def verify(self, run: _Run, prop: _Proposal, layout, logits_KV, argmax: list[int] | None = None):
+        """The local verdict: greedy (Path over own candidates, z) or sampled (root, outcomes, z).
+        ``argmax``: the kept rows' argmaxes when the caller read them already (lp.batch)."""
         sk = layout.skeleton
         row_of = _row_index(sk)
         if not self.cfg.do_sample:
-            argmax = logits_KV.argmax(-1).tolist()  # the one device->host transfer
+            if argmax is None:
+                argmax = logits_KV.argmax(-1).tolist()  # the one device->host transfer
             z_local = [argmax[row_of[r]] for r in sk.z_rows]
             mine = prop.plan[self.rank]
             own = [prop.candidates[c] for c in mine.candidates]

@@ -109,7 +109,13 @@ def select_tree(
         room = min(padded_rows(curve, rows), base + extra_rows + cap) - rows
         more = min(room, len(order) - k)
         k, filler = k + more, room - more
-    kept = set(order[:k])
+    cut = _cut(cands, trie, set(order[:k]))
+    return cut + _filler(filler, {c[0] for c in cands}, max(len(c) for c in cands))
+
+
+def _cut(cands, trie, kept: set[int]) -> list[tuple[int, ...]]:
+    """The drafts cut to their longest prefixes inside ``kept`` (drafts that became a prefix
+    of another kept one dropped)."""
     cut: list[tuple[int, ...]] = []
     for cand, path in zip(cands, trie.paths):
         n = 0
@@ -118,8 +124,90 @@ def select_tree(
         if n:
             cut.append(tuple(cand[:n]))
     cut = list(dict.fromkeys(cut))
-    cut = [c for c in cut if not any(o != c and o[: len(c)] == c for o in cut)]
-    return cut + _filler(filler, {c[0] for c in cands}, max(len(c) for c in cands))
+    return [c for c in cut if not any(o != c and o[: len(c)] == c for o in cut)]
+
+
+@dataclass(frozen=True)
+class TreeRequest:
+    """One sequence's part of a batched step's budget (``select_trees``)."""
+
+    drafts: Sequence[Scored]
+    acceptance: AcceptanceModel
+    base: int  # rows this sequence runs with or without drafts
+    cap: int  # most trie nodes it may verify
+    extra_rows: int = 0  # its rows that ride along only when it verifies something
+
+
+def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pad: bool = False
+                 ) -> list[list[tuple[int, ...]]]:
+    """One draft budget for a batched step: the trie nodes of every sequence compete for
+    the step's rows. Nodes are taken by decreasing P across the batch (each sequence's
+    parents before its children) and the count k that maximizes the batch's expected
+    tokens per second on t(Q), Q = every row of the step, is kept; ``fixed_rows``: rows of
+    the step outside these requests (prefill chunks, budget-free sequences). As the batch
+    grows, its base rows climb the curve and extra nodes must pay more: drafts shrink by
+    themselves, no batch-size threshold. ``pad``: price k >= 1 on the curve's envelope and
+    fill the step with the next most likely nodes up to the cheapest measured size.
+
+        >>> from lp.budget import AcceptanceModel
+        >>> a = AcceptanceModel()
+        >>> sure = TreeRequest([Scored((5, 6, 7, 8), 6, 1.0)], a, base=1, cap=16)
+        >>> weak = TreeRequest([Scored((4, 9), 1, 0.5)], a, base=1, cap=16)
+        >>> steep = [(1, 0.055), (2, 0.085), (16, 0.130), (32, 0.184)]
+        >>> select_trees([sure, weak], steep)
+        [[(5, 6, 7, 8)], []]
+        >>> select_trees([sure, weak], None)
+        [[(5, 6, 7, 8)], [(4, 9)]]
+    """
+    tries, orders, probs = [], [], []
+    for r in requests:
+        if not r.drafts or r.cap <= 0:
+            tries.append(None), orders.append([]), probs.append([])
+            continue
+        trie = merge_trie([d.tokens for d in r.drafts])
+        prob = node_probs(r.drafts, trie, r.acceptance)
+        order = sorted(range(len(trie)), key=lambda n: (-prob[n], trie.depths[n], n))[: r.cap]
+        tries.append(trie), orders.append(order), probs.append(prob)
+    merged: list[tuple[int, int]] = []  # (request, node) by decreasing P, stable per request
+    heads = [0] * len(requests)
+    while True:
+        live = [i for i in range(len(requests)) if heads[i] < len(orders[i])]
+        if not live:
+            break
+        i = min(live, key=lambda j: (-probs[j][orders[j][heads[j]]], j))
+        merged.append((i, orders[i][heads[i]]))
+        heads[i] += 1
+    base = fixed_rows + sum(r.base for r in requests)
+    k = len(merged)
+    if curve is not None:
+        price = envelope(curve) if pad else curve
+        gain, rows, started = float(len(requests)), base, set()
+        best_rate, k = gain / cost(curve, base), 0
+        for n, (i, node) in enumerate(merged, start=1):
+            if i not in started:
+                started.add(i)
+                rows += requests[i].extra_rows
+            rows += 1
+            gain += probs[i][node]
+            if gain / cost(price, rows) > best_rate:
+                best_rate, k = gain / cost(price, rows), n
+        if pad and k:
+            started = {i for i, _ in merged[:k]}
+            rows = base + sum(requests[i].extra_rows for i in started) + k
+            room = padded_rows(curve, rows) - rows
+            more = [m for m in range(k, len(merged)) if merged[m][0] in started][:room]
+            kept_idx = list(range(k)) + more
+        else:
+            kept_idx = list(range(k))
+    else:
+        kept_idx = list(range(k))
+    kept: list[set[int]] = [set() for _ in requests]
+    for m in kept_idx:
+        kept[merged[m][0]].add(merged[m][1])
+    out = []
+    for r, trie, nodes in zip(requests, tries, kept):
+        out.append(_cut([d.tokens for d in r.drafts], trie, nodes) if nodes else [])
+    return out
 
 
 def node_probs(drafts: Sequence[Scored], trie, acceptance: AcceptanceModel) -> list[float]:

@@ -373,17 +373,18 @@ class ModelRunner:
         return self.small_rows_mode == "on" or rows in self.small_rows
 
     @contextlib.contextmanager
-    def _kernel(self, rows: int = 1):
+    def _kernel(self, rows: int = 1, attn_impl: str | None = None):
         """Select this runner's kernels for one forward of ``rows`` rows (its attention
         function; small-row matmuls where chosen) and restore the model's own afterwards
         (the user's model keeps working with ``generate``; runners with different kernels
         may share one model). One attention attribute per model config."""
+        impl = attn_impl or self.attn_impl
         saved = [c._attn_implementation_internal for c in self._configs]
-        swap = any(v != self.attn_impl for v in saved)
+        swap = any(v != impl for v in saved)
         small = self.uses_small_rows(rows)
         if swap:
             for c in self._configs:
-                c._attn_implementation_internal = self.attn_impl
+                c._attn_implementation_internal = impl
         if small:
             self._small.on = True
         try:

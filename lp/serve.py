@@ -125,19 +125,22 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
     world = group.lp_size if group is not None else 1  # LP workers (each a TP group of parallel.tp)
     heartbeat = min(s.heartbeat_s, cfg.parallel.timeout_s / 3)
     metrics = ServerMetrics(world)
-    engine = Engine(runner, tokenizer, eos, group, s.max_queue, heartbeat, metrics, draft_store=_draft_store(cfg))
+    if group is None:  # continuous batching (lp.batch); LP keeps one request at a time
+        from lp.server.batched import BatchedEngine
+
+        engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, s.kv_tokens, s.max_prefill_tokens,
+                               metrics, draft_store=_draft_store(cfg))
+        metrics.kv_blocks_total.set(engine.batch.cache.blocks.num_blocks)
+    else:
+        engine = Engine(runner, tokenizer, eos, group, s.max_queue, heartbeat, metrics, draft_store=_draft_store(cfg))
     ctx = ServingContext(model_id_of(cfg), tokenizer, runner.vocab_size, runner.max_positions, cfg.decoding, s,
                          workers=world)
-    app = create_app(engine, ctx, metrics, s.retry_after_s)
+    app = create_app(engine, ctx, metrics, s.retry_after_s, api_key=s.api_key or os.environ.get("LP_API_KEY"))
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: also stop the running decode at its next step
             log.info("[lp.serve] signal %d: shutting down", sig)
-            with engine._cond:
-                engine.stopping = True
-                if engine.running is not None:
-                    engine.running.cancel()
-                engine._cond.notify()
+            engine.request_stop()
             # not super(): uvicorn would re-raise the signal after shutdown (a traceback, no clean exit)
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True

@@ -38,6 +38,9 @@ CHAT = [
     "What is the capital of France? Answer in one sentence.",
 ]
 RAW = 'def running_mean(xs):\n    """Return the running mean of the list xs."""\n'
+KEY = "unused"  # server.api_key of the one-process server (the openai clients send it)
+AUTH = {"authorization": f"Bearer {KEY}"}
+BATCH = 3  # server.max_batch of the one-process server
 SERVER_ARGS = ["model.dtype=float32", "server.max_tokens=8192", "server.max_W=8", "server.log_level=warning"]
 
 
@@ -129,7 +132,9 @@ def start(tmp_path_factory, name: str, workers: int, extra: list[str]) -> Server
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
-    server = start(tmp_path_factory, "serve1", 1, ["server.max_queue=1"])
+    # continuous batching, 3 at a time; the key is the one the tests' openai clients send
+    server = start(tmp_path_factory, "serve1", 1, ["server.max_queue=1", f"server.max_batch={BATCH}",
+                                                   "server.kv_tokens=8192", f"server.api_key={KEY}"])
     yield server
     server.stop()
 
@@ -367,8 +372,8 @@ BAD = [
 @pytest.mark.parametrize("name,body,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_chat_request_is_400(one, name, body, param):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(one.url + "/v1/chat/completions", content=data, headers={"content-type": "application/json"},
-                   timeout=30)
+    r = httpx.post(one.url + "/v1/chat/completions", content=data,
+                   headers={"content-type": "application/json", **AUTH}, timeout=30)
     assert r.status_code == 400, (name, r.status_code, r.text)
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -384,7 +389,7 @@ def test_bad_completion_requests_and_openai_client_errors(one):
                         ({"prompt": "x", "seed": 2**70}, "seed"), ({"prompt": "x", "temperature": 3}, "temperature"),
                         ({"prompt": "x\ud800"}, None)]:
         r = httpx.post(one.url + "/v1/completions", content=json.dumps(body).encode(),
-                       headers={"content-type": "application/json"}, timeout=30)
+                       headers={"content-type": "application/json", **AUTH}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     with pytest.raises(openai.BadRequestError) as e:
         chat_create(one, "hi", temperature=-1)
@@ -420,14 +425,17 @@ def test_full_queue_is_429_with_retry_after(one, smollm2):
     import openai
 
     c = one.client()
-    long_stream = c.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
-        max_tokens=2000, temperature=0, stream=True)
-    it = iter(long_stream)
-    while True:  # running once its first tokens arrive
-        ch = next(it)
-        if ch.choices and ch.choices[0].delta.content:
-            break
+    long_streams = []
+    for _ in range(BATCH):  # a full running batch
+        long_stream = c.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+            max_tokens=2000, temperature=0, stream=True)
+        it = iter(long_stream)
+        while True:  # running once its first tokens arrive
+            ch = next(it)
+            if ch.choices and ch.choices[0].delta.content:
+                break
+        long_streams.append(long_stream)
     queued: dict = {}
 
     def waiting_request():
@@ -441,16 +449,65 @@ def test_full_queue_is_429_with_retry_after(one, smollm2):
     while httpx.get(one.url + "/health", timeout=10).json()["queue_depth"] < 1:
         assert time.monotonic() - t < 30
         time.sleep(0.1)
-    r = httpx.post(one.url + "/v1/chat/completions", json=_chat_body(), timeout=30)
+    r = httpx.post(one.url + "/v1/chat/completions", json=_chat_body(), headers=AUTH, timeout=30)
     assert r.status_code == 429
     assert r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "queue_full"
     with pytest.raises(openai.RateLimitError):
         chat_create(one, "hi", max_tokens=2)
-    long_stream.close()  # cancels the long one; the queued request runs next
+    for long_stream in long_streams:
+        long_stream.close()  # cancels the long ones; the queued request runs next
     th.join(120)
     assert not th.is_alive() and queued["r"].choices[0].message.content == want
     assert httpx.get(one.url + "/health", timeout=10).json()["queue_depth"] == 0
+
+
+def test_concurrent_requests_equal_generate(one, refs):
+    """Chat and completion requests at once, streamed and not, in one running batch: each
+    equals transformers greedy generate of its own prompt, token for token."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t = time.monotonic()  # the previous test's cancelled streams leave within a step or two
+    while one.metrics()["lp_batch_running"] > 0 or one.metrics()["lp_queue_depth"] > 0:
+        assert time.monotonic() - t < 60, "the batch did not drain"
+        time.sleep(0.2)
+
+    def chat(text):
+        return chat_create(one, text, extra_body={"lookahead": {"return_token_ids": True}})
+
+    def completion():
+        return one.client().completions.create(model="smollm2", prompt=RAW, max_tokens=M, temperature=0,
+                                               extra_body={"lookahead": {"return_token_ids": True}})
+
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(chat, CHAT[0]), pool.submit(chat, CHAT[1]), pool.submit(completion),
+                pool.submit(stream_chat, one, CHAT[1])]
+        got = [f.result(300) for f in futs]
+    for text, r in zip(CHAT, got[:2]):
+        _, new, content, finish = expected(refs, text)
+        assert r.model_extra["lookahead"]["output_ids"] == new and r.choices[0].message.content == content
+    _, new, content, _ = expected(refs, RAW)
+    assert got[2].model_extra["lookahead"]["output_ids"] == new and got[2].choices[0].text == content
+    assert got[3][0] == expected(refs, CHAT[1])[2]
+    m = one.metrics()
+    assert m["lp_step_rows_count"] > 0 and m["lp_kv_blocks_total"] == 8192 // 16
+
+
+def test_api_key_and_kv_bound(one):
+    """Without the key (or with a wrong one) a /v1 request is a 401, /health stays open; a
+    request that can never fit server.kv_tokens is a 400 at once, the server keeps serving."""
+    import openai
+
+    r = httpx.post(one.url + "/v1/chat/completions", json=_chat_body(), timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=one.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(one.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(one.url + "/v1/models", headers=AUTH, timeout=10).status_code == 200
+    with pytest.raises(openai.BadRequestError) as e:
+        chat_create(one, "hi", max_tokens=8150)  # fits the model's context, not the K/V pool
+    assert e.value.status_code == 400 and "kv_tokens" in e.value.body["message"]
+    assert chat_create(one, "hi", max_tokens=2).usage.completion_tokens >= 1
 
 
 def test_metrics_count_this_tests_requests(one):
@@ -458,7 +515,8 @@ def test_metrics_count_this_tests_requests(one):
     before = one.metrics()
     invalid, length = 'lp_requests_total{endpoint="chat",outcome="invalid"}', \
         'lp_requests_total{endpoint="chat",outcome="length"}'
-    assert httpx.post(one.url + "/v1/chat/completions", json=_chat_body(top_p=0), timeout=30).status_code == 400
+    assert httpx.post(one.url + "/v1/chat/completions", json=_chat_body(top_p=0), headers=AUTH,
+                      timeout=30).status_code == 400
     r = chat_create(one, CHAT[0], max_tokens=6)
     assert r.choices[0].finish_reason == "length"
     m = one.metrics()

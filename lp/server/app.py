@@ -10,7 +10,9 @@ itself (decoding happens in the engine's thread). Routes:
 
 Request bodies are read raw and validated by ``lp.server.protocol`` (so invalid JSON and
 wrong types are 400s with OpenAI's error body, not FastAPI's 422). A full queue is a 429
-with Retry-After. Only verified tokens are streamed; a client that disconnects (streaming:
+with Retry-After; a request that can never fit the K/V pool a 400. With an API key
+(``server.api_key`` or env ``LP_API_KEY``) the /v1 routes need ``Authorization: Bearer
+<key>`` (401 otherwise). Only verified tokens are streamed; a client that disconnects (streaming:
 a failed write, noticed within ~1 s thanks to SSE keep-alive comments; non-streaming:
 polled) cancels its job at the next decoding step.
 """
@@ -57,8 +59,22 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_s: int = 1) -> FastAPI:
+def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_s: int = 1,
+               api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="lp.serve", docs_url=None, redoc_url=None)
+
+    if api_key:
+        import hmac
+
+        @app.middleware("http")
+        async def check_key(request: Request, call_next):
+            # like vLLM's --api-key: the OpenAI routes need the key, /health and /metrics do not
+            if request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    return _error(ApiError("Invalid or missing API key (Authorization: Bearer <key>).",
+                                           status=401, code="invalid_api_key"))
+            return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -112,6 +128,10 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
         except Unavailable as e:
             return _error(ApiError(f"The server is unavailable: {e}", status=503, type="server_error",
                                    code="unavailable"))
+        except ApiError as e:  # the batched engine refuses a request that can never fit its K/V pool
+            metrics.requests.labels(endpoint, "invalid").inc()
+            log.info("%d %s: %s", e.status, endpoint, e.message)
+            return _error(e)
         rid = new_id(kind)
         if prep.user:
             log.info("%s for user %r", rid, prep.user)

@@ -18,7 +18,7 @@ from lp.config import DecodingConfig, ModelConfig, ParallelConfig, _is_int, fiel
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    max_queue: int = 64  # requests waiting behind the running one; more get 429
+    max_queue: int = 64  # requests waiting to start; more get 429
     retry_after_s: int = 1  # Retry-After of a 429
     model_id: str | None = None  # the id served by /v1/models (default: model.name or the folder name)
     # per-request limits
@@ -35,6 +35,15 @@ class ServerConfig:
     # drafts also from earlier requests' outputs: one lp.suffix.DraftStore per rank (identical
     # on every LP rank), holding decoding.draft_store_tokens tokens, oldest evicted first
     draft_store: bool = False
+    # continuous batching (one process; under LP requests run one at a time): sequences
+    # decoded together, slots of the paged K/V cache (per layer; a request reserves prompt +
+    # max_tokens + its largest step, waits while that does not fit, 400 if it never can),
+    # prompt rows fed per step (longer prompts are fed in chunks beside the others' decode rows)
+    max_batch: int = 8
+    kv_tokens: int = 16384
+    max_prefill_tokens: int = 512
+    # when set (or env LP_API_KEY), /v1 routes need "Authorization: Bearer <key>", else 401
+    api_key: str | None = None
 
     def validate(self) -> "ServerConfig":
         need = field_check("server")
@@ -56,6 +65,13 @@ class ServerConfig:
             self.log_level,
         )
         need(isinstance(self.draft_store, bool), "draft_store", "true or false", self.draft_store)
+        need(_is_int(self.max_batch) and self.max_batch >= 1, "max_batch", "an integer >= 1", self.max_batch)
+        need(_is_int(self.kv_tokens) and self.kv_tokens >= 16, "kv_tokens", "an integer >= 16 (one block)",
+             self.kv_tokens)
+        need(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1, "max_prefill_tokens",
+             "an integer >= 1", self.max_prefill_tokens)
+        need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api_key",
+             "a non-empty string or null", self.api_key)
         return self
 
 

@@ -217,13 +217,17 @@ class Engine:
     def queue_depth(self) -> int:
         return len(self._waiting)
 
-    def stop(self, timeout: float) -> None:
-        """Cancel the running request, fail the queued ones, send SHUTDOWN to the workers."""
+    def request_stop(self) -> None:
+        """Stop taking requests and cancel the running one at its next step (a signal handler)."""
         with self._cond:
             self.stopping = True
             if self.running is not None:
                 self.running.cancel()
             self._cond.notify()
+
+    def stop(self, timeout: float) -> None:
+        """Cancel the running request, fail the queued ones, send SHUTDOWN to the workers."""
+        self.request_stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -29,7 +29,13 @@ class ServerMetrics:
         self.decode_time = Histogram("lp_decode_seconds", "Decode time of each request",
                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
         self.queue_depth = Gauge("lp_queue_depth", "Requests waiting for the decoder", registry=r)
-        self.running = Gauge("lp_running_requests", "Requests being decoded (0 or 1)", registry=r)
+        self.running = Gauge("lp_running_requests", "Requests being decoded", registry=r)
+        self.batch_running = Gauge("lp_batch_running", "Sequences in the running batch (continuous batching)",
+                                   registry=r)
+        self.step_rows = Histogram("lp_step_rows", "Packed rows of each batched step (all sequences)",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+        self.kv_blocks = Gauge("lp_kv_blocks_in_use", "Blocks of the paged K/V cache in use", registry=r)
+        self.kv_blocks_total = Gauge("lp_kv_blocks_total", "Blocks of the paged K/V cache", registry=r)
         self.workers = Gauge("lp_workers", "LP workers decoding each request", registry=r)
         self.workers.set(workers)
 

@@ -1,0 +1,421 @@
+"""Batched lookahead steps over a paged K/V cache: the engine a server drives.
+
+Contract: ``BatchEngine(runner, kv_tokens)`` holds many sequences at once. ``add`` queues
+a request with its own ``DecodingConfig``, eos ids and tokenizer (a ValueError at once
+if it can never fit the K/V pool); ``step`` admits waiting requests FIFO while
+``max_batch`` and the K/V reservation allow, runs ONE forward over every running
+sequence's rows, and returns each sequence's newly verified tokens and whether it
+finished; ``abort`` drops a request and frees its blocks. Token ids only.
+
+Every request keeps the state of a one-sequence run (lp.decoding's ``_Run``: suffix
+index, window and pool, acceptance model, stop rules, sampling seed) and its own
+``LookaheadDecoder`` for the stages that are per sequence (propose, lay out, verify,
+publish, collect). What is shared is the step:
+
+    admit     FIFO; a request waits until its worst case (prompt + max_new_tokens + its
+              largest step) can be reserved in the paged cache (lp.paged)
+    propose   each sequence's drafts; ONE draft budget over all of them
+              (lp.drafts.select_trees on the measured t(Q), Q = every row of the step;
+              a batch of one uses the decoder's own budget, today's step)
+    lay out   each sequence's rows (lp.layout), concatenated; a joining sequence's
+              prompt is fed in chunks of at most ``max_prefill_tokens`` rows per step,
+              in the same forward as the others' decode rows
+    forward   one packed forward: the paged cache writes the rows into their slots and
+              gathers each sequence's used slots; the mask lets a row see its own
+              sequence's prefix and its own ancestors only, at its own positions
+    verify    ONE device->host read (the argmaxes of every kept row; sampled sequences
+              read their rows' probabilities), then each sequence's verdict
+    commit    accepted rows compacted next to each prefix, the rest freed (one
+              gather/scatter per layer for the batch); finished sequences release
+              their blocks
+
+Legend: Q rows of the step (all sequences), K gathered key rows, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lp.attention import BATCH_SDPA
+from lp.config import DecodingConfig
+from lp.decoding import (
+    GenerationResult,
+    GenerationStats,
+    LookaheadDecoder,
+    StepRecord,
+    _finish_stats,
+    _logprobs,
+    _record,
+    _select_candidates,
+)
+from lp.drafts import TreeRequest, select_tree, select_trees
+from lp.layout import build_tree_layout
+from lp.model import ModelRunner
+from lp.paged import PagedCache, SeqView, blocks_for
+from lp.processors import row_extras
+
+
+@dataclass
+class StepOutput:
+    request_id: int
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" once finished
+    logprobs: list | None = None  # lp.decoding.TokenLogprob per new token when the request asks for them
+
+
+@dataclass
+class _Request:
+    id: int
+    decoder: LookaheadDecoder
+    prompt: list[int]
+    eos: set[int]
+    tokenizer: object
+    need: int  # K/V rows reserved: prompt + max_new_tokens + the largest step
+    run: object = None  # lp.decoding._Run once admitted
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    t_start: float = 0.0
+
+
+@dataclass
+class _Item:
+    """One running sequence's part of a step."""
+
+    req: _Request
+    chunk: int = 0  # > 0: a prefill chunk of this many prompt rows, nothing verified
+    opts: object = None
+    prop: object = None
+    layout: object = None
+    raw: object = None  # this sequence's raw logits [kept rows, V] (for logprobs)
+    new_tokens: list[int] = field(default_factory=list)
+
+
+class BatchEngine:
+    """Continuous batching of lookahead decoding in one process (see module doc).
+
+    ``kv_tokens``: slots of the paged cache per layer (``block_size`` rows a block);
+    ``max_prefill_tokens``: most prompt rows a step feeds (None: whole prompts);
+    ``tq_curve``: [(Q, seconds)] row costs for the draft budget (None: measured once and
+    cached, lp.calibrate, when a request asks for ``draft_budget=auto``);
+    ``draft_store``: a ``lp.suffix.DraftStore`` every request drafts from."""
+
+    def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = 16, max_batch: int = 8,
+                 max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None):
+        if runner.attention == "flash" or runner._static is not None:
+            raise ValueError("batched steps need model.attention=sdpa, eager or flex (no cascade kernel, no "
+                             "static shapes / CUDA graphs)")
+        if max_batch < 1:
+            raise ValueError(f"server.max_batch must be an integer >= 1, got {max_batch}")
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise ValueError(f"server.max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens}")
+        self.runner = runner
+        if runner.attention == "sdpa":
+            from lp import attention
+
+            attention.register()
+        self.cache = PagedCache(kv_tokens, block_size)
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.tq = tq_curve
+        self.draft_store = draft_store
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self._next_id = 0
+        self.last_rows = 0  # rows of the last step (metrics)
+        self.steps = 0
+        self._results: dict[int, GenerationResult] = {}
+
+    # -- requests -----------------------------------------------------------------
+
+    def add(self, prompt_ids: Sequence[int], cfg: DecodingConfig, eos_token_ids: Sequence[int] | int | None = None,
+            tokenizer=None) -> int:
+        """Queue a request; returns its id. ValueError for a bad request or one whose worst
+        case (prompt + max_new_tokens + its largest step) exceeds the whole K/V pool."""
+        prompt = [int(t) for t in prompt_ids]
+        dec, need = self.check(prompt, cfg, tokenizer)
+        if dec.cfg.drafts == "suffix" and dec.cfg.draft_budget == "auto" and self.tq is None:
+            from lp.calibrate import row_cost_curve
+
+            self.tq = row_cost_curve(self.runner)
+        dec.tq = self.tq
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        rid = self._next_id
+        self._next_id += 1
+        self.waiting.append(_Request(rid, dec, prompt, set(eos_token_ids or []), tokenizer, need))
+        return rid
+
+    def check(self, prompt: list[int], cfg: DecodingConfig, tokenizer=None) -> tuple[LookaheadDecoder, int]:
+        """Validate a request without queueing it (no state changes; a server calls it from
+        its HTTP thread): its decoder and the K/V rows it reserves, or a ValueError."""
+        dec = LookaheadDecoder(self.runner, cfg, draft_store=self.draft_store, tq_curve=self.tq)
+        if dec.cfg.mode != "lookahead":
+            raise ValueError("decoding.mode must be 'lookahead' for a batched engine")
+        dec._check_request(prompt)
+        if dec.cfg.stop_strings and tokenizer is None:
+            raise ValueError("decoding.stop_strings needs a tokenizer to decode the output")
+        need = len(prompt) + dec.cfg.max_new_tokens + dec.max_step_rows()
+        blocks = self.cache.blocks
+        if blocks_for(need, blocks.block_size) > blocks.num_blocks:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({dec.cfg.max_new_tokens}) + the largest step "
+                f"({dec.max_step_rows()} rows) needs {need} K/V slots; server.kv_tokens holds {self.cache.kv_tokens}"
+            )
+        return dec, need
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a waiting or running request and free its blocks; False if unknown."""
+        for req in self.waiting:
+            if req.id == request_id:
+                self.waiting.remove(req)
+                return True
+        for req in self.running:
+            if req.id == request_id:
+                if not req.run.done:
+                    req.run.done, req.run.finish = True, "cancelled"
+                self._leave(req)
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.cache.blocks.blocks_in_use
+
+    def result(self, request_id: int) -> GenerationResult | None:
+        """A finished request's output and stats (kept until taken once)."""
+        return self._results.pop(request_id, None)
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Admit, then one batched forward over every running sequence; per-sequence outputs."""
+        self._admit()
+        if not self.running:
+            return []
+        t0 = time.perf_counter()
+        items = self._schedule()
+        self._propose([it for it in items if not it.chunk], sum(it.chunk for it in items))
+        for it in items:
+            run = it.req.run
+            if it.chunk:
+                it.layout = build_tree_layout(run.pending[: it.chunk], [], range(0), [])
+            else:
+                it.layout = it.req.decoder.lay_out(run, it.prop)
+        t1 = time.perf_counter()
+        logits_KV = self.forward(items)
+        verdicts = self._verify(items, logits_KV)
+        t2 = time.perf_counter()
+        outputs, edits = [], []
+        for it, verdict in zip(items, verdicts):
+            out = self._finish(it, verdict, edits)
+            if out is not None:
+                outputs.append(out)
+        self.cache.commit(edits)
+        t3 = time.perf_counter()
+        rows = sum(it.layout.num_rows for it in items)
+        self.last_rows, self.steps = rows, self.steps + 1
+        for it in items:
+            if not it.chunk:  # rows: the whole step's (what it cost); rows_per_rank: the sequence's own
+                rec = StepRecord(len(it.new_tokens), rows, [it.layout.num_rows], t2 - t1, 0.0, (t1 - t0) + (t3 - t2))
+                _record(it.req.stats, rec)
+            if it.req.run.done:
+                self._leave(it.req)
+        return outputs
+
+    def _admit(self) -> None:
+        blocks = self.cache.blocks
+        while self.waiting and len(self.running) < self.max_batch and blocks.can_reserve(self.waiting[0].need):
+            req = self.waiting.popleft()
+            blocks.reserve(req.id, req.need)
+            req.run = req.decoder._start(req.prompt, req.eos, cache=SeqView(self.cache, req.id))
+            req.t_start = time.perf_counter()
+            self.running.append(req)
+
+    def _schedule(self) -> list[_Item]:
+        """Who runs this step: every decoding sequence, and prompts within the prefill budget
+        (FIFO; a prompt longer than what is left is fed in chunks over several steps)."""
+        items, budget = [], self.max_prefill_tokens
+        for req in self.running:
+            pending = len(req.run.pending)
+            if budget is None or pending == 1:
+                items.append(_Item(req))
+            elif pending <= budget:
+                budget -= pending
+                items.append(_Item(req))
+            elif budget > 0:
+                items.append(_Item(req, chunk=budget))
+                budget = 0
+        return items
+
+    def _propose(self, items: list[_Item], chunk_rows: int) -> None:
+        """Each sequence's proposal; one draft budget over the batch's budgeted trees
+        (``chunk_rows``: the step's prefill-chunk rows, priced with the rest)."""
+        if len(items) == 1 and len(self.running) == 1:
+            it = items[0]
+            it.prop = it.req.decoder.propose(it.req.run)  # a batch of one is today's step
+            return
+        joint, fixed = [], chunk_rows
+        for it in items:
+            dec, run = it.req.decoder, it.req.run
+            c = dec.cfg
+            it.opts = dec.draft_options(run)
+            if c.drafts == "pool":
+                it.prop = dec.proposal(run, it.opts, _select_candidates(run.pool, run.context, it.opts.x, c.G, c.N - 1))
+                fixed += it.prop.plan[0].rows
+            elif c.draft_budget != "auto" or self.tq is None:
+                cands = select_tree(it.opts.scored, run.acceptance, it.opts.base, None, dec.draft_rows)
+                it.prop = dec.proposal(run, it.opts, cands)
+                fixed += it.prop.plan[0].rows
+            else:
+                joint.append(it)
+        if joint:
+            reqs = [TreeRequest(it.opts.scored, it.req.run.acceptance, it.opts.base, it.req.decoder.draft_rows,
+                                it.opts.extra) for it in joint]
+            for it, cands in zip(joint, select_trees(reqs, self.tq, fixed, pad=True)):
+                it.prop = it.req.decoder.proposal(it.req.run, it.opts, cands)
+
+    @torch.inference_mode()
+    def forward(self, items: list[_Item]) -> torch.Tensor:
+        """One packed forward over every item's rows; logits [sum of kept rows, V] (float32)."""
+        runner = self.runner
+        dev = runner.device
+        spans = self.cache.plan([(it.req.id, it.layout.num_rows) for it in items], dev)
+        q_total = sum(it.layout.num_rows for it in items)
+        k_total = int(self.cache._read.numel())
+        allowed_QK = torch.zeros(q_total, k_total, dtype=torch.bool, device=dev)
+        pos, keep, key_pos, seq_spans = [], [], [], []
+        qo = 0
+        for it, (length, ko) in zip(items, spans):
+            sk = it.layout.skeleton
+            q = sk.num_rows
+            depths_Q, keep_t, _, local_QQ = runner._tensors(sk)
+            allowed_QK[qo : qo + q, ko : ko + length] = True
+            allowed_QK[qo : qo + q, ko + length : ko + length + q] = local_QQ
+            pos.append(depths_Q + length)
+            keep.append(keep_t + qo)
+            if runner.sliding_window is not None:
+                key_pos += [torch.arange(length, device=dev), depths_Q + length]
+            seq_spans.append((qo, q, ko, length + q))
+            qo += q
+        pos_Q = torch.cat(pos)
+        mask = self._mask(allowed_QK, pos_Q, torch.cat(key_pos) if key_pos else None)
+        ids_1Q = torch.tensor([[t for it in items for t in it.layout.tokens]], dtype=torch.long).to(dev)
+        # sdpa: one kernel call per sequence over its own keys (lp.attention.batch_sdpa_forward);
+        # eager and flex: one call over the gathered keys, the mask hiding other sequences
+        extra = {"lp_spans": seq_spans} if runner.attention == "sdpa" else {}
+        with runner._kernel(q_total, BATCH_SDPA if extra else None):
+            out = runner.model(input_ids=ids_1Q, position_ids=pos_Q[None], attention_mask=mask,
+                               **{runner._cache_kw: self.cache}, use_cache=True, logits_to_keep=torch.cat(keep),
+                               **extra)
+        return out.logits[0].float()
+
+    def _mask(self, allowed_QK, pos_Q, key_pos_K):
+        runner = self.runner
+        masks = {"full_attention": allowed_QK}
+        if runner.sliding_window is not None:
+            near = (pos_Q[:, None] - key_pos_K[None, :]) < runner.sliding_window
+            masks["sliding_attention"] = allowed_QK & near
+        if runner.attention == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            q, k = allowed_QK.shape
+
+            def block(allowed):
+                return create_block_mask(lambda b, h, qi, kv: allowed[qi, kv], None, None, q, k, device=runner.device)
+
+            masks = {name: block(m) for name, m in masks.items()}
+        else:
+            neg = torch.finfo(runner.dtype).min
+            masks = {name: torch.zeros(m.shape, dtype=runner.dtype, device=runner.device)
+                     .masked_fill_(~m, neg)[None, None] for name, m in masks.items()}
+        if runner.sliding_window is None:
+            return masks["full_attention"]
+        if runner.mixed_layers:
+            return masks
+        return masks["sliding_attention"]
+
+    def _verify(self, items: list[_Item], logits_KV: torch.Tensor) -> list:
+        """ONE device->host read of every kept row's argmax, then each sequence's verdict."""
+        greedy = any(not it.req.decoder.cfg.do_sample for it in items if not it.chunk)
+        argmax = logits_KV.argmax(-1).tolist() if greedy else None
+        verdicts, ko = [], 0
+        for it in items:
+            n = len(it.layout.skeleton.keep)
+            if not it.chunk:
+                dec, run = it.req.decoder, it.req.run
+                rows = argmax[ko : ko + n] if argmax is not None and not dec.cfg.do_sample else None
+                logits = it.raw = logits_KV[ko : ko + n]
+                if run.proc is not None:  # logit_bias / penalties along the tree (lp.processors)
+                    logits, rows = run.proc.apply(logits, row_extras(it.layout)), None
+                verdicts.append(dec.verify(run, it.prop, it.layout, logits, rows))
+            else:
+                verdicts.append(None)
+            ko += n
+        return verdicts
+
+    def _finish(self, it: _Item, verdict, edits: list) -> StepOutput | None:
+        """Publish, collect and book the cache edit of one sequence."""
+        req, run = it.req, it.req.run
+        cache_len = self.cache.blocks.lengths[req.id]
+        if it.chunk:
+            edits.append((req.id, cache_len + it.chunk, []))
+            run.pending = run.pending[it.chunk :]
+            return None
+        dec = req.decoder
+        path, z_all, _ = dec.merge_verdicts(run, it.prop, verdict, False)
+        emitted = dec.publish(run, path.emitted, False, req.tokenizer)
+        dec.collect(run, it.prop, z_all, emitted)
+        if run.proc is not None:
+            run.proc.extend(emitted)
+        lps = None
+        if dec.cfg.logprobs:
+            lps = _logprobs(it.raw, it.layout, path, len(emitted), dec.cfg.top_logprobs)
+            run.logprobs.extend(lps)
+        run.step += 1
+        it.new_tokens = emitted
+        if not run.done:
+            hits = path.hits if path.winner is not None else 0
+            rows = it.layout.cand_rows[path.winner][:hits] if hits else ()
+            edits.append((req.id, cache_len + it.layout.num_pending, [cache_len + r for r in rows]))
+            run.pending = [emitted[-1]]
+        return StepOutput(req.id, emitted, run.done, run.finish if run.done else None, lps)
+
+    def _leave(self, req: _Request) -> None:
+        """A finished or aborted sequence: its blocks back to the pool, its result kept."""
+        self.running.remove(req)
+        self.cache.blocks.release(req.id)
+        if req.run is not None and req.run.done and req.decoder.draft_store is not None:
+            req.decoder.draft_store.add(req.prompt[-64:] + req.run.out)
+        stats = req.stats
+        stats.decode_time_s = time.perf_counter() - req.t_start
+        if stats.records:
+            _finish_stats(stats, len(req.run.out), 1)
+        self._results[req.id] = GenerationResult(list(req.run.out), stats, req.run.finish,
+                                                 list(req.run.logprobs) if req.decoder.cfg.logprobs else None)
+
+
+def generate_batch(decoder: LookaheadDecoder, prompts: Sequence[Sequence[int]], eos_token_ids=None, tokenizer=None,
+                   configs: Sequence[DecodingConfig] | None = None, max_batch: int | None = None,
+                   kv_tokens: int | None = None, max_prefill_tokens: int | None = None) -> list[GenerationResult]:
+    """Decode ``prompts`` together (``LookaheadDecoder.generate_batch``)."""
+    cfgs = list(configs) if configs is not None else [decoder.cfg] * len(prompts)
+    if len(cfgs) != len(prompts):
+        raise ValueError(f"configs must give one DecodingConfig per prompt ({len(prompts)}), got {len(cfgs)}")
+    if kv_tokens is None:  # room for every prompt at once (a block of slack each)
+        rows = [LookaheadDecoder(decoder.runner, c, tq_curve=decoder.tq).max_step_rows() for c in cfgs]
+        kv_tokens = sum(len(p) + c.max_new_tokens + r + 16 for p, c, r in zip(prompts, cfgs, rows))
+    engine = BatchEngine(decoder.runner, kv_tokens, max_batch=max_batch or max(len(prompts), 1),
+                         max_prefill_tokens=max_prefill_tokens, tq_curve=decoder.tq, draft_store=decoder.draft_store)
+    ids = [engine.add(p, c, eos_token_ids, tokenizer) for p, c in zip(prompts, cfgs)]
+    while engine.has_work:
+        engine.step()
+    return [engine.result(i) for i in ids]

@@ -1,0 +1,188 @@
+"""Batched lookahead steps (lp.batch) over the paged K/V cache (lp.paged).
+
+Every output of a batch equals transformers' greedy ``generate`` of its own prompt,
+token for token, while other requests join and leave mid-decode; different settings
+share one batch; the K/V bound makes requests wait, never fail; sampling in a batch
+keeps the distribution (and the very draws of a one-sequence run with the same seed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lp.batch import BatchEngine
+from lp.budget import AcceptanceModel
+from lp.config import DecodingConfig
+from lp.decoding import LookaheadDecoder
+from lp.drafts import Scored, TreeRequest, select_tree, select_trees
+from lp.model import ModelRunner
+from lp.paged import BlockTable
+from tests.helpers import REPETITIVE_PROMPT, hf_greedy
+
+PROMPTS = [
+    REPETITIVE_PROMPT,
+    [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5],
+    [50, 51, 52, 53, 50, 51, 52],
+    list(range(10, 40)),
+    [9, 8, 7, 9, 8, 7, 9, 8, 100, 101, 9, 8],
+]
+TREE = dict(drafts="suffix", draft_budget="all", W=2, N=3, G=3, window_policy="always", max_draft_rows=8)
+
+
+def _drain(engine, outs: dict, schedule: dict, until: int = 500):
+    """Step the engine; ``schedule[step]`` is a callable run before that step (joins, aborts)."""
+    for step in range(until):
+        if step in schedule:
+            schedule.pop(step)()
+        if not engine.has_work and not schedule:
+            return step
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_tokens)
+    raise AssertionError("engine did not drain")
+
+
+@pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("llama", "flex"), ("gemma3", "sdpa"),
+                                              ("gemma3", "flex")])
+def test_joins_and_leaves_equal_generate(tiny_factory, family, attention):
+    """A literal schedule: A, B start; C joins at step 2 (prefill in chunks of 16 rows beside
+    A and B's decode rows); B leaves at step 4 (abort); D joins at step 5; A, C, D finish
+    at different lengths. Every complete output == generate; B's tokens are generate's prefix."""
+    model = tiny_factory(family)
+    runner = ModelRunner(model, attention=attention)
+    engine = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=4, max_prefill_tokens=16)
+    lens = {"A": 30, "B": 40, "C": 20, "D": 25}
+    prompts = {"A": PROMPTS[0], "B": PROMPTS[1], "C": PROMPTS[3], "D": PROMPTS[4]}
+    cfgs = {"A": DecodingConfig(max_new_tokens=30, **TREE),
+            "B": DecodingConfig(max_new_tokens=40, W=3, N=3, G=3),  # the paper's pool drafts
+            "C": DecodingConfig(max_new_tokens=20, **TREE),
+            "D": DecodingConfig(max_new_tokens=25, W=1, N=2, G=0)}  # plain one-row steps
+    ids, outs = {}, {}
+
+    def join(name):
+        return lambda: ids.__setitem__(name, engine.add(prompts[name], cfgs[name]))
+
+    schedule = {0: lambda: (join("A")(), join("B")()), 2: join("C"), 4: lambda: engine.abort(ids["B"]), 5: join("D")}
+    _drain(engine, outs, schedule)
+    for name in "ACD":
+        ref = hf_greedy(model, prompts[name], lens[name])
+        assert outs[ids[name]] == ref, name
+        res = engine.result(ids[name])
+        assert res.output_ids == ref and res.finish_reason == "length"
+    b = outs.get(ids["B"], [])
+    assert 0 < len(b) < lens["B"] and b == hf_greedy(model, prompts["B"], lens["B"])[: len(b)]
+    assert engine.blocks_in_use == 0
+
+
+def test_mixed_settings_and_sampling_in_one_batch(tiny_factory):
+    """Pool drafts, tree drafts, plain steps, eos, and two sampled requests in one batch: the
+    greedy ones equal generate, the sampled ones equal their one-sequence runs (same seed)."""
+    model = tiny_factory("llama")
+    runner = ModelRunner(model)
+    sample = dict(W=3, N=3, G=3, do_sample=True, temperature=0.8, top_k=20)
+    cfgs = [DecodingConfig(max_new_tokens=32, **TREE),
+            DecodingConfig(max_new_tokens=24, W=4, N=4, G=4),
+            DecodingConfig(max_new_tokens=16, W=1, N=2, G=0),
+            DecodingConfig(max_new_tokens=20, seed=7, **sample),
+            DecodingConfig(max_new_tokens=20, seed=8, **sample)]
+    ref1 = hf_greedy(model, PROMPTS[1], 24)
+    eos = ref1[10]  # stops request 1 early, at its first eos
+    results = LookaheadDecoder(runner, cfgs[0]).generate_batch(PROMPTS, eos_token_ids=[eos], configs=cfgs)
+    for i in range(3):
+        want = hf_greedy(model, PROMPTS[i], cfgs[i].max_new_tokens)
+        if eos in want:
+            want = want[: want.index(eos) + 1]
+        assert results[i].output_ids == want, i
+    assert results[1].finish_reason == "stop"
+    for i in (3, 4):
+        alone = LookaheadDecoder(runner, cfgs[i]).generate(PROMPTS[i], eos_token_ids=[eos])
+        assert results[i].output_ids == alone.output_ids, i
+    assert results[3].output_ids != results[4].output_ids
+
+
+def test_kv_bound_makes_requests_wait(tiny_factory):
+    """Room for two requests at a time, six queued: all complete exactly, at most two run at
+    once, every block is back at the end; a request that can never fit is refused at once."""
+    model = tiny_factory("llama")
+    runner = ModelRunner(model)
+    cfg = DecodingConfig(max_new_tokens=20, **TREE)
+    need = max(len(p) for p in PROMPTS) + 20 + LookaheadDecoder(runner, cfg).max_step_rows()
+    engine = BatchEngine(runner, kv_tokens=2 * (need + 8), block_size=8, max_batch=8)
+    ids = [engine.add(PROMPTS[i % len(PROMPTS)], cfg) for i in range(6)]
+    outs, most = {}, 0
+    while engine.has_work:
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_tokens)
+        most = max(most, len(engine.running))
+        assert engine.blocks_in_use <= engine.cache.blocks.num_blocks
+    assert most == 2
+    for i, rid in enumerate(ids):
+        assert outs[rid] == hf_greedy(model, PROMPTS[i % len(PROMPTS)], 20), i
+    assert engine.blocks_in_use == 0 and not engine.cache.blocks.reserved
+    with pytest.raises(ValueError, match="kv_tokens"):
+        engine.add(list(range(1, 100)) * 3, cfg)
+
+
+def test_block_table_literal():
+    t = BlockTable(num_blocks=4, block_size=2)
+    t.reserve(7, 5)  # 3 blocks booked
+    assert not t.can_reserve(3) and t.can_reserve(2)
+    t.grow(7, 3)
+    assert t.tables[7] == [0, 1] and t.slots(7, 0, 3) == [0, 1, 2]
+    t.shrink(7, 1)
+    assert t.tables[7] == [0] and t.blocks_in_use == 1
+    t.release(7)
+    assert t.blocks_in_use == 0 and t.can_reserve(8)
+
+
+def test_batch_budget_of_one_is_the_one_sequence_budget():
+    """select_trees with one request prices and cuts like select_tree; in a batch, the
+    same drafts compete with the others' base rows and shrink."""
+    a = AcceptanceModel()
+    drafts = [Scored((5, 6, 7, 8, 9, 10), 6, 1.0), Scored((5, 9), 1, 0.5), Scored((4,), 0, 1.0)]
+    steep = [(1, 0.055), (2, 0.085), (4, 0.095), (16, 0.130), (32, 0.184), (64, 0.40)]
+    one = select_tree(drafts, a, base=1, curve=steep, cap=16)
+    assert select_trees([TreeRequest(drafts, a, 1, 16)], steep) == [one] and one
+    many = select_trees([TreeRequest(drafts, a, 1, 16)] * 8, steep, fixed_rows=30)
+    assert sum(len(t) for t in many) < 8 * len(one)
+
+
+@pytest.mark.slow
+def test_smollm2_four_prompts_in_one_batch(smollm2, smollm2_runner):
+    """4 real prompts (code, chat, math) in one batch, default settings, each == generate."""
+    from tests.test_smollm2 import assert_equal_or_tie, eos_ids, prompt_ids
+
+    model, tokenizer = smollm2
+    new = 32
+    keys = [("code", 0), ("code", 1), ("chat", 0), ("math", 0)]
+    prompts = [prompt_ids(tokenizer, k, i) for k, i in keys]
+    dec = LookaheadDecoder(smollm2_runner, DecodingConfig(max_new_tokens=new))
+    results = dec.generate_batch(prompts, eos_token_ids=eos_ids(model))
+    for (k, i), p, res in zip(keys, prompts, results):
+        ref = hf_greedy(model, p, new, eos_token_id=eos_ids(model))
+        assert_equal_or_tie(model, p, res.output_ids, ref, f"batch {k}{i}")
+    assert any(sum(r.stats.accept_hist[2:]) for r in results), "drafts were accepted in the batch"
+
+
+def test_sampling_in_a_batch_of_four_matches_generate():
+    """Sampled requests in batches of 4 (seeds i) draw from transformers' distribution."""
+    from tests.helpers import make_tiny_model
+    from tests.test_sampling_dist import ALPHA, _fmt, compare, hf_samples
+
+    model = make_tiny_model("llama", vocab=12, initializer_range=0.3)
+    prompt = [1, 2, 3, 4, 5] + hf_greedy(model, [1, 2, 3, 4, 5], 20)
+    runner = ModelRunner(model)
+    n, kw = 1200, dict(temperature=0.9)
+    dec = LookaheadDecoder(runner, DecodingConfig(W=3, N=4, G=5, max_new_tokens=3, do_sample=True))
+    draws, multi = [], 0
+    for start in range(0, n, 4):
+        cfgs = [DecodingConfig(W=3, N=4, G=5, max_new_tokens=3, do_sample=True, seed=s, **kw)
+                for s in range(start, start + 4)]
+        for res in dec.generate_batch([prompt] * 4, configs=cfgs):
+            draws.append(res.output_ids)
+            multi += sum(res.stats.accept_hist[2:])
+    a = np.array(draws)
+    b = hf_samples(model, prompt, n, **kw)
+    assert multi > 0.1 * n, "the verifier accepted multi-token runs"
+    res = compare(a, b)
+    assert all(p > ALPHA for p, _, _ in res.values()), _fmt(res)
