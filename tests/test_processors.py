@@ -260,3 +260,33 @@ def test_lp_two_workers_with_processors_equal_generate(smollm2, tmp_path):
     proc, results = torchrun(2, {"jobs": jobs, "threads": 1}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["output_ids"] for r in results] == refs
+
+
+# ---------------------------------------------------------------------------
+# batched steps (lp.batch): the same processors and logprobs per sequence
+
+
+def test_batched_processors_and_logprobs_equal_generate(tiny_factory):
+    """Sequences with different processors and logprobs settings in one batch: each equals
+    transformers generate with its own processors; logprobs equal the one-sequence run's."""
+    from lp.decoding import LookaheadDecoder
+
+    model = tiny_factory("llama")
+    runner = ModelRunner(model)
+    prompts = [REPETITIVE_PROMPT, REPETITIVE_PROMPT[3:], [7, 8, 9, 7, 8, 9, 7, 8]]
+    settings = [dict(repetition_penalty=1.3, logprobs=True, top_logprobs=2),
+                dict(frequency_penalty=0.8, presence_penalty=0.5, W=5, N=4, G=5),
+                dict(logit_bias={hf_greedy(model, prompts[2], 1)[0]: -100.0}, logprobs=True)]
+    cfgs = [DecodingConfig(max_new_tokens=MAX_NEW, **s).validate() for s in settings]
+    decoder = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=MAX_NEW))
+    results = decoder.generate_batch(prompts, configs=cfgs)
+    for p, cfg, res in zip(prompts, cfgs, results):
+        kw, custom = hf_processors(cfg, len(p))
+        assert res.output_ids == hf_greedy(model, p, MAX_NEW, logits_processor=custom, **kw)
+        one = LookaheadDecoder(runner, cfg).generate(p)
+        if cfg.logprobs:
+            assert [t.token for t in res.logprobs] == res.output_ids
+            for a, b in zip(res.logprobs, one.logprobs):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and len(a.top) == cfg.top_logprobs
+        else:
+            assert res.logprobs is None
