@@ -102,7 +102,13 @@ def _serve_worker(cfg: ServeConfig, runner, tokenizer, eos, group) -> int:
                   group.rank, e, cfg.parallel.timeout_s)
         os._exit(3)
     group.close()
-    return 0
+    # a worker rank leaves without the interpreter's teardown: torch's C++ threads of the
+    # mesh's sub-groups could otherwise abort the process ("terminate called without an
+    # active exception") after a clean shutdown, and torchrun would report a failure
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _draft_store(cfg: ServeConfig):

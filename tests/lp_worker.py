@@ -4,10 +4,13 @@ Runs every job of SPEC (prompt ids + decoding config) with ``LookaheadDecoder`` 
 torchrun worker group (spec "tp": LP workers x tp processes, lp.tp shards each replica; or one
 process when started without torchrun) and writes, from rank 0, one result per job: output ids,
 steps, rows per rank. ``planted_bug``: the name of a wrong verifier in tests.helpers swapped in
-on every rank (a negative control).
+on every rank (a negative control). ``kill_rank_at_step: [R, S]``: rank R SIGKILLs itself after
+its step S (a dead worker for the survivors to detect).
 """
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -38,10 +41,16 @@ def main() -> None:
     model, _ = load_model(path, spec.get("dtype", "float32"), quant=spec.get("quant", "none"))
     shard_for(model, group)  # spec "tp" > 1: each LP worker's replica over its tp ranks
     runner = ModelRunner(model)
+    kill = spec.get("kill_rank_at_step")
+
+    def on_step(step, rec):
+        if kill and group is not None and group.rank == kill[0] and step == kill[1]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     results = []
     for job in spec["jobs"]:
         res = LookaheadDecoder(runner, DecodingConfig(**job["decoding"]), group).generate(
-            job["prompt_ids"], job.get("eos", [])
+            job["prompt_ids"], job.get("eos", []), on_step=on_step
         )
         results.append(
             {
