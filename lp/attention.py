@@ -126,19 +126,26 @@ def cascade_attention_forward(module, query, key, value, attention_mask, scaling
 
 
 def batch_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, lp_spans=None,
-                       **kwargs):
-    """A batched step (lp.batch): the step's rows and gathered keys are sequence after
-    sequence; ``lp_spans`` = [(row offset, rows, key offset, keys)] per sequence. Each
-    sequence runs its own sdpa over its own keys with its slice of the additive mask, so
-    attention costs sum_s rows_s x keys_s, not (all rows) x (all keys)."""
+                       sliding_window=None, **kwargs):
+    """A batched step (lp.batch): the step's rows are sequence after sequence; ``key`` and
+    ``value`` are the whole paged pool (lp.paged, ``gather=False``); ``lp_spans`` = [(row
+    offset, rows, where the keys are: first slot or slot indices, keys, full mask, sliding
+    mask)] per sequence. Each sequence runs its own sdpa over its own keys (a slice of the
+    pool when its blocks are contiguous), so attention costs sum_s rows_s x keys_s, not
+    (all rows) x (all keys). ``attention_mask`` is a placeholder; a layer that passes
+    ``sliding_window`` (Gemma 3's local layers, Mistral) takes the sliding mask."""
     if kwargs.get("softcap") is not None:
         raise ValueError("batched steps do not support attention logit soft-capping; use model.attention=eager")
     groups = query.shape[1] // key.shape[1]
     outs = []
-    for qo, q, ko, k in lp_spans:
+    for qo, q, where, k, full, sliding in lp_spans:
+        if isinstance(where, int):
+            k_BHKD, v_BHKD = key[:, :, where : where + k], value[:, :, where : where + k]
+        else:
+            k_BHKD, v_BHKD = key.index_select(2, where), value.index_select(2, where)
+        mask = sliding if sliding_window is not None and sliding is not None else full
         outs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, qo : qo + q], key[:, :, ko : ko + k], value[:, :, ko : ko + k],
-            attn_mask=attention_mask[:, :, qo : qo + q, ko : ko + k], scale=scaling, enable_gqa=groups > 1))
+            query[:, :, qo : qo + q], k_BHKD, v_BHKD, attn_mask=mask, scale=scaling, enable_gqa=groups > 1))
     out_BHQD = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out_BHQD.transpose(1, 2).contiguous(), None
 

@@ -34,6 +34,7 @@ Legend: Q rows of the step (all sequences), K gathered key rows, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -287,36 +288,76 @@ class BatchEngine:
     def forward(self, items: list[_Item]) -> torch.Tensor:
         """One packed forward over every item's rows; logits [sum of kept rows, V] (float32)."""
         runner = self.runner
-        dev = runner.device
-        spans = self.cache.plan([(it.req.id, it.layout.num_rows) for it in items], dev)
-        q_total = sum(it.layout.num_rows for it in items)
-        k_total = int(self.cache._read.numel())
-        allowed_QK = torch.zeros(q_total, k_total, dtype=torch.bool, device=dev)
-        pos, keep, key_pos, seq_spans = [], [], [], []
-        qo = 0
-        for it, (length, ko) in zip(items, spans):
-            sk = it.layout.skeleton
-            q = sk.num_rows
-            depths_Q, keep_t, _, local_QQ = runner._tensors(sk)
-            allowed_QK[qo : qo + q, ko : ko + length] = True
-            allowed_QK[qo : qo + q, ko + length : ko + length + q] = local_QQ
-            pos.append(depths_Q + length)
+        ids_1Q = torch.tensor([[t for it in items for t in it.layout.tokens]], dtype=torch.long).to(runner.device)
+        keep, pos, qo = [], [], 0
+        for it in items:
+            depths_Q, keep_t, _, _ = runner._tensors(it.layout.skeleton)
             keep.append(keep_t + qo)
-            if runner.sliding_window is not None:
-                key_pos += [torch.arange(length, device=dev), depths_Q + length]
-            seq_spans.append((qo, q, ko, length + q))
-            qo += q
-        pos_Q = torch.cat(pos)
-        mask = self._mask(allowed_QK, pos_Q, torch.cat(key_pos) if key_pos else None)
-        ids_1Q = torch.tensor([[t for it in items for t in it.layout.tokens]], dtype=torch.long).to(dev)
-        # sdpa: one kernel call per sequence over its own keys (lp.attention.batch_sdpa_forward);
-        # eager and flex: one call over the gathered keys, the mask hiding other sequences
-        extra = {"lp_spans": seq_spans} if runner.attention == "sdpa" else {}
-        with runner._kernel(q_total, BATCH_SDPA if extra else None):
-            out = runner.model(input_ids=ids_1Q, position_ids=pos_Q[None], attention_mask=mask,
+            qo += it.layout.num_rows
+        if runner.attention == "sdpa":
+            # one sdpa call per sequence over its own keys, read in place from the paged pool
+            # (lp.attention.batch_sdpa_forward); the model's mask argument is a placeholder
+            spans = self._sdpa_spans(items, pos)
+            mask, extra, impl = self._placeholder, {"lp_spans": spans}, BATCH_SDPA
+        else:  # eager and flex: one call over the gathered keys, the mask hiding other sequences
+            mask, extra, impl = self._gathered_mask(items, pos), {}, None
+        with runner._kernel(qo, impl):
+            out = runner.model(input_ids=ids_1Q, position_ids=torch.cat(pos)[None], attention_mask=mask,
                                **{runner._cache_kw: self.cache}, use_cache=True, logits_to_keep=torch.cat(keep),
                                **extra)
         return out.logits[0].float()
+
+    def _sdpa_spans(self, items: list[_Item], pos: list) -> list[tuple]:
+        """Per sequence (row offset, rows, where its keys are in the pool, keys, (full mask,
+        sliding mask)); a mask is None where every key is visible (a one-row step)."""
+        runner, dev = self.runner, self.runner.device
+        places = self.cache.plan([(it.req.id, it.layout.num_rows) for it in items], dev, gather=False)
+        spans, qo = [], 0
+        for it, (length, where) in zip(items, places):
+            sk = it.layout.skeleton
+            q = sk.num_rows
+            depths_Q, _, local_add_QQ, _ = runner._tensors(sk)
+            pos_Q = depths_Q + length
+            pos.append(pos_Q)
+            full = None
+            if q > 1:
+                full = torch.zeros((1, 1, q, length + q), dtype=runner.dtype, device=dev)
+                full[0, 0, :, length:] = local_add_QQ
+            sliding = None
+            if runner.sliding_window is not None:
+                key_pos = torch.cat([torch.arange(length, device=dev), pos_Q])
+                far = (pos_Q[:, None] - key_pos[None, :]) >= runner.sliding_window
+                base = full if full is not None else torch.zeros((1, 1, q, length + q), dtype=runner.dtype,
+                                                                 device=dev)
+                sliding = base.masked_fill(far[None, None], torch.finfo(runner.dtype).min)
+            spans.append((qo, q, where, length + q, full, sliding))
+            qo += q
+        return spans
+
+    @functools.cached_property
+    def _placeholder(self) -> torch.Tensor:
+        """A 4-D mask transformers passes through untouched (lp_batch_sdpa reads the spans)."""
+        return torch.zeros((1, 1, 1, 1), dtype=self.runner.dtype, device=self.runner.device)
+
+    def _gathered_mask(self, items: list[_Item], pos: list):
+        """The [Q, K] mask over the gathered keys (eager, flex): a row sees its own
+        sequence's prefix and its own ancestors."""
+        runner, dev = self.runner, self.runner.device
+        places = self.cache.plan([(it.req.id, it.layout.num_rows) for it in items], dev)
+        q_total = sum(it.layout.num_rows for it in items)
+        allowed_QK = torch.zeros(q_total, int(self.cache._read.numel()), dtype=torch.bool, device=dev)
+        key_pos, qo = [], 0
+        for it, (length, ko) in zip(items, places):
+            sk = it.layout.skeleton
+            q = sk.num_rows
+            depths_Q, _, _, local_QQ = runner._tensors(sk)
+            allowed_QK[qo : qo + q, ko : ko + length] = True
+            allowed_QK[qo : qo + q, ko + length : ko + length + q] = local_QQ
+            pos.append(depths_Q + length)
+            if runner.sliding_window is not None:
+                key_pos += [torch.arange(length, device=dev), depths_Q + length]
+            qo += q
+        return self._mask(allowed_QK, torch.cat(pos), torch.cat(key_pos) if key_pos else None)
 
     def _mask(self, allowed_QK, pos_Q, key_pos_K):
         runner = self.runner

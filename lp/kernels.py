@@ -44,7 +44,10 @@ class SmallRowsLinear(nn.Linear):
         x_MI = x.reshape(-1, x.shape[-1])
         if x_MI.shape[0] < 2:
             return F.linear(x, self.weight)
-        return (self.weight @ x_MI.t()).t().reshape(*x.shape[:-1], self.weight.shape[0])
+        # contiguous: a transposed [M, O] view would reach attention as a query whose last
+        # dimension is strided, and sdpa's CPU flash kernel would fall back to its ~3x slower
+        # math path (measured: 8 sequences x 30 layers, 65 ms against 20)
+        return (self.weight @ x_MI.t()).t().contiguous().reshape(*x.shape[:-1], self.weight.shape[0])
 
 
 def install(model: nn.Module) -> SmallRows:

@@ -18,6 +18,7 @@ Legend: Q packed rows this step, K cached rows, V vocabulary.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import importlib.util
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from lp.calibrate import QS as TIMED_ROWS
 from lp.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -370,7 +372,12 @@ class ModelRunner:
         """Whether a forward of ``rows`` rows runs small-row matmuls (lp.kernels)."""
         if self._small is None or rows < 2:
             return False
-        return self.small_rows_mode == "on" or rows in self.small_rows
+        if self.small_rows_mode == "on":
+            return True
+        # a row count the calibration did not time (17-19, 21-23, ..., > 64: batched steps)
+        # takes the choice of the nearest timed count at or above it
+        at = bisect.bisect_left(TIMED_ROWS, rows)
+        return TIMED_ROWS[min(at, len(TIMED_ROWS) - 1)] in self.small_rows
 
     @contextlib.contextmanager
     def _kernel(self, rows: int = 1, attn_impl: str | None = None):

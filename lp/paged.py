@@ -3,26 +3,27 @@
 Contract: one pool of ``kv_tokens`` slots per layer, cut into fixed-size blocks of
 ``block_size`` slots; each sequence owns a block table (its blocks in order) and a
 length (rows committed to the cache). Logical row i of a sequence lives in slot
-``table[i // block_size] * block_size + i % block_size``. A sequence's blocks are
-taken from the free list as its rows grow and handed back when it shrinks or leaves.
+``table[i // block_size] * block_size + i % block_size``.
+
+Admission is by reservation: ``reserve(seq, tokens)`` hands a sequence the blocks of its
+worst case (prompt + max_new_tokens + its largest step) -- one contiguous run of blocks
+when the free list has one, else any free blocks -- so a running sequence never finds
+the pool empty; its table is the prefix of those blocks its rows use. ``can_reserve``
+says whether a waiting one fits now; a request larger than the whole pool is refused by
+the caller up front. Everything a sequence owned returns to the free list when it leaves.
 
 ``PagedCache`` is a ``transformers.Cache``: before a forward the caller ``plan``s the
-step (which sequences, how many new rows each); the model's public forward then
-calls ``update(k, v, layer)`` once per layer, which writes the step's rows into their
-slots and returns the K/V of exactly the slots the step reads -- each running
-sequence's used rows, sequence after sequence -- so attention costs ~ (step rows) x
-(sum of the running lengths), never (step rows) x (all slots). The caller builds the
-mask over that gathered key order (lp.batch: a row sees its own sequence's prefix and
-its own ancestors only).
+step (which sequences, how many new rows each); the model's public forward then calls
+``update(k, v, layer)`` once per layer, which writes the step's rows into their slots
+and returns either (``gather=True``: eager and flex) the K/V of exactly the slots the
+step reads, sequence after sequence -- the caller's mask hides other sequences -- or
+(``gather=False``: lp.attention's per-sequence sdpa) the pool itself, no copy: a
+contiguous sequence's keys are a slice of it, a fragmented one's are gathered by the
+attention. Attention costs ~ (a sequence's rows) x (its length) summed over sequences,
+never (step rows) x (all slots).
 
 After verification, ``commit`` keeps a prefix of each sequence and moves its accepted
-rows next to it (one gather/scatter per layer for the whole batch); blocks past the new
-length return to the free list.
-
-Admission is by reservation: ``reserve(seq, tokens)`` books the most rows a sequence
-can ever hold (prompt + max_new_tokens + its largest step), so a running sequence never
-finds the pool empty; ``can_reserve`` says whether a waiting one fits now, and a
-request larger than the whole pool is refused by the caller up front.
+rows next to it (one gather/scatter per layer for the whole batch).
 
 Legend: H_kv key/value heads, D head size, Q rows of the step, K gathered key rows.
 """
@@ -38,49 +39,70 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 class BlockTable:
-    """Free list of blocks, a table and a length per sequence, and the reservations."""
+    """Blocks owned per sequence, a table and a length per sequence.
+
+    ``reserve`` hands a sequence all the blocks it may ever use (its worst case), as one
+    contiguous run of block ids when the free list has one (first fit), else the lowest
+    free ids; its table is the prefix of that run its rows use now. A contiguous run lets
+    attention read the sequence's K/V as a view of the pool, with no gather."""
 
     def __init__(self, num_blocks: int, block_size: int):
         assert num_blocks >= 1 and block_size >= 1
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.free: set[int] = set(range(num_blocks))
+        self.owned: dict[int, list[int]] = {}  # the blocks reserved for each sequence, in order
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
-        self.reserved: dict[int, int] = {}  # blocks booked per sequence
+
+    @property
+    def reserved(self) -> dict[int, int]:
+        """Blocks booked per sequence."""
+        return {seq: len(run) for seq, run in self.owned.items()}
 
     # -- admission ---------------------------------------------------------------
 
     def can_reserve(self, tokens: int) -> bool:
-        return sum(self.reserved.values()) + blocks_for(tokens, self.block_size) <= self.num_blocks
+        return blocks_for(tokens, self.block_size) <= len(self.free)
 
     def reserve(self, seq: int, tokens: int) -> None:
         assert seq not in self.tables and self.can_reserve(tokens)
-        self.tables[seq], self.lengths[seq] = [], 0
-        self.reserved[seq] = blocks_for(tokens, self.block_size)
+        n = blocks_for(tokens, self.block_size)
+        run = self._first_fit(n)
+        if run is None:  # fragmented: any n free blocks (attention gathers this sequence's rows)
+            run = sorted(self.free)[:n]
+        self.free.difference_update(run)
+        self.owned[seq], self.tables[seq], self.lengths[seq] = run, [], 0
+
+    def _first_fit(self, n: int) -> list[int] | None:
+        start, size = None, 0
+        for b in sorted(self.free):
+            if start is not None and b == start + size:
+                size += 1
+            else:
+                start, size = b, 1
+            if size == n:
+                return list(range(start, start + n))
+        return None
 
     def release(self, seq: int) -> None:
-        """The sequence leaves: every block back to the free list."""
-        self.free.extend(reversed(self.tables.pop(seq)))
-        del self.lengths[seq], self.reserved[seq]
+        """The sequence leaves: every block it owned back to the free list."""
+        self.free.update(self.owned.pop(seq))
+        del self.tables[seq], self.lengths[seq]
 
     # -- rows ----------------------------------------------------------------------
 
     def grow(self, seq: int, rows: int) -> None:
         """Blocks for logical rows [0, rows) of ``seq``."""
-        table = self.tables[seq]
-        need = blocks_for(rows, self.block_size)
-        assert need <= self.reserved[seq], f"sequence {seq} needs {need} blocks, reserved {self.reserved[seq]}"
-        while len(table) < need:
-            table.append(self.free.pop())
+        need, run = blocks_for(rows, self.block_size), self.owned[seq]
+        assert need <= len(run), f"sequence {seq} needs {need} blocks, reserved {len(run)}"
+        if need > len(self.tables[seq]):
+            self.tables[seq] = run[:need]
 
     def shrink(self, seq: int, rows: int) -> None:
-        """Keep logical rows [0, rows); blocks past them go back to the free list."""
+        """Keep logical rows [0, rows); blocks past them are unused (still reserved)."""
         self.lengths[seq] = rows
-        table = self.tables[seq]
-        keep = blocks_for(rows, self.block_size)
-        while len(table) > keep:
-            self.free.append(table.pop())
+        self.tables[seq] = self.tables[seq][: blocks_for(rows, self.block_size)]
 
     def slots(self, seq: int, start: int, stop: int) -> list[int]:
         """Slots of logical rows [start, stop) of ``seq``."""
@@ -91,9 +113,15 @@ class BlockTable:
         bs = self.block_size
         return self.tables[seq][row // bs] * bs + row % bs
 
+    def first_slot(self, seq: int) -> int | None:
+        """Slot of row 0 when the sequence's blocks are one contiguous run (rows i at
+        first_slot + i), else None."""
+        run = self.owned[seq]
+        return run[0] * self.block_size if run[-1] - run[0] == len(run) - 1 else None
+
     @property
     def blocks_in_use(self) -> int:
-        return self.num_blocks - len(self.free)
+        return sum(len(t) for t in self.tables.values())
 
 
 class PagedCache(Cache):
@@ -112,18 +140,30 @@ class PagedCache(Cache):
 
     # -- the step ----------------------------------------------------------------------
 
-    def plan(self, items: list[tuple[int, int]], device) -> list[tuple[int, int]]:
+    def plan(self, items: list[tuple[int, int]], device, gather: bool = True) -> list[tuple[int, object]]:
         """Prepare a forward over ``items`` = [(seq, new rows)] in row order: grow the tables,
-        set the write/read slots. Returns each sequence's (prefix length, gathered key offset)."""
+        set the write slots. Returns each sequence's (prefix length, where its keys are).
+
+        ``gather=True``: ``update`` returns the slots the step reads, gathered sequence after
+        sequence; a sequence's keys are at that offset of the gathered rows (an int).
+        ``gather=False``: ``update`` returns the whole pool (no copy); a sequence's keys are
+        the pool's rows from its first slot on (an int: its blocks are one contiguous run)
+        or a LongTensor of its slots (fragmented: the attention gathers them)."""
         write, read, spans = [], [], []
         for seq, q in items:
             length = self.blocks.lengths[seq]
             self.blocks.grow(seq, length + q)
-            spans.append((length, len(read)))
             write += self.blocks.slots(seq, length, length + q)
-            read += self.blocks.slots(seq, 0, length + q)
+            if gather:
+                spans.append((length, len(read)))
+                read += self.blocks.slots(seq, 0, length + q)
+            else:
+                first = self.blocks.first_slot(seq)
+                where = first if first is not None else torch.tensor(self.blocks.slots(seq, 0, length + q),
+                                                                     dtype=torch.long, device=device)
+                spans.append((length, where))
         self._write = torch.tensor(write, dtype=torch.long, device=device)
-        self._read = torch.tensor(read, dtype=torch.long, device=device)
+        self._read = torch.tensor(read, dtype=torch.long, device=device) if gather else None
         return spans
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -134,6 +174,8 @@ class PagedCache(Cache):
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys.index_copy_(1, self._write, key_states[0])
         values.index_copy_(1, self._write, value_states[0])
+        if self._read is None:
+            return keys[None], values[None]
         return keys.index_select(1, self._read)[None], values.index_select(1, self._read)[None]
 
     @torch.inference_mode()
@@ -161,7 +203,7 @@ class PagedCache(Cache):
         return 0  # positions and the 4-D mask are always given explicitly
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return int(self._read.numel()) if self._read is not None else query_length, 0
+        return (int(self._read.numel()) if self._read is not None else self.kv_tokens), 0
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.kv_tokens
