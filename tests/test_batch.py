@@ -42,11 +42,17 @@ def _drain(engine, outs: dict, schedule: dict, until: int = 500):
 
 
 @pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("llama", "flex"), ("gemma3", "sdpa"),
-                                              ("gemma3", "flex")])
-def test_joins_and_leaves_equal_generate(tiny_factory, family, attention):
+                                              ("gemma3", "flex"), ("llama", "sdpa-fragmented"),
+                                              ("gemma3", "sdpa-fragmented")])
+def test_joins_and_leaves_equal_generate(tiny_factory, monkeypatch, family, attention):
     """A literal schedule: A, B start; C joins at step 2 (prefill in chunks of 16 rows beside
     A and B's decode rows); B leaves at step 4 (abort); D joins at step 5; A, C, D finish
-    at different lengths. Every complete output == generate; B's tokens are generate's prefix."""
+    at different lengths. Every complete output == generate; B's tokens are generate's prefix.
+    ``sdpa-fragmented``: every sequence's blocks treated as scattered, so the attention
+    gathers its keys by slot instead of slicing the pool."""
+    if attention == "sdpa-fragmented":
+        monkeypatch.setattr(BlockTable, "first_slot", lambda self, seq: None)
+        attention = "sdpa"
     model = tiny_factory(family)
     runner = ModelRunner(model, attention=attention)
     engine = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=4, max_prefill_tokens=16)
@@ -132,6 +138,24 @@ def test_block_table_literal():
     assert t.tables[7] == [0] and t.blocks_in_use == 1
     t.release(7)
     assert t.blocks_in_use == 0 and t.can_reserve(8)
+
+
+def test_block_table_contiguous_runs_and_fragmentation():
+    """Each reservation owns a contiguous run when one exists (first fit); when the free
+    blocks are scattered it takes the lowest ones and has no first slot."""
+    t = BlockTable(num_blocks=6, block_size=4)
+    for seq in (1, 2, 3):
+        t.reserve(seq, 8)
+    assert t.owned == {1: [0, 1], 2: [2, 3], 3: [4, 5]} and t.first_slot(2) == 8
+    t.release(1)
+    t.release(3)
+    t.reserve(4, 12)  # 3 blocks, free {0, 1, 4, 5}: no run of 3
+    assert t.owned[4] == [0, 1, 4] and t.first_slot(4) is None
+    t.grow(4, 9)
+    assert t.slots(4, 6, 9) == [6, 7, 16]
+    t.release(4)
+    t.reserve(5, 8)  # first fit: blocks 0-1 again
+    assert t.owned[5] == [0, 1] and t.first_slot(5) == 0
 
 
 def test_batch_budget_of_one_is_the_one_sequence_budget():
