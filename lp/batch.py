@@ -61,6 +61,9 @@ from lp.paged import PagedCache, SeqView, blocks_for
 from lp.processors import row_extras
 
 
+DRAFT_POLICIES = ("budget", "static", "none")
+
+
 @dataclass
 class StepOutput:
     request_id: int
@@ -103,10 +106,15 @@ class BatchEngine:
     ``max_prefill_tokens``: most prompt rows a step feeds (None: whole prompts);
     ``tq_curve``: [(Q, seconds)] row costs for the draft budget (None: measured once and
     cached, lp.calibrate, when a request asks for ``draft_budget=auto``);
-    ``draft_store``: a ``lp.suffix.DraftStore`` every request drafts from."""
+    ``draft_store``: a ``lp.suffix.DraftStore`` every request drafts from;
+    ``draft_policy``: ``budget`` (one draft budget for the batch, the default), or the
+    baselines it is measured against: ``static`` (vLLM's / TensorRT-LLM's kind of rule:
+    each sequence drafts as if alone while at most ``static_batch`` decode, none above),
+    ``none`` (plain batched decoding)."""
 
     def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = 16, max_batch: int = 8,
-                 max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None):
+                 max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None, draft_policy: str = "budget",
+                 static_batch: int = 4):
         if runner.attention == "flash" or runner._static is not None:
             raise ValueError("batched steps need model.attention=sdpa, eager or flex (no cascade kernel, no "
                              "static shapes / CUDA graphs)")
@@ -114,6 +122,12 @@ class BatchEngine:
             raise ValueError(f"server.max_batch must be an integer >= 1, got {max_batch}")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
             raise ValueError(f"server.max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens}")
+        if draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"draft_policy must be one of {', '.join(DRAFT_POLICIES)}, got {draft_policy!r}")
+        if not isinstance(static_batch, int) or static_batch < 1:
+            raise ValueError(f"static_batch must be an integer >= 1, got {static_batch!r}")
+        self.draft_policy = draft_policy
+        self.static_batch = static_batch
         self.runner = runner
         if runner.attention == "sdpa":
             from lp import attention
@@ -259,17 +273,26 @@ class BatchEngine:
 
     def _propose(self, items: list[_Item], chunk_rows: int) -> None:
         """Each sequence's proposal; one draft budget over the batch's budgeted trees
-        (``chunk_rows``: the step's prefill-chunk rows, priced with the rest)."""
-        if len(items) == 1 and len(self.running) == 1:
+        (``chunk_rows``: the step's prefill-chunk rows, priced with the rest). The
+        ``draft_policy`` alternatives (bench/batch.py compares them): ``static`` drafts as a
+        batch of one while at most ``static_batch`` sequences decode and not at all above;
+        ``none`` never drafts."""
+        policy = self.draft_policy
+        if policy == "budget" and len(items) == 1 and len(self.running) == 1:
             it = items[0]
             it.prop = it.req.decoder.propose(it.req.run)  # a batch of one is today's step
             return
+        drafts = policy == "budget" or (policy == "static" and len(items) <= self.static_batch)
         joint, fixed = [], chunk_rows
         for it in items:
             dec, run = it.req.decoder, it.req.run
             c = dec.cfg
             it.opts = dec.draft_options(run)
-            if c.drafts == "pool":
+            if not drafts:
+                it.prop = dec.proposal(run, it.opts, [])
+            elif policy == "static":
+                it.prop = dec.propose(run)  # its own budget, priced as if alone
+            elif c.drafts == "pool":
                 it.prop = dec.proposal(run, it.opts, _select_candidates(run.pool, run.context, it.opts.x, c.G, c.N - 1))
                 fixed += it.prop.plan[0].rows
             elif c.draft_budget != "auto" or self.tq is None:

@@ -207,3 +207,39 @@ def test_sampling_in_a_batch_of_four_matches_generate():
     assert multi > 0.1 * n, "the verifier accepted multi-token runs"
     ok, report = fit_verdict(conditional_fit(draws, exact_next_probs(model, prompt, 3, **kw)))
     assert ok, report
+
+
+@pytest.mark.parametrize("policy,static_batch", [("none", 4), ("static", 1), ("static", 3)])
+def test_draft_policies_equal_generate(tiny_factory, policy, static_batch):
+    """The baselines the bench compares the batch budget with: ``none`` steps one row per
+    decoding sequence; ``static`` drafts only while at most ``static_batch`` sequences decode.
+    Outputs == generate either way."""
+    model = tiny_factory("llama")
+    engine = BatchEngine(ModelRunner(model), kv_tokens=2048, block_size=8, max_batch=3, draft_policy=policy,
+                         static_batch=static_batch)
+    cfg = DecodingConfig(max_new_tokens=24, **{**TREE, "window_policy": "with_candidates"})
+    ids = [engine.add(p, cfg) for p in PROMPTS[:3]]
+    rows = []
+    while engine.has_work:
+        before = len(engine.running)
+        engine.step()
+        rows.append((engine.last_rows, before))
+    for i, p in zip(ids, PROMPTS[:3]):
+        assert engine.result(i).output_ids == hf_greedy(model, p, 24)
+    steps = rows[1:]  # after the prefill
+    if policy == "none" or static_batch == 1:
+        assert all(r == n for r, n in steps), steps  # no draft rows: one per decoding sequence
+    else:
+        assert any(r > 3 for r, _ in steps), steps  # three sequences, at most 3: they draft
+
+
+def test_draft_policy_refused():
+    with pytest.raises(ValueError, match="draft_policy"):
+        BatchEngine.__init__(object.__new__(BatchEngine), _FakeRunner(), 64, draft_policy="sometimes")
+    with pytest.raises(ValueError, match="static_batch"):
+        BatchEngine.__init__(object.__new__(BatchEngine), _FakeRunner(), 64, static_batch=0)
+
+
+class _FakeRunner:
+    attention = "sdpa"
+    _static = None
