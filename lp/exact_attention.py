@@ -20,7 +20,8 @@ int8 linears with per-row scales). A sequential-sum variant (cumsum over keys, p
 order-exact) cost ~3x more per layer here; float64 matmuls cost about as much as sdpa on
 these sizes.
 
-Legend: B batch (1), H query heads, H_kv key/value heads, Q rows, K keys, D head size.
+Legend: B batch (1), H query heads, Hk key/value heads, g = H / Hk, R = g x Q rows, Q query rows,
+K keys, D head size.
 """
 
 from __future__ import annotations
@@ -31,15 +32,12 @@ ROWEXACT = "lp_rowexact"
 
 
 def rowexact_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    q_BHQD, k_BHKD, v_BHKD = query, key, value
-    groups = q_BHQD.shape[1] // k_BHKD.shape[1]
-    if groups > 1:
-        k_BHKD = k_BHKD.repeat_interleave(groups, dim=1)
-        v_BHKD = v_BHKD.repeat_interleave(groups, dim=1)
-    if scaling is None:
-        scaling = q_BHQD.shape[-1] ** -0.5
+    q_BHQD, k_BHkKD, v_BHkKD = query, key, value
     B, H, Q, D = q_BHQD.shape
-    K = k_BHKD.shape[2]
+    Hk, K = k_BHkKD.shape[1], k_BHkKD.shape[2]
+    g = H // Hk  # query heads per key/value head: folded into the rows, the keys are not repeated
+    if scaling is None:
+        scaling = D**-0.5
     if attention_mask is None:  # plain causal: row i sees keys [0, K - Q + i]
         pos = torch.arange(K, device=q_BHQD.device)
         visible_11QK = (pos[None, :] <= (K - Q + torch.arange(Q, device=q_BHQD.device))[:, None])[None, None]
@@ -47,9 +45,11 @@ def rowexact_attention_forward(module, query, key, value, attention_mask, scalin
         visible_11QK = attention_mask[..., :K]
     else:
         visible_11QK = attention_mask[..., :K] > torch.finfo(attention_mask.dtype).min / 2
-    s_BHQK = torch.matmul(q_BHQD.double(), k_BHKD.double().transpose(-1, -2)) * scaling
-    s_BHQK = s_BHQK.masked_fill(~visible_11QK, float("-inf"))
-    out_BHQD = torch.matmul(torch.softmax(s_BHQK, dim=-1), v_BHKD.double()).to(q_BHQD.dtype)
+    q_BHkRD = q_BHQD.reshape(B, Hk, g * Q, D).double()  # rows: (group member, query row)
+    s_BHkRK = torch.matmul(q_BHkRD, k_BHkKD.double().transpose(-1, -2)) * scaling
+    s_BHkgQK = s_BHkRK.view(B, Hk, g, Q, K).masked_fill(~visible_11QK[:, :, None], float("-inf"))
+    p_BHkRK = torch.softmax(s_BHkgQK, dim=-1).view(B, Hk, g * Q, K)
+    out_BHQD = torch.matmul(p_BHkRK, v_BHkKD.double()).to(q_BHQD.dtype).view(B, H, Q, D)
     return out_BHQD.transpose(1, 2).contiguous(), None
 
 

@@ -43,7 +43,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 QUANTS = ("none", "int8", "int4", "auto")
-_C = 1.0  # every activation row is scaled to this absolute maximum before quantization
+_C = 1.0  # every activation row is scaled to this absolute maximum before quantization (1: a reciprocal)
 
 
 def _cpu_has_vnni() -> bool:
@@ -77,13 +77,20 @@ def resolve_quant(name: str, device: torch.device) -> str:
 class RowInt8Linear(nn.Module):
     """``y = x @ W.T (+ b)`` with W in int8 (per output channel) and x quantized per row.
 
+    Built from one ``nn.Linear`` or from several that read the same input (q/k/v, gate/up:
+    their weights stacked, one kernel call; see ``SharedInputPart``). Integer products are
+    exact and the scales are per row and per output column, so a fused column equals the
+    unfused one and a row's output depends on that row only.
+
     Legend: M rows, I in features, O out features.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, *linears: nn.Linear):
         super().__init__()
-        w_OI = linear.weight.detach().float()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        assert linears and len({lin.in_features for lin in linears}) == 1
+        w_OI = torch.cat([lin.weight.detach().float() for lin in linears])
+        self.in_features, self.out_features = linears[0].in_features, w_OI.shape[0]
+        self.splits = [lin.out_features for lin in linears]
         # the two pinning columns get zero weights: they shift nothing in the product
         w_OI2 = torch.cat([w_OI, w_OI.new_zeros(w_OI.shape[0], 2)], dim=1)
         scale_O = (w_OI2.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
@@ -91,28 +98,101 @@ class RowInt8Linear(nn.Module):
             warnings.simplefilter("ignore")
             w_q = torch.quantize_per_channel(w_OI2, scale_O, torch.zeros_like(scale_O, dtype=torch.long), 0,
                                              torch.qint8)
-        bias = None if linear.bias is None else linear.bias.detach().float()
+        biases = [lin.bias for lin in linears]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach().float() if b is not None else w_OI.new_zeros(lin.out_features)
+             for b, lin in zip(biases, linears)])
         self._packed = torch.ops.quantized.linear_prepack(w_q, bias)
-        self.register_buffer("_pin", torch.tensor([_C, -_C]), persistent=False)
+        # the input buffer: [rows, I] scaled activations, then the two pinning columns +C, -C
+        self._buf = torch.cat([torch.zeros(1, self.in_features), torch.tensor([[_C, -_C]])], dim=1)
+        self._x = None  # SharedInputPart: the last shared input and its product
+        self._y = None
+        self._served: set[int] = set()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # five small ops around the kernel: each costs a few microseconds on the CPU, as
+        # much as the int8 GEMM itself at one row, so none is spent that is not needed
         dtype = x.dtype
-        x_MI = x.reshape(-1, self.in_features).float()
-        amax_M1 = x_MI.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-        x_MI2 = torch.cat([x_MI * (_C / amax_M1), self._pin.expand(x_MI.shape[0], 2)], dim=1)
-        y_MO = torch.ops.quantized.linear_dynamic(x_MI2, self._packed, _REDUCE_RANGE)
-        y_MO = y_MO * (amax_M1 / _C)
-        return y_MO.to(dtype).reshape(*x.shape[:-1], self.out_features)
+        x_MI = x.reshape(-1, self.in_features)
+        if x_MI.dtype != torch.float32:
+            x_MI = x_MI.float()
+        m = x_MI.shape[0]
+        if self._buf.shape[0] < m:
+            self._buf = torch.cat([self._buf, self._buf[:1].expand(m - self._buf.shape[0], -1)]).contiguous()
+        buf_MI2 = self._buf[:m]
+        amax_M1 = torch.linalg.vector_norm(x_MI, float("inf"), dim=1, keepdim=True).clamp_(min=1e-30)
+        torch.mul(x_MI, torch.reciprocal(amax_M1), out=buf_MI2[:, : self.in_features])  # rows scaled to _C
+        y_MO = torch.ops.quantized.linear_dynamic(buf_MI2, self._packed, _REDUCE_RANGE)
+        y_MO.mul_(amax_M1)
+        if dtype != torch.float32:
+            y_MO = y_MO.to(dtype)
+        return y_MO.reshape(*x.shape[:-1], self.out_features)
+
+    def shared(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        """The fused product for ``x``, computed once for the parts that read the same
+        input tensor one after the other (a part asking twice means a new round)."""
+        if x is not self._x or part in self._served:
+            self._x, self._y, self._served = x, self(x), set()
+        self._served.add(part)
+        y = self._y
+        if len(self._served) == len(self.splits):
+            self._x = self._y = None  # every part has its columns: hold no activations
+        return y
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, per-row int8 activations"
+        fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}{fused}, int8 weights, "
+                "per-row int8 activations")
+
+
+class SharedInputPart(nn.Module):
+    """One of several linears that read the same input, fused into one ``RowInt8Linear``:
+    the model calls each part as before (``self.q_proj(x)``, ``self.k_proj(x)``, ...); the
+    first computes the fused product, each returns its own columns."""
+
+    def __init__(self, fused: RowInt8Linear, part: int):
+        super().__init__()
+        self.fused = [fused]  # a list: the fused module is registered once, on the parent
+        self.part = part
+        self.start = sum(fused.splits[:part])
+        self.stop = self.start + fused.splits[part]
+        self.in_features, self.out_features = fused.in_features, fused.splits[part]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused[0].shared(x, self.part)[..., self.start : self.stop]
+
+    def extra_repr(self) -> str:
+        return f"columns {self.start}:{self.stop} of a fused int8 linear"
+
+
+FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears that read the same input
+
+
+def _is_linear(m) -> bool:
+    return type(m) is nn.Linear or (isinstance(m, nn.Linear) and type(m).__name__ == "SmallRowsLinear")
+
+
+def _fuse_shared_inputs(model: nn.Module) -> int:
+    """Stack q/k/v and gate/up of every attention and MLP block into one RowInt8Linear each."""
+    count = 0
+    for parent in list(model.modules()):
+        for names in FUSE:
+            parts = [getattr(parent, n, None) for n in names]
+            if not all(_is_linear(p) for p in parts) or len({p.in_features for p in parts}) != 1:
+                continue
+            fused = RowInt8Linear(*parts)
+            parent.add_module("_lp_" + "_".join(n.split("_")[0] for n in names), fused)
+            for i, n in enumerate(names):
+                setattr(parent, n, SharedInputPart(fused, i))
+            count += len(names)
+    return count
 
 
 def _swap_linears(model: nn.Module, make) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear or (isinstance(child, nn.Linear) and type(child).__name__ == "SmallRowsLinear"):
+            if _is_linear(child):
                 setattr(parent, name, make(child))
                 count += 1
     return count
@@ -161,7 +241,7 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
             raise ValueError("model.quant=int8 on the CPU needs torch's fbgemm engine (x86); use model.quant=none")
         torch.backends.quantized.engine = "fbgemm"
         model.float()
-        n = _swap_linears(model, RowInt8Linear)
+        n = _fuse_shared_inputs(model) + _swap_linears(model, RowInt8Linear)
         # sdpa rounds differently for 1 and Q rows, and int8 activations amplify that into
         # different logits: attention whose rows are independent keeps lookahead == generate
         from lp import exact_attention

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from lp.model import ModelRunner
 from tests.helpers import TINY_VOCAB, make_tiny_model
+
+# Worker processes (torchrun, lp.serve, scripts under tests/) import this checkout's lp,
+# whatever checkout an editable install points at
+_ROOT = str(Path(__file__).resolve().parent.parent)
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 # The suite runs on a 2-core CPU box. Tiny models run fastest (and stay fast on a busy
 # machine) with one intra-op thread; the SmolLM2 tests (marked slow) use two.

@@ -16,7 +16,7 @@ from torch import nn
 
 from lp.config import ModelConfig
 from lp.model import ModelRunner
-from lp.quant import RowInt8Linear, quantize, resolve_quant
+from lp.quant import RowInt8Linear, SharedInputPart, quantize, resolve_quant
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, lookahead, make_tiny_model
 
 MAX_NEW = 32
@@ -73,6 +73,25 @@ def test_int8_linear_rows_are_independent():
     assert rel.max() < 0.05, f"int8 linear too far from float32: relative error {rel.max():.3g}"
 
 
+def test_int8_fused_linears_equal_separate_ones():
+    """q/k/v (or gate/up) stacked into one kernel call give each part's columns bit for bit,
+    and the parts compute the product once per shared input."""
+    torch.manual_seed(1)
+    lins = [nn.Linear(64, n, bias=False) for n in (96, 32, 32)]
+    fused = RowInt8Linear(*lins)
+    parts = [SharedInputPart(fused, i) for i in range(3)]
+    x = torch.randn(1, 5, 64)
+    calls = []
+    fused.register_forward_hook(lambda *a: calls.append(1))
+    outs = [p(x) for p in parts]
+    assert len(calls) == 1
+    for out, lin in zip(outs, lins):
+        assert torch.equal(out, RowInt8Linear(lin)(x))
+    x2 = torch.randn(1, 5, 64)
+    assert torch.equal(parts[1](x2), RowInt8Linear(lins[1])(x2)) and len(calls) == 2
+    assert torch.equal(parts[1](x2), RowInt8Linear(lins[1])(x2)) and len(calls) == 3  # asked twice: recomputed
+
+
 def test_quantized_runner_kernels_and_cache_key(tmp_path, monkeypatch):
     from lp.calibrate import cache_path
 
@@ -82,7 +101,9 @@ def test_quantized_runner_kernels_and_cache_key(tmp_path, monkeypatch):
     runner = ModelRunner(model, small_rows="on", quant="int8")
     assert runner.quant == "int8"
     assert not any(type(m) is nn.Linear or type(m).__name__ == "SmallRowsLinear" for m in model.modules())
-    assert sum(isinstance(m, RowInt8Linear) for m in model.modules()) == 2 * 7 + 1  # 7 per layer + the head
+    # per layer: q/k/v fused, o, gate/up fused, down; and the head
+    assert sum(isinstance(m, RowInt8Linear) for m in model.modules()) == 2 * 4 + 1
+    assert sum(isinstance(m, SharedInputPart) for m in model.modules()) == 2 * 5
     assert "-int8-" in cache_path(runner).name and "-int8-" not in cache_path(plain).name
     with pytest.raises(ValueError, match="already quantized"):
         quantize(model, "int4")
