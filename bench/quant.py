@@ -219,6 +219,35 @@ def write_summary(out: Path, args, argv, rows, tq, quality, names, load_start, w
                          f"{q['mean_tokens_before_first_difference']} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(out, rows, tq, names, args.methods.split(","))
+
+
+def plot(out: Path, rows, tq, names, methods) -> None:
+    """quant.png: t(Q) per variant (left), mean tok/s per variant and method (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for n, c in tq.items():
+        a.plot([q for q, _ in c], [t * 1e3 for _, t in c], marker="o", label=n)
+    a.set(xlabel="rows in the packed forward (Q)", ylabel="ms per forward", title="t(Q), SmolLM2, 128-token prefix")
+    a.set_ylim(bottom=0)
+    a.legend()
+    width = 0.8 / max(len(methods), 1)
+    for i, meth in enumerate(methods):
+        vals = []
+        for n in names:
+            rs = [r["tokens_per_second"] for r in rows if r["variant"] == n and r["method"] == meth]
+            vals.append(sum(rs) / len(rs) if rs else 0.0)
+        b.bar([k + i * width for k in range(len(names))], vals, width, label=meth)
+    b.set_xticks([k + width * (len(methods) - 1) / 2 for k in range(len(names))], names)
+    b.set(ylabel="tokens/s (mean over prompts)", title="decoding speed per weight format")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(out / "quant.png", dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
