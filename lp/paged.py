@@ -226,3 +226,25 @@ class SeqView:
 
     def get_seq_length(self) -> int:
         return self.cache.blocks.lengths[self.seq]
+
+
+def kv_slot_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes one K/V slot takes over all layers (keys and values) for a model config."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_tokens_for_memory(config, dtype: torch.dtype, device: torch.device, fraction: float) -> int:
+    """``server.kv_memory_fraction``: the K/V pool that fills ``fraction`` of the device memory
+    free now (after the weights are loaded), in slots. CUDA only (a CPU pool is sized by
+    ``server.kv_tokens``)."""
+    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"server.kv_memory_fraction must be a number in (0, 1], got {fraction!r}")
+    if device.type != "cuda":
+        raise ValueError(f"server.kv_memory_fraction sizes the K/V pool from free GPU memory; the model is on "
+                         f"{device.type}: set server.kv_tokens instead")
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(fraction * free) // kv_slot_bytes(config, dtype)

@@ -243,3 +243,20 @@ def test_draft_policy_refused():
 class _FakeRunner:
     attention = "sdpa"
     _static = None
+
+
+def test_kv_pool_from_a_memory_fraction():
+    """server.kv_memory_fraction: bytes per slot from the config (SmolLM2's shape: 30 layers,
+    3 key/value heads of 64, K and V), refused off CUDA and outside (0, 1]."""
+    import torch
+    from transformers import LlamaConfig
+
+    from lp.paged import kv_slot_bytes, kv_tokens_for_memory
+
+    cfg = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    assert kv_slot_bytes(cfg, torch.float32) == 30 * 2 * 3 * 64 * 4
+    assert kv_slot_bytes(cfg, torch.bfloat16) == 30 * 2 * 3 * 64 * 2
+    with pytest.raises(ValueError, match="server.kv_tokens"):
+        kv_tokens_for_memory(cfg, torch.float32, torch.device("cpu"), 0.5)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        kv_tokens_for_memory(cfg, torch.float32, torch.device("cpu"), 1.5)
