@@ -22,7 +22,7 @@ import torch
 # every size up to 16 (small sizes are where a BLAS switches kernels), then coarser
 QS = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)
 PREFIX = 128
-VERSION = "v3"  # bumped when QS or the measurement changes: older files are not read
+VERSION = "v4"  # bumped when QS or the measurement changes: older files are not read
 
 
 def cache_path(runner) -> Path:
@@ -90,7 +90,7 @@ def _load() -> float:
 
 def measure(runner, qs=QS, repeats: int = 3) -> tuple[list[tuple[int, float]], frozenset[int]]:
     """Fastest forward time of ``repeats`` per Q, after one warm-up round, on a PREFIX-token
-    cache; with ``runner.small_rows_mode == "auto"`` each Q >= 2 is timed both ways and
+    cache; with ``runner.small_rows_mode == "auto"`` each Q is timed both ways and
     keeps the faster (the returned set: the Q where small-row matmuls won)."""
     from lp.layout import chain_layout
 
@@ -106,7 +106,7 @@ def measure(runner, qs=QS, repeats: int = 3) -> tuple[list[tuple[int, float]], f
     rows = {q: torch.randint(vocab, (q,), generator=gen).tolist() for q in qs}
     both = runner.small_rows_mode == "auto"
     kept = runner.small_rows
-    variants = [(q, v) for q in qs for v in ((False, True) if both and q >= 2 else (None,))]
+    variants = [(q, v) for q in qs for v in ((False, True) if both else (None,))]
     best = {qv: float("inf") for qv in variants}
     try:
         for i in range(repeats + 1):
@@ -126,7 +126,7 @@ def measure(runner, qs=QS, repeats: int = 3) -> tuple[list[tuple[int, float]], f
     # (lp.budget.envelope prices a step at the cheapest size at or above it)
     curve, small = [], set()
     for q in qs:
-        if both and q >= 2:
+        if both:
             fast = best[(q, True)] < best[(q, False)]
             curve.append((q, best[(q, fast)]))
             if fast:

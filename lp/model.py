@@ -235,7 +235,7 @@ class ModelRunner:
             self._static = StaticStepper(self, capture=cuda_graphs)
         self._mask = None  # [1, 1, Q_cap, K_cap] additive, 0 = visible
         self._dirty = (0, 0)  # columns holding the last step's local block
-        # small-row matmuls (lp.kernels): "on" for every step of 2+ rows; "auto" for the row
+        # small-row matmuls (lp.kernels): "on" for every step; "auto" for the row
         # counts in small_rows, those lp.calibrate measured faster (CPU only, none until
         # calibrated); see uses_small_rows
         if small_rows not in ("auto", "on", "off"):
@@ -370,7 +370,7 @@ class ModelRunner:
 
     def uses_small_rows(self, rows: int) -> bool:
         """Whether a forward of ``rows`` rows runs small-row matmuls (lp.kernels)."""
-        if self._small is None or rows < 2:
+        if self._small is None or rows < 1:
             return False
         if self.small_rows_mode == "on":
             return True
