@@ -233,12 +233,12 @@ class BatchEngine:
         """Ids of the waiting requests the next step admits (FIFO while ``max_batch`` and the
         K/V reservation allow); no state changes. Under LP rank 0 decides, the others replay."""
         blocks, ids = self.cache.blocks, []
-        booked = sum(blocks.reserved.values())
+        free = len(blocks.free)
         for req in self.waiting:
             need = blocks_for(req.need, blocks.block_size)
-            if len(self.running) + len(ids) >= self.max_batch or booked + need > blocks.num_blocks:
+            if len(self.running) + len(ids) >= self.max_batch or need > free:
                 break
-            booked += need
+            free -= need
             ids.append(req.id)
         return ids
 
