@@ -72,6 +72,7 @@ def test_lp_batch_schedule_equals_one_process_and_generate(tiny_factory, tmp_pat
     for name in "ACD":
         r = REQUESTS[name]
         assert one["requests"][name]["output_ids"] == hf_greedy(model, r["prompt"], r["decoding"]["max_new_tokens"])
+        assert lp2["requests"][name]["steps"] < r["decoding"]["max_new_tokens"], f"{name}: no draft accepted"
     b = one["requests"]["B"]
     assert b["finish"] == "cancelled" and 0 < len(b["output_ids"]) < 40
     assert b["output_ids"] == hf_greedy(model, REQUESTS["B"]["prompt"], 40)[: len(b["output_ids"])]
