@@ -606,6 +606,7 @@ def test_lp_concurrent_requests_equal_generate(lp2, refs):
         return lp2.client().completions.create(model="smollm2", prompt=RAW, max_tokens=M, temperature=0,
                                                extra_body=la)
 
+    before = lp2.metrics()
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(chat, CHAT[0]), pool.submit(chat, CHAT[1]), pool.submit(completion)]
         got = [f.result(600) for f in futs]
@@ -619,7 +620,10 @@ def test_lp_concurrent_requests_equal_generate(lp2, refs):
     while (m := lp2.metrics())["lp_batch_running"] > 0 or m["lp_kv_blocks_in_use"] > 0:
         assert time.monotonic() - t < 30, "the batch did not drain"
         time.sleep(0.2)
-    assert m["lp_workers"] == 2 and m["lp_step_rows_count"] > 0
+    assert m["lp_workers"] == 2
+    steps = m["lp_step_rows_count"] - before.get("lp_step_rows_count", 0)  # batched steps the engine ran
+    per_request = m["lp_decode_steps_total"] - before.get("lp_decode_steps_total", 0)  # each request's steps
+    assert 0 < steps < per_request, (steps, per_request)  # the requests shared steps
 
 
 def rank_pids(server) -> dict[int, int]:
