@@ -467,10 +467,13 @@ class BatchEngine:
         live = [(it, v) for it, v in zip(items, verdicts) if v is not None]
         if not live:  # prefill chunks only: nothing to agree on
             return verdicts
-        frames = [(dec.merge.frame, dec.payload(it.prop, v), dec._state_hash(it.req.run))
-                  for it, v in live for dec in (it.req.decoder,)]
+        frames = []
+        for it, v in live:
+            dec = it.req.decoder
+            frames.append((dec.merge.frame, dec.payload(it.prop, v), dec._state_hash(it.req.run)))
         rows = iter(self.group.exchange_batch(frames))
-        return [None if v is None else it.req.decoder.merge_rows(it.prop, next(rows)) for it, v in zip(items, verdicts)]
+        return [None if v is None else it.req.decoder.merge_rows(it.prop, next(rows))
+                for it, v in zip(items, verdicts)]
 
     def _finish(self, it: _Item, merged, edits: list) -> StepOutput | None:
         """Publish, collect and book the cache edit of one sequence (its decoder's commit:

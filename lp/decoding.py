@@ -24,8 +24,9 @@ The one-process / LP difference is two strategies chosen once per decoder, never
 branch in the loop: ``merge`` (``LocalMerge`` / ``GatherMerge``: this worker's verdict
 packed by ``payload``, every worker's unpacked by ``merge_rows``; lp.batch calls the two
 around one exchange for all its sequences) and ``commit`` (its ``plan``: what the
-cache keeps, lp.batch books it in its paged cache; ``CompactCommit``: move the accepted candidate rows next to the prefix in place,
-the last emitted token is the next step's only pending row; ``RefeedCommit``: no K/V
+cache keeps, lp.batch books it in its paged cache; ``CompactCommit``: move the
+accepted candidate rows next to the prefix in place, the last emitted token is the
+next step's only pending row; ``RefeedCommit``: no K/V
 crosses workers, every worker crops back to the committed prefix and re-feeds the
 emitted tokens as the next step's pending rows).
 

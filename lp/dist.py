@@ -16,18 +16,18 @@ and the decoder see, ``rank``/``world_size`` the global process.
 One exchange per step, one fixed-shape int64 ``all_gather_into_tensor`` over the
 whole world into buffers allocated once per generation (``begin``; no pickled
 objects, no per-step allocation). A sequence's payload travels in a ``Frame`` (its
-fixed slot sizes, chosen once per generation) packed and read by the same helpers
+fixed slot sizes, chosen once per generation), packed and read by the same helpers
 (``greedy_payload`` / ``sampled_payload``, ``read_greedy`` / ``read_sampled``) in one
 sequence (``exchange``) and in a batched step (``exchange_batch``, lp.batch: every
-running sequence's frame, in the batch's order, concatenated into ONE all_gather; the
-buffers are reallocated only when the batch's shape changes). Every rank reads LP worker k's payload from
-the row of k's tp rank 0, so every tp rank of every worker applies the very same
-verdicts (the tp ranks compute the same rows and send the same payload; reading
-one of them makes agreement hold by construction, with no extra broadcast, and
-rank 0's cancel flag reaches every process). Every frame ends with [cancel,
-state_hash]; rank 0's cancel flag stops every rank at the same step (a batch's
-cancellations ride with the step's request message instead: its cancel flags are 0). Every rank
-knows the shard plan, so the payload layout is known to all:
+running sequence's frame, in the batch's order, concatenated into ONE all_gather;
+its buffers are reallocated only when the batch's shape changes). Every rank reads
+LP worker k's payload from the row of k's tp rank 0, so every tp rank of every
+worker applies the very same verdicts (the tp ranks compute the same rows and send
+the same payload; reading one of them makes agreement hold by construction, with
+no extra broadcast, and rank 0's cancel flag reaches every process). Every frame
+ends with [cancel, state_hash]; rank 0's cancel flag stops every rank at the same
+step (a batch's cancellations ride with rank 0's step message instead, its flags
+are 0). Every rank knows the shard plan, so the payload layout is known to all:
 
 greedy   [hits, winner, emitted[0..E-1], z[0..C-1], state_hash]
          hits: the rank's longest verified run over its own candidates;
