@@ -6,6 +6,8 @@ torchrun), then plays the spec's literal schedule of joins and aborts (``run_sch
 which the tests also call in one process): ``schedule[step]`` lists ["join", name] /
 ["abort", name] done before that step. Rank 0 writes, per request name, the tokens the steps
 streamed, the final output ids and finish reason, and the blocks left in use at the end.
+Spec "generate_batch": instead, every rank calls ``LookaheadDecoder.generate_batch`` on the
+requests (max_batch 2); rank 0 writes each one's output ids.
 """
 
 import json
@@ -60,7 +62,15 @@ def main() -> None:
     group = init_worker_group(ParallelConfig(timeout_s=spec.get("timeout_s", 120), check_divergence=True),
                               torch.device("cpu"))
     runner = ModelRunner(make_tiny_model(**spec["model"]), attention=spec.get("attention", "sdpa"))
-    result = run_schedule(runner, spec, group)
+    if spec.get("generate_batch"):  # the offline call, every rank with the same prompts
+        from lp.decoding import LookaheadDecoder
+
+        cfgs = [DecodingConfig(**r["decoding"]) for r in spec["requests"].values()]
+        results = LookaheadDecoder(runner, cfgs[0], group, tq_curve=[tuple(p) for p in spec["tq_curve"]]) \
+            .generate_batch([r["prompt"] for r in spec["requests"].values()], configs=cfgs, max_batch=2)
+        result = {name: res.output_ids for name, res in zip(spec["requests"], results)}
+    else:
+        result = run_schedule(runner, spec, group)
     if group is None or group.rank == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(result, f)

@@ -81,6 +81,21 @@ def test_lp_batch_schedule_equals_one_process_and_generate(tiny_factory, tmp_pat
     assert lp2["steps"] == one["steps"]
 
 
+@pytest.mark.slow
+def test_lp_generate_batch_offline_equals_generate(tiny_factory, tmp_path):
+    """``generate_batch`` under 2 workers (every rank the same call; 4 requests, 2 at a time):
+    the greedy ones equal generate, the sampled one equals its one-process run."""
+    model = tiny_factory("llama")
+    names = "ABDE"
+    spec = dict(SPEC, requests={n: REQUESTS[n] for n in names}, generate_batch=True)
+    got = torchrun(2, spec, tmp_path)
+    for name in "ABD":
+        r = REQUESTS[name]
+        assert got[name] == hf_greedy(model, r["prompt"], r["decoding"]["max_new_tokens"]), name
+    one = run_schedule(ModelRunner(model), dict(SPEC, requests={"E": REQUESTS["E"]}, schedule={0: [["join", "E"]]}))
+    assert got["E"] == one["requests"]["E"]["output_ids"]
+
+
 def test_step_message_round_trip():
     base = DecodingConfig(max_new_tokens=99)
     joins = [(3, [1, 2, 3], DecodingConfig(max_new_tokens=5, W=5, N=4, G=5, stop_strings=["é\n"])),
