@@ -29,6 +29,19 @@ publish, collect). What is shared is the step:
               gather/scatter per layer for the batch); finished sequences release
               their blocks
 
+Under Lookahead Parallelism (``group``: a ``lp.dist.WorkerGroup``, every rank builds the
+engine and makes the same calls) every worker holds every running sequence and its whole
+prefix K/V; each sequence's decoder is built for the group, so a step lays out only this
+rank's shard of each sequence's plan (lp.shard: its subtrees and window columns; pending
+rows on every rank). After verify, ONE fixed-shape exchange carries every sequence's
+verdict (lp.dist ``exchange_batch``: the sequences' frames in the running order, the same
+on every rank), each sequence merges it as a one-sequence run would (lp.decoding
+``payload`` / ``merge_rows``), and commits by re-feed: its cache is cut back to the
+committed prefix and the emitted tokens are its next step's pending rows. Joins, aborts
+and admissions must be the same on every rank: ``admissions()`` says which waiting ids
+the next step admits, ``step(admit=ids)`` replays a decision made elsewhere (lp.server
+sends rank 0's with the step); offline, every rank's identical calls decide alike.
+
 Legend: Q rows of the step (all sequences), K gathered key rows, V vocabulary.
 """
 
@@ -100,7 +113,8 @@ class _Item:
 
 
 class BatchEngine:
-    """Continuous batching of lookahead decoding in one process (see module doc).
+    """Continuous batching of lookahead decoding, in one process or on every LP rank (see
+    module doc).
 
     ``kv_tokens``: slots of the paged cache per layer (``block_size`` rows a block);
     ``max_prefill_tokens``: most prompt rows a step feeds (None: whole prompts);
@@ -110,11 +124,11 @@ class BatchEngine:
     ``draft_policy``: ``budget`` (one draft budget for the batch, the default), or the
     baselines it is measured against: ``static`` (vLLM's / TensorRT-LLM's kind of rule:
     each sequence drafts as if alone while at most ``static_batch`` decode, none above),
-    ``none`` (plain batched decoding)."""
+    ``none`` (plain batched decoding); ``group``: the LP worker group (None: one process)."""
 
     def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = 16, max_batch: int = 8,
                  max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None, draft_policy: str = "budget",
-                 static_batch: int = 4):
+                 static_batch: int = 4, group=None):
         if runner.attention == "flash" or runner._static is not None:
             raise ValueError("batched steps need model.attention=sdpa, eager or flex (no cascade kernel, no "
                              "static shapes / CUDA graphs)")
@@ -138,6 +152,10 @@ class BatchEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.tq = tq_curve
         self.draft_store = draft_store
+        self.group = group  # lp.dist.WorkerGroup: every rank builds this engine and runs the same steps
+        self.workers = group.lp_size if group is not None else 1
+        if group is not None:
+            self._share_curve()
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self._next_id = 0
@@ -145,12 +163,24 @@ class BatchEngine:
         self.steps = 0
         self._results: dict[int, GenerationResult] = {}
 
+    def _share_curve(self) -> None:
+        """Under a group: rank 0's t(Q) curve and small-row kernel choice on every rank, once,
+        while every rank builds the engine (the joint draft budget must agree; a request
+        joining later must not start a collective of its own)."""
+        from lp.calibrate import row_cost_curve
+
+        curve = self.tq if self.tq is not None else row_cost_curve(self.runner)
+        self.tq, small = self.group.share_curve(curve, self.runner.small_rows)
+        if self.runner.small_rows_mode == "auto":
+            self.runner.small_rows = small
+
     # -- requests -----------------------------------------------------------------
 
     def add(self, prompt_ids: Sequence[int], cfg: DecodingConfig, eos_token_ids: Sequence[int] | int | None = None,
-            tokenizer=None) -> int:
+            tokenizer=None, request_id: int | None = None) -> int:
         """Queue a request; returns its id. ValueError for a bad request or one whose worst
-        case (prompt + max_new_tokens + its largest step) exceeds the whole K/V pool."""
+        case (prompt + max_new_tokens + its largest step) exceeds the whole K/V pool.
+        ``request_id``: the id rank 0 gave it (a worker rank replaying rank 0's joins)."""
         prompt = [int(t) for t in prompt_ids]
         dec, need = self.check(prompt, cfg, tokenizer)
         if dec.cfg.drafts == "suffix" and dec.cfg.draft_budget == "auto" and self.tq is None:
@@ -160,15 +190,16 @@ class BatchEngine:
         dec.tq = self.tq
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
-        rid = self._next_id
-        self._next_id += 1
+        rid = self._next_id if request_id is None else request_id
+        assert all(r.id != rid for r in [*self.waiting, *self.running]), rid
+        self._next_id = max(self._next_id, rid + 1)
         self.waiting.append(_Request(rid, dec, prompt, set(eos_token_ids or []), tokenizer, need))
         return rid
 
     def check(self, prompt: list[int], cfg: DecodingConfig, tokenizer=None) -> tuple[LookaheadDecoder, int]:
         """Validate a request without queueing it (no state changes; a server calls it from
         its HTTP thread): its decoder and the K/V rows it reserves, or a ValueError."""
-        dec = LookaheadDecoder(self.runner, cfg, draft_store=self.draft_store, tq_curve=self.tq)
+        dec = LookaheadDecoder(self.runner, cfg, self.group, draft_store=self.draft_store, tq_curve=self.tq)
         if dec.cfg.mode != "lookahead":
             raise ValueError("decoding.mode must be 'lookahead' for a batched engine")
         dec._check_request(prompt)
@@ -211,9 +242,24 @@ class BatchEngine:
 
     # -- the step -----------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
-        """Admit, then one batched forward over every running sequence; per-sequence outputs."""
-        self._admit()
+    def admissions(self) -> list[int]:
+        """Ids of the waiting requests the next step admits (FIFO while ``max_batch`` and the
+        K/V reservation allow); no state changes. Under LP rank 0 decides, the others replay."""
+        blocks, ids = self.cache.blocks, []
+        free = len(blocks.free)
+        for req in self.waiting:
+            need = blocks_for(req.need, blocks.block_size)
+            if len(self.running) + len(ids) >= self.max_batch or need > free:
+                break
+            free -= need
+            ids.append(req.id)
+        return ids
+
+    def step(self, admit: Sequence[int] | None = None) -> list[StepOutput]:
+        """Admit (``admit``: exactly these waiting ids, rank 0's decision replayed on a worker
+        rank; None: ``admissions()``), then one batched forward over every running sequence;
+        per-sequence outputs."""
+        self._admit(self.admissions() if admit is None else admit)
         if not self.running:
             return []
         t0 = time.perf_counter()
@@ -229,8 +275,10 @@ class BatchEngine:
         logits_KV = self.forward(items)
         verdicts = self._verify(items, logits_KV)
         t2 = time.perf_counter()
+        merged = self._merge(items, verdicts)
+        t_x = time.perf_counter()
         outputs, edits = [], []
-        for it, verdict in zip(items, verdicts):
+        for it, verdict in zip(items, merged):
             out = self._finish(it, verdict, edits)
             if out is not None:
                 outputs.append(out)
@@ -240,16 +288,19 @@ class BatchEngine:
         self.last_rows, self.steps = rows, self.steps + 1
         for it in items:
             if not it.chunk:  # rows: the whole step's (what it cost); rows_per_rank: the sequence's own
-                rec = StepRecord(len(it.new_tokens), rows, [it.layout.num_rows], t2 - t1, 0.0, (t1 - t0) + (t3 - t2))
+                own = [s.rows for s in it.prop.plan] if self.workers > 1 else [it.layout.num_rows]
+                rec = StepRecord(len(it.new_tokens), rows, own, t2 - t1, t_x - t2, (t1 - t0) + (t3 - t_x))
                 _record(it.req.stats, rec)
             if it.req.run.done:
                 self._leave(it.req)
         return outputs
 
-    def _admit(self) -> None:
+    def _admit(self, ids: Sequence[int]) -> None:
         blocks = self.cache.blocks
-        while self.waiting and len(self.running) < self.max_batch and blocks.can_reserve(self.waiting[0].need):
-            req = self.waiting.popleft()
+        for rid in ids:
+            req = next(r for r in self.waiting if r.id == rid)
+            assert len(self.running) < self.max_batch and blocks.can_reserve(req.need), rid
+            self.waiting.remove(req)
             blocks.reserve(req.id, req.need)
             req.run = req.decoder._start(req.prompt, req.eos, cache=SeqView(self.cache, req.id))
             req.t_start = time.perf_counter()
@@ -257,11 +308,12 @@ class BatchEngine:
 
     def _schedule(self) -> list[_Item]:
         """Who runs this step: every decoding sequence, and prompts within the prefill budget
-        (FIFO; a prompt longer than what is left is fed in chunks over several steps)."""
+        (FIFO; a prompt longer than what is left is fed in chunks over several steps). A
+        decoding sequence always runs whole (under LP its pending rows are the re-fed tokens)."""
         items, budget = [], self.max_prefill_tokens
         for req in self.running:
             pending = len(req.run.pending)
-            if budget is None or pending == 1:
+            if budget is None or pending == 1 or req.run.step > 0:
                 items.append(_Item(req))
             elif pending <= budget:
                 budget -= pending
@@ -426,8 +478,28 @@ class BatchEngine:
             ko += n
         return verdicts
 
-    def _finish(self, it: _Item, verdict, edits: list) -> StepOutput | None:
-        """Publish, collect and book the cache edit of one sequence."""
+    def _merge(self, items: list[_Item], verdicts: list) -> list:
+        """Each decoding sequence's (path over all its candidates, z of every column): its own
+        verdict in one process; under a group ONE exchange for the whole step, every sequence's
+        frame in the batch's order (the same on every rank), then each unpacked as one
+        sequence's would be (lp.decoding: payload / merge_rows)."""
+        if self.group is None:
+            return [None if v is None else it.req.decoder.merge_verdicts(it.req.run, it.prop, v, False)[:2]
+                    for it, v in zip(items, verdicts)]
+        live = [(it, v) for it, v in zip(items, verdicts) if v is not None]
+        if not live:  # prefill chunks only: nothing to agree on
+            return verdicts
+        frames = []
+        for it, v in live:
+            dec = it.req.decoder
+            frames.append((dec.merge.frame, dec.payload(it.prop, v), dec._state_hash(it.req.run)))
+        rows = iter(self.group.exchange_batch(frames))
+        return [None if v is None else it.req.decoder.merge_rows(it.prop, next(rows))
+                for it, v in zip(items, verdicts)]
+
+    def _finish(self, it: _Item, merged, edits: list) -> StepOutput | None:
+        """Publish, collect and book the cache edit of one sequence (its decoder's commit:
+        compaction in one process, crop and re-feed under LP)."""
         req, run = it.req, it.req.run
         cache_len = self.cache.blocks.lengths[req.id]
         if it.chunk:
@@ -435,7 +507,7 @@ class BatchEngine:
             run.pending = run.pending[it.chunk :]
             return None
         dec = req.decoder
-        path, z_all, _ = dec.merge_verdicts(run, it.prop, verdict, False)
+        path, z_all = merged
         emitted = dec.publish(run, path.emitted, False, req.tokenizer)
         dec.collect(run, it.prop, z_all, emitted)
         if run.proc is not None:
@@ -447,10 +519,8 @@ class BatchEngine:
         run.step += 1
         it.new_tokens = emitted
         if not run.done:
-            hits = path.hits if path.winner is not None else 0
-            rows = it.layout.cand_rows[path.winner][:hits] if hits else ()
-            edits.append((req.id, cache_len + it.layout.num_pending, [cache_len + r for r in rows]))
-            run.pending = [emitted[-1]]
+            keep_len, rows, run.pending = dec.commit.plan(cache_len, it.layout, path, emitted)
+            edits.append((req.id, keep_len, rows))
         return StepOutput(req.id, emitted, run.done, run.finish if run.done else None, lps)
 
     def _leave(self, req: _Request) -> None:
@@ -461,8 +531,9 @@ class BatchEngine:
             req.decoder.draft_store.add(req.prompt[-64:] + req.run.out)
         stats = req.stats
         stats.decode_time_s = time.perf_counter() - req.t_start
+        stats.workers = self.workers
         if stats.records:
-            _finish_stats(stats, len(req.run.out), 1)
+            _finish_stats(stats, len(req.run.out), self.workers)
         self._results[req.id] = GenerationResult(list(req.run.out), stats, req.run.finish,
                                                  list(req.run.logprobs) if req.decoder.cfg.logprobs else None)
 
@@ -478,7 +549,8 @@ def generate_batch(decoder: LookaheadDecoder, prompts: Sequence[Sequence[int]], 
         rows = [LookaheadDecoder(decoder.runner, c, tq_curve=decoder.tq).max_step_rows() for c in cfgs]
         kv_tokens = sum(len(p) + c.max_new_tokens + r + 16 for p, c, r in zip(prompts, cfgs, rows))
     engine = BatchEngine(decoder.runner, kv_tokens, max_batch=max_batch or max(len(prompts), 1),
-                         max_prefill_tokens=max_prefill_tokens, tq_curve=decoder.tq, draft_store=decoder.draft_store)
+                         max_prefill_tokens=max_prefill_tokens, tq_curve=decoder.tq, draft_store=decoder.draft_store,
+                         group=decoder.group)
     ids = [engine.add(p, c, eos_token_ids, tokenizer) for p, c in zip(prompts, cfgs)]
     while engine.has_work:
         engine.step()

@@ -21,9 +21,12 @@ check stop strings). A step is a chain of named stages, each a small method:
     commit    publish the K/V of the accepted rows
 
 The one-process / LP difference is two strategies chosen once per decoder, never a
-branch in the loop: ``merge`` (``LocalMerge`` / ``GatherMerge``) and ``commit``
-(``CompactCommit``: move the accepted candidate rows next to the prefix in place,
-the last emitted token is the next step's only pending row; ``RefeedCommit``: no K/V
+branch in the loop: ``merge`` (``LocalMerge`` / ``GatherMerge``: this worker's verdict
+packed by ``payload``, every worker's unpacked by ``merge_rows``; lp.batch calls the two
+around one exchange for all its sequences) and ``commit`` (its ``plan``: what the
+cache keeps, lp.batch books it in its paged cache; ``CompactCommit``: move the
+accepted candidate rows next to the prefix in place, the last emitted token is the
+next step's only pending row; ``RefeedCommit``: no K/V
 crosses workers, every worker crops back to the committed prefix and re-feeds the
 emitted tokens as the next step's pending rows).
 
@@ -42,6 +45,7 @@ import torch
 
 from lp.budget import AcceptanceModel
 from lp.config import DecodingConfig
+from lp.dist import Frame, greedy_payload, read_greedy, read_sampled, sampled_payload
 from lp.drafts import Scored, observe, select_tree, suffix_drafts
 from lp.layout import build_tree_layout
 from lp.model import ModelRunner
@@ -129,67 +133,76 @@ class LocalMerge:
     """One process: the local verdict is the verdict."""
 
     workers, rank = 1, 0
+    frame = None
 
-    def begin(self, emit_slots: int, node_slots: int, column_slots: int) -> None:
+    def begin(self, frame: Frame) -> None:
         pass
 
     def share_curve(self, curve, small_rows):
         return curve, small_rows
 
-    def greedy(self, local: Path, own: list[int], z_local: list[int], plan, cancel: bool, state_hash: int):
+    def __call__(self, dec: "LookaheadDecoder", run: "_Run", prop: "_Proposal", verdict, cancel: bool):
+        if dec.cfg.do_sample:  # one process walked the trie itself
+            return verdict[0], verdict[1], cancel
+        local, z_local = verdict
+        own = prop.plan[0].candidates
         winner = own[local.winner] if local.winner is not None else None
         return Path(local.emitted, winner, local.hits), z_local, cancel
-
-    def sampled(self, root: int, outcomes, z_local, plan, cancel: bool, state_hash: int):
-        raise AssertionError("one process walks the trie directly")
 
 
 class GatherMerge:
     """LP (and TP: any process group): one fixed-shape int64 all_gather per step
-    (lp.dist.WorkerGroup); the decoder sees LP workers, not processes."""
+    (lp.dist.WorkerGroup); the decoder sees LP workers, not processes. The verdict is
+    packed (``LookaheadDecoder.payload``) and every worker's payload unpacked
+    (``LookaheadDecoder.merge_rows``) by the same code in one sequence and in a batch
+    (lp.batch gathers every sequence's frame at once)."""
 
     def __init__(self, group):
         self.group = group
         self.workers = group.lp_size
         self.rank = group.lp_rank
+        self.frame: Frame | None = None
 
-    def begin(self, emit_slots: int, node_slots: int, column_slots: int) -> None:
-        self.group.begin(emit_slots, node_slots, column_slots)
+    def begin(self, frame: Frame) -> None:
+        self.frame = frame
+        self.group.begin(frame)
 
     def share_curve(self, curve, small_rows):
         """Rank 0's t(Q) curve and small-row kernel choice on every rank: the budget's
         decisions must agree."""
         return self.group.share_curve(curve, small_rows)
 
-    def greedy(self, local: Path, own: list[int], z_local: list[int], plan, cancel: bool, state_hash: int):
-        winner = own[local.winner] if local.winner is not None else -1
-        table, cancelled = self.group.exchange_greedy(local.hits, winner, local.emitted, z_local, plan,
-                                                      cancel, state_hash)
-        best = table[max(range(self.workers), key=lambda k: (table[k].hits, -k))]  # longest, lowest rank
-        z_all = [t for k in range(self.workers) for t in table[k].z]
-        return Path(best.emitted, best.winner if best.winner >= 0 else None, best.hits), z_all, cancelled
-
-    def sampled(self, root: int, outcomes, z_local, plan, cancel: bool, state_hash: int):
-        return self.group.exchange_sampled(root, outcomes, z_local, plan, cancel, state_hash)
+    def __call__(self, dec: "LookaheadDecoder", run: "_Run", prop: "_Proposal", verdict, cancel: bool):
+        rows, cancelled = self.group.exchange(dec.payload(prop, verdict), cancel, dec._state_hash(run))
+        path, z_all = dec.merge_rows(prop, rows)
+        return path, z_all, cancelled
 
 
 class CompactCommit:
     """One process: accepted candidate rows move next to the prefix; x' is the only pending row."""
 
-    def __call__(self, runner, cache, cache_len: int, layout, path: Path, emitted: list[int]) -> list[int]:
-        keep_len = cache_len + layout.num_pending
+    def plan(self, cache_len: int, layout, path: Path, emitted: list[int]) -> tuple[int, list[int], list[int]]:
+        """(rows of the cache kept, cache rows moved right after them, next step's pending tokens)."""
         hits = path.hits if path.winner is not None else 0
         rows = layout.cand_rows[path.winner][:hits] if hits else ()
-        runner.compact(cache, keep_len, [cache_len + r for r in rows])
-        return [emitted[-1]]
+        return cache_len + layout.num_pending, [cache_len + r for r in rows], [emitted[-1]]
+
+    def __call__(self, runner, cache, cache_len: int, layout, path: Path, emitted: list[int]) -> list[int]:
+        keep_len, rows, pending = self.plan(cache_len, layout, path, emitted)
+        runner.compact(cache, keep_len, rows)
+        return pending
 
 
 class RefeedCommit:
     """LP: crop to the committed prefix, re-feed the emitted tokens next step."""
 
+    def plan(self, cache_len: int, layout, path: Path, emitted: list[int]) -> tuple[int, list[int], list[int]]:
+        return cache_len + layout.num_pending, [], list(emitted)
+
     def __call__(self, runner, cache, cache_len: int, layout, path: Path, emitted: list[int]) -> list[int]:
-        runner.crop(cache, cache_len + layout.num_pending)
-        return list(emitted)
+        keep_len, _, pending = self.plan(cache_len, layout, path, emitted)
+        runner.crop(cache, keep_len)
+        return pending
 
 
 # ---------------------------------------------------------------------------
@@ -370,9 +383,9 @@ class LookaheadDecoder:
                        max_prefill_tokens: int | None = None) -> list[GenerationResult]:
         """Decode several prompts in batched steps over one paged K/V cache (lp.batch), each
         with this decoder's config or its own (``configs``, one per prompt); one result per
-        prompt, in order. ``kv_tokens`` None: room for all of them at once."""
-        if self.group is not None:
-            raise ValueError("generate_batch runs in one process (parallel.workers=1)")
+        prompt, in order. ``kv_tokens`` None: room for all of them at once. Under a group
+        (LP) every rank calls it with the same prompts and settings: each sequence's rows are
+        sharded over the workers, one exchange per step carries every sequence's verdict."""
         from lp.batch import generate_batch
 
         return generate_batch(self, prompts, eos_token_ids, tokenizer, configs, max_batch, kv_tokens,
@@ -402,7 +415,7 @@ class LookaheadDecoder:
         if cache is None:
             rows = self.max_step_rows()
             cache = self.runner.new_cache(len(prompt_ids) + cfg.max_new_tokens + rows, rows)
-        self.merge.begin(self.max_draft + 1, self.draft_rows, cfg.W + cfg.N - 2)
+        self.merge.begin(Frame(self.max_draft + 1, self.draft_rows, cfg.W + cfg.N - 2))
         proc = RowProcessor(cfg, prompt_ids, self.runner.vocab_size, self.runner.device) if wants_processing(cfg) \
             else None
         return _Run(list(prompt_ids), list(prompt_ids), window, pool, context, cache, eos, index, proc=proc)
@@ -485,24 +498,37 @@ class LookaheadDecoder:
 
     def merge_verdicts(self, run: _Run, prop: _Proposal, verdict, cancel: bool):
         """(path over all candidates, z of every column in order, cancelled)."""
-        state_hash = self._state_hash(run)
-        mine = prop.plan[self.rank]
+        return self.merge(self, run, prop, verdict, cancel)
+
+    def payload(self, prop: _Proposal, verdict) -> list[int]:
+        """This worker's verdict as its int64 exchange payload (lp.dist, this run's frame)."""
+        frame = self.merge.frame
         if not self.cfg.do_sample:
             local, z_local = verdict
-            return self.merge.greedy(local, mine.candidates, z_local, prop.plan, cancel, state_hash)
-        if isinstance(verdict[0], Path):  # one process walked the trie itself
-            return verdict[0], verdict[1], cancel
+            own = prop.plan[self.rank].candidates
+            winner = own[local.winner] if local.winner is not None else -1
+            return greedy_payload(frame, local.hits, winner, local.emitted, z_local)
         root, outcomes, z_local = verdict
-        roots, rows, zs, cancelled = self.merge.sampled(root, outcomes, z_local, prop.plan, cancel, state_hash)
+        return sampled_payload(frame, root, outcomes, z_local)
+
+    def merge_rows(self, prop: _Proposal, rows: list[list[int]]) -> tuple[Path, list[int]]:
+        """Every LP worker's payload (``rows[k]``) -> (path over all candidates, z of every
+        column in order); the same on every rank."""
+        frame = self.merge.frame
+        if not self.cfg.do_sample:
+            table = read_greedy(frame, rows, prop.plan)
+            best = table[max(range(len(table)), key=lambda k: (table[k].hits, -k))]  # longest, lowest rank
+            z_all = [t for hit in table for t in hit.z]
+            return Path(best.emitted, best.winner if best.winner >= 0 else None, best.hits), z_all
+        roots, nodes, zs = read_sampled(frame, rows, prop.plan)
         owner = {c: (k, i) for k, s in enumerate(prop.plan) for i, c in enumerate(s.candidates)}
         tries = [merge_trie([prop.candidates[c] for c in s.candidates]) for s in prop.plan]
 
         def outcome(depth: int, c: int) -> int:
             k, i = owner[c]
-            return rows[k][tries[k].paths[i][depth - 1]]
+            return nodes[k][tries[k].paths[i][depth - 1]]
 
-        path = walk(prop.candidates, roots[0], outcome)
-        return path, [t for z in zs for t in z], cancelled
+        return walk(prop.candidates, roots[0], outcome), [t for z in zs for t in z]
 
     def publish(self, run: _Run, emitted: list[int], cancelled: bool, tokenizer) -> list[int]:
         """Truncate by max_new_tokens, eos, stop strings; append; decide whether to stop."""

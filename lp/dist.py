@@ -15,13 +15,19 @@ and the decoder see, ``rank``/``world_size`` the global process.
 
 One exchange per step, one fixed-shape int64 ``all_gather_into_tensor`` over the
 whole world into buffers allocated once per generation (``begin``; no pickled
-objects, no per-step allocation). Every rank reads LP worker k's payload from
-the row of k's tp rank 0, so every tp rank of every worker applies the very same
-verdicts (the tp ranks compute the same rows and send the same payload; reading
-one of them makes agreement hold by construction, with no extra broadcast, and
-rank 0's cancel flag reaches every process). Every payload ends with [cancel,
-state_hash]; rank 0's cancel flag stops every rank at the same step. Every rank
-knows the shard plan, so the payload layout is known to all:
+objects, no per-step allocation). A sequence's payload travels in a ``Frame`` (its
+fixed slot sizes, chosen once per generation), packed and read by the same helpers
+(``greedy_payload`` / ``sampled_payload``, ``read_greedy`` / ``read_sampled``) in one
+sequence (``exchange``) and in a batched step (``exchange_batch``, lp.batch: every
+running sequence's frame, in the batch's order, concatenated into ONE all_gather;
+its buffers are reallocated only when the batch's shape changes). Every rank reads
+LP worker k's payload from the row of k's tp rank 0, so every tp rank of every
+worker applies the very same verdicts (the tp ranks compute the same rows and send
+the same payload; reading one of them makes agreement hold by construction, with
+no extra broadcast, and rank 0's cancel flag reaches every process). Every frame
+ends with [cancel, state_hash]; rank 0's cancel flag stops every rank at the same
+step (a batch's cancellations ride with rank 0's step message instead, its flags
+are 0). Every rank knows the shard plan, so the payload layout is known to all:
 
 greedy   [hits, winner, emitted[0..E-1], z[0..C-1], state_hash]
          hits: the rank's longest verified run over its own candidates;
@@ -42,7 +48,8 @@ sampled  [root, outcome[0..M-1], z[0..C-1], state_hash]
 
 ``state_hash`` is a fingerprint of pool, window and output taken before the step
 when ``parallel.check_divergence`` is on (else 0), compared over every process
-(tp ranks included); a mismatch stops the job at the first divergent step.
+(tp ranks included), per sequence in a batch; a mismatch stops the job at the first
+divergent step.
 
 Failure: a collective that does not complete within ``parallel.timeout_s``
 (a dead or stuck peer) raises; ``lp.generate`` turns that into a clear message
@@ -146,6 +153,61 @@ def _pg_options(backend: str, timeout: datetime.timedelta):
     return opts
 
 
+@dataclass(frozen=True)
+class Frame:
+    """The fixed shape of one sequence's exchange payload (chosen once per generation):
+    ``emit``: most tokens a step publishes (longest candidate + 1); ``nodes``: most
+    draft-trie rows of a step; ``columns``: most window columns one rank can own
+    (W + N - 2: the warm-up window is widest). ``size``: the larger of the greedy and
+    sampled payloads, plus cancel flag and state hash."""
+
+    emit: int
+    nodes: int
+    columns: int
+
+    @property
+    def size(self) -> int:
+        return max(2 + self.emit, 1 + self.nodes) + self.columns + 2
+
+
+def greedy_payload(frame: Frame, hits: int, winner: int, emitted: list[int], z_local: list[int]) -> list[int]:
+    return [hits, winner] + _pad(emitted, frame.emit) + list(z_local)
+
+
+def sampled_payload(frame: Frame, root: int, outcomes: list[int], z_local: list[int]) -> list[int]:
+    return [root] + _pad(list(outcomes), frame.nodes) + list(z_local)
+
+
+def read_greedy(frame: Frame, rows: list[list[int]], plan) -> list[RankHit]:
+    """Every LP worker's greedy payload (``rows[k]``) -> its RankHit."""
+    out = []
+    for k, row in enumerate(rows):
+        n = row[0] + 1
+        cols = len(plan[k].columns)
+        out.append(RankHit(row[0], row[1], row[2 : 2 + n], row[2 + frame.emit : 2 + frame.emit + cols]))
+    return out
+
+
+def read_sampled(frame: Frame, rows: list[list[int]], plan):
+    """-> (root outcome per rank, [outcomes by own trie node] per rank, z per rank)."""
+    m = frame.nodes
+    roots = [row[0] for row in rows]
+    nodes = [row[1 : 1 + m] for row in rows]
+    zs = [row[1 + m : 1 + m + len(plan[k].columns)] for k, row in enumerate(rows)]
+    return roots, nodes, zs
+
+
+def _write_frame(buf, payload: list[int], cancel: bool, state_hash: int) -> None:
+    """One frame into ``buf`` (a numpy view of its ``Frame.size`` slots): payload, -1 padding,
+    cancel flag, state hash."""
+    n = len(payload)
+    assert n + 2 <= len(buf), (n, len(buf))
+    buf[:n] = payload
+    buf[n:-2] = -1
+    buf[-2] = int(cancel)
+    buf[-1] = state_hash
+
+
 class WorkerGroup:
     def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, cfg: ParallelConfig,
                  tp: int = 1, mesh=None):
@@ -161,19 +223,13 @@ class WorkerGroup:
         self.tp_mesh = mesh["tp"] if mesh is not None else None
         self.check_divergence = cfg.check_divergence
         self._slots = 0
-        self._n_slots = 0
+        self._batch_slots = 0
 
     # -- the exchange ---------------------------------------------------------
 
-    def begin(self, emit_slots: int, node_slots: int, column_slots: int) -> None:
-        """Allocate the exchange buffers for one generation (fixed shape for every step):
-        the larger of the greedy and sampled payloads, plus cancel flag and state hash.
-        ``emit_slots``: most tokens a step publishes (longest candidate + 1);
-        ``node_slots``: most draft-trie rows of a step; ``column_slots``: most window
-        columns one rank can own (W + N - 2: the warm-up window is widest)."""
-        slots = max(2 + emit_slots, 1 + node_slots) + column_slots + 2
-        self._n_slots = emit_slots
-        self._m_slots = node_slots
+    def begin(self, frame: Frame) -> None:
+        """Allocate the exchange buffers for one generation (fixed shape for every step)."""
+        slots = frame.size
         if slots != self._slots:
             self._slots = slots
             self._send = torch.zeros(slots, dtype=torch.long, device=self.device)
@@ -181,53 +237,56 @@ class WorkerGroup:
             self._host = torch.zeros(slots, dtype=torch.long, pin_memory=self.device.type == "cuda")
             self._host_np = self._host.numpy()
 
-    def _all_gather(self, payload: list[int], cancel: bool, state_hash: int) -> tuple[list[list[int]], bool]:
-        n = len(payload)
-        assert n + 2 <= self._slots, (n, self._slots)
-        self._host_np[:n] = payload
-        self._host_np[n:-2] = -1
-        self._host_np[-2] = int(cancel)
-        self._host_np[-1] = state_hash if self.check_divergence else 0
+    def exchange(self, payload: list[int], cancel: bool, state_hash: int) -> tuple[list[list[int]], bool]:
+        """One sequence's step: -> (payload row of every LP worker, rank 0's cancel flag)."""
+        _write_frame(self._host_np, payload, cancel, state_hash if self.check_divergence else 0)
+        rows = self._gather(self._host, self._send, self._recv, self._slots)
+        return self._frames_of(rows, 0, self._slots)
+
+    def exchange_batch(self, frames: list[tuple[Frame, list[int], int]]) -> list[list[list[int]]]:
+        """A batched step (lp.batch): ``frames`` = [(frame, payload, state_hash)] per sequence,
+        in the batch's order (the same on every rank). ONE all_gather of the concatenated
+        frames; -> per sequence, the payload row of every LP worker. Cancellation rides with
+        the step's request message instead (lp.server.batched), so every cancel flag is 0."""
+        total = sum(f.size for f, _, _ in frames)
+        if total != self._batch_slots:  # a new batch shape: buffers for it, kept while it lasts
+            self._batch_slots = total
+            self._bsend = torch.zeros(total, dtype=torch.long, device=self.device)
+            self._brecv = torch.zeros(self.world_size * total, dtype=torch.long, device=self.device)
+            self._bhost = torch.zeros(total, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        host_np, off = self._bhost.numpy(), 0
+        for frame, payload, state_hash in frames:
+            _write_frame(host_np[off : off + frame.size], payload, False, state_hash if self.check_divergence else 0)
+            off += frame.size
+        rows = self._gather(self._bhost, self._bsend, self._brecv, total)
+        out, off = [], 0
+        for frame, _, _ in frames:
+            out.append(self._frames_of(rows, off, frame.size)[0])
+            off += frame.size
+        return out
+
+    def _gather(self, host: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, slots: int) -> list[list[int]]:
         if self.device.type == "cpu":
-            send = self._host
+            send = host
         else:
-            send = self._send
-            send.copy_(self._host, non_blocking=True)
+            send.copy_(host, non_blocking=True)
         try:
-            dist.all_gather_into_tensor(self._recv, send)
+            dist.all_gather_into_tensor(recv, send)
         except Exception as e:  # gloo/nccl raise on timeout or a vanished peer
             raise WorkerFailure(f"per-step exchange failed ({type(e).__name__}: {e})") from e
-        rows = self._recv.view(self.world_size, self._slots).tolist()  # one device->host read
+        return recv.view(self.world_size, slots).tolist()  # one device->host read
+
+    def _frames_of(self, rows: list[list[int]], off: int, size: int) -> tuple[list[list[int]], bool]:
+        """One frame [off, off + size) of every process's row: the divergence check, then
+        (LP worker k's payload: the row of its tp rank 0, global rank k * tp; rank 0's cancel)."""
+        frames = [row[off : off + size] for row in rows]
         if self.check_divergence:
-            hashes = [row[-1] for row in rows]
+            hashes = [f[-1] for f in frames]
             if len(set(hashes)) != 1:
                 raise WorkerFailure(
                     f"ranks diverged: pool/window/output fingerprints differ across ranks {hashes}"
                 )
-        # LP worker k's payload: the row of its tp rank 0 (global rank k * tp)
-        return rows[:: self.tp_size], bool(rows[0][-2])  # rank 0 decides cancellation
-
-    def exchange_greedy(self, hits, winner, emitted, z_local, plan, cancel=False, state_hash=0):
-        """-> ([RankHit per rank], cancelled)."""
-        n_slots = self._n_slots
-        payload = [hits, winner] + _pad(emitted, n_slots) + list(z_local)
-        rows, cancelled = self._all_gather(payload, cancel, state_hash)
-        out = []
-        for k, row in enumerate(rows):
-            n = row[0] + 1
-            cols = len(plan[k].columns)
-            out.append(RankHit(row[0], row[1], row[2 : 2 + n], row[2 + n_slots : 2 + n_slots + cols]))
-        return out, cancelled
-
-    def exchange_sampled(self, root, outcomes, z_local, plan, cancel=False, state_hash=0):
-        """-> (root outcome per rank, [outcomes by own trie node] per rank, z per rank, cancelled)."""
-        m = self._m_slots
-        payload = [root] + _pad(list(outcomes), m) + list(z_local)
-        rows, cancelled = self._all_gather(payload, cancel, state_hash)
-        roots = [row[0] for row in rows]
-        nodes = [row[1 : 1 + m] for row in rows]
-        zs = [row[1 + m : 1 + m + len(plan[k].columns)] for k, row in enumerate(rows)]
-        return roots, nodes, zs, cancelled
+        return frames[:: self.tp_size], bool(frames[0][-2])  # rank 0 decides cancellation
 
     def share_curve(self, curve, small_rows):
         """Rank 0's [(Q, seconds)] and its small-row kernel set (lp.kernels, a subset of the
@@ -260,27 +319,27 @@ def _pad(values: list[int], size: int) -> list[int]:
 
 
 # ===========================================================================
-# Request channel (lp.serve): rank 0 hands each request to every rank.
+# Request channel (lp.serve): rank 0 hands each step's joins and leaves to every rank.
 #
 # Separate from the per-step exchange above. Rank 0 (the HTTP server) sends one
 # fixed-shape int64 header by broadcast, then, when the header announces a payload,
-# one int64 broadcast of that payload (the prompt's token ids and whatever else the
-# caller packs as integers). No pickled objects. The other ranks block in
-# ``recv()`` with the process group's bounded timeout (parallel.timeout_s): rank 0
+# one int64 broadcast of that payload (lp.server.engine.pack_step: the joining
+# requests' token ids and settings, the aborted and the admitted ids). No pickled
+# objects. The other ranks block in ``recv()`` with the process group's bounded timeout (parallel.timeout_s): rank 0
 # sends an IDLE header every few seconds when no request is queued and a SHUTDOWN
 # header on exit, so a missing header means a dead rank 0 and the wait ends in
 # WorkerFailure instead of hanging forever.
 #
 #   header [MAGIC, kind, seq, n_payload, field[0..FIELDS-1]]
-#          kind: IDLE | REQUEST | SHUTDOWN; seq: rank 0's running header count
+#          kind: IDLE | STEP | SHUTDOWN; seq: rank 0's running header count
 #          (every rank checks it, so a lost or extra header is caught);
-#          fields: caller-defined int64 values (lp.server.engine packs the request's
-#          decoding settings there).
+#          fields: caller-defined int64 values (lp.server.engine.pack_step: counts and
+#          whether a step runs).
 
 
 class RequestChannel:
     MAGIC = 0x4C50_5256  # "LPRV"
-    IDLE, REQUEST, SHUTDOWN = 0, 1, 2
+    IDLE, STEP, SHUTDOWN = 0, 1, 2
     FIELDS = 24
     HEADER = 4 + FIELDS
 
@@ -324,7 +383,7 @@ class RequestChannel:
         header = self._broadcast(torch.zeros(self.HEADER, dtype=torch.long, device=self.group.device), "header")
         magic, kind, seq, n = header[:4].tolist()
         self.seq += 1
-        if magic != self.MAGIC or seq != self.seq or kind not in (self.IDLE, self.REQUEST, self.SHUTDOWN):
+        if magic != self.MAGIC or seq != self.seq or kind not in (self.IDLE, self.STEP, self.SHUTDOWN):
             raise WorkerFailure(
                 f"rank {self.group.rank}: bad request header (magic {magic:#x}, kind {kind}, seq {seq}, expected {self.seq})"
             )

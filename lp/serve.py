@@ -4,8 +4,11 @@ Contract: the Hydra main is thin: it turns the composed config (groups model, de
 parallel, server; conf/serve.yaml) into ``lp.server.config.ServeConfig`` and calls
 ``run``. Every rank loads the model; under torchrun the ranks first check that they all
 loaded the same model (``RequestChannel.handshake``). Rank 0 then serves HTTP
-(``lp.server.app`` on uvicorn) and decodes in the engine thread; the other ranks run
-``lp.server.engine.worker_loop`` until rank 0 sends SHUTDOWN. A dead worker or a silent
+(``lp.server.app`` on uvicorn) and decodes in the engine thread: continuous batching
+(``lp.server.batched.BatchedEngine``, ``server.max_batch`` requests per step) in one
+process and under LP alike; under LP the other ranks hold the same batch
+(``lp.server.batched.worker_loop``: rank 0's joins, aborts and admissions ride with each
+step, each sequence's rows are sharded over the workers) until rank 0 sends SHUTDOWN. A dead worker or a silent
 rank 0 ends every rank within ``parallel.timeout_s`` with a ``[lp.serve] ...`` log line
 and exit status 3; a normal shutdown (SIGINT/SIGTERM to rank 0 or to torchrun) exits 0.
 
@@ -91,12 +94,23 @@ def run(cfg: ServeConfig) -> int:
     return _serve_http(cfg, runner, tokenizer, eos, group, model)
 
 
-def _serve_worker(cfg: ServeConfig, runner, tokenizer, eos, group) -> int:
-    from lp.server.engine import worker_loop
+def _batch_engine(cfg: ServeConfig, runner, group):
+    """The batch engine every rank holds (its sizes from server.*; under LP a collective:
+    every rank builds it at the same point, rank 0's t(Q) curve is shared)."""
+    from lp.batch import BatchEngine
 
-    log.info("[lp.serve] rank %d ready, waiting for requests from rank 0", group.rank)
+    s = cfg.server
+    return BatchEngine(runner, s.kv_tokens, max_batch=s.max_batch, max_prefill_tokens=s.max_prefill_tokens,
+                       draft_store=_draft_store(cfg), group=group)
+
+
+def _serve_worker(cfg: ServeConfig, runner, tokenizer, eos, group) -> int:
+    from lp.server.batched import worker_loop
+
     try:
-        worker_loop(runner, tokenizer, eos, group, cfg.decoding, _draft_store(cfg))
+        engine = _batch_engine(cfg, runner, group)
+        log.info("[lp.serve] rank %d ready, waiting for requests from rank 0", group.rank)
+        worker_loop(engine, tokenizer, eos, cfg.decoding, group)
     except WorkerFailure as e:
         log.error("[lp.serve] rank %d: %s (rank 0 gone or silent for parallel.timeout_s=%gs); stopping this worker",
                   group.rank, e, cfg.parallel.timeout_s)
@@ -123,7 +137,7 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
     import uvicorn
 
     from lp.server.app import create_app
-    from lp.server.engine import Engine
+    from lp.server.batched import BatchedEngine
     from lp.server.metrics import ServerMetrics
     from lp.server.protocol import ServingContext
 
@@ -131,14 +145,13 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
     world = group.lp_size if group is not None else 1  # LP workers (each a TP group of parallel.tp)
     heartbeat = min(s.heartbeat_s, cfg.parallel.timeout_s / 3)
     metrics = ServerMetrics(world)
-    if group is None:  # continuous batching (lp.batch); LP keeps one request at a time
-        from lp.server.batched import BatchedEngine
-
+    try:  # continuous batching (lp.batch), under LP too: every rank holds the same batch
         engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, s.kv_tokens, s.max_prefill_tokens,
-                               metrics, draft_store=_draft_store(cfg))
-        metrics.kv_blocks_total.set(engine.batch.cache.blocks.num_blocks)
-    else:
-        engine = Engine(runner, tokenizer, eos, group, s.max_queue, heartbeat, metrics, draft_store=_draft_store(cfg))
+                               metrics, draft_store=_draft_store(cfg), group=group, heartbeat_s=heartbeat)
+    except WorkerFailure as e:
+        log.error("[lp.serve] rank 0: worker failure: %s; stopping", e)
+        os._exit(3)
+    metrics.kv_blocks_total.set(engine.batch.cache.blocks.num_blocks)
     ctx = ServingContext(model_id_of(cfg), tokenizer, runner.vocab_size, runner.max_positions, cfg.decoding, s,
                          workers=world)
     app = create_app(engine, ctx, metrics, s.retry_after_s, api_key=s.api_key or os.environ.get("LP_API_KEY"))

@@ -7,8 +7,8 @@ token for token (and the offline CLI's ``lp.generate.run``); streamed deltas con
 to the non-streamed content; stop strings (cut before the stop, finish_reason "stop");
 usage; OpenAI-style 400s for bad input with the server still serving; a client that
 disconnects mid-stream cancels its generation; a full queue answers 429 with Retry-After;
-/health, /v1/models, /metrics; a clean shutdown; under LP, a killed worker ends the
-whole server.
+/health, /v1/models, /metrics; a clean shutdown; under LP (continuous batching too),
+3 concurrent requests equal generate and a killed worker ends the whole server.
 """
 
 from __future__ import annotations
@@ -591,17 +591,71 @@ def test_lp_disconnect_then_next_request(lp2, refs):
     assert chat_create(lp2, CHAT[1]).choices[0].message.content == text  # ranks still in step
 
 
-def test_lp_killed_worker_ends_the_server(lp2):
-    torchrun = lp2.proc.pid
-    kids = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(torchrun)], capture_output=True,
+def test_lp_concurrent_requests_equal_generate(lp2, refs):
+    """The issue's must-show: 3 requests at once (openai clients in threads) into one running
+    batch on 2 LP workers; each answer equals greedy generate (= the one-process server's)
+    token for token; the batch drained and its blocks are free."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    la = {"lookahead": {"return_token_ids": True}}
+
+    def chat(text):
+        return chat_create(lp2, text, extra_body=la)
+
+    def completion():
+        return lp2.client().completions.create(model="smollm2", prompt=RAW, max_tokens=M, temperature=0,
+                                               extra_body=la)
+
+    before = lp2.metrics()
+    with ThreadPoolExecutor(3) as pool:
+        futs = [pool.submit(chat, CHAT[0]), pool.submit(chat, CHAT[1]), pool.submit(completion)]
+        got = [f.result(600) for f in futs]
+    for text, r in zip(CHAT, got[:2]):
+        _, new, content, finish = expected(refs, text)
+        assert r.model_extra["lookahead"]["output_ids"] == new and r.choices[0].message.content == content
+        assert r.choices[0].finish_reason == finish and r.model_extra["lookahead"]["workers"] == 2
+    _, new, content, _ = expected(refs, RAW)
+    assert got[2].model_extra["lookahead"]["output_ids"] == new and got[2].choices[0].text == content
+    t = time.monotonic()  # the gauges move right after the step that answered the last one
+    while (m := lp2.metrics())["lp_batch_running"] > 0 or m["lp_kv_blocks_in_use"] > 0:
+        assert time.monotonic() - t < 30, "the batch did not drain"
+        time.sleep(0.2)
+    assert m["lp_workers"] == 2
+    steps = m["lp_step_rows_count"] - before.get("lp_step_rows_count", 0)  # batched steps the engine ran
+    per_request = m["lp_decode_steps_total"] - before.get("lp_decode_steps_total", 0)  # each request's steps
+    assert 0 < steps < per_request, (steps, per_request)  # the requests shared steps
+
+
+def rank_pids(server) -> dict[int, int]:
+    """{global rank: pid} of an LP server's torchrun children."""
+    kids = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True,
                           text=True).stdout.splitlines()
     pids = [int(line.split()[0]) for line in kids if "lp.serve" in line]
     assert len(pids) == 2, kids
     ranks = {}
     for pid in pids:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        rank = next(int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK="))
-        ranks[rank] = pid
+        ranks[next(int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK="))] = pid
+    return ranks
+
+
+def test_lp_shutdown_is_clean(tmp_path_factory):
+    """SIGTERM to rank 0 of an LP server that served a request: every rank exits 0."""
+    server = start(tmp_path_factory, "serve_lp2_clean", 2, ["parallel.timeout_s=20", "server.heartbeat_s=2",
+                                                             "server.max_batch=2"])
+    try:
+        assert chat_create(server, CHAT[1], max_tokens=4).usage.completion_tokens >= 1
+        os.kill(rank_pids(server)[0], signal.SIGTERM)
+        rc = server.proc.wait(60)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert rc == 0, server.log()[-3000:]
+    assert "[lp.serve] stopped" in server.log() and "shutdown from rank 0" in server.log()
+
+
+def test_lp_killed_worker_ends_the_server(lp2):
+    ranks = rank_pids(lp2)
+    pids = list(ranks.values())
     t = time.monotonic()
     os.kill(ranks[1], signal.SIGKILL)
     try:

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI-compatible routes over one ``Engine``.
+"""The FastAPI app: OpenAI-compatible routes over one ``lp.server.batched.BatchedEngine``.
 
 Contract: ``create_app(engine, ctx, metrics)`` returns the app; it never runs torch
 itself (decoding happens in the engine's thread). Routes:

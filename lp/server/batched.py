@@ -1,18 +1,28 @@
-"""Continuous batching behind lp.serve: one decode thread stepping a ``lp.batch.BatchEngine``.
+"""Continuous batching behind lp.serve: one decode thread stepping a ``lp.batch.BatchEngine``,
+in one process or as rank 0 of Lookahead Parallelism.
 
-Contract: the same face to the HTTP side as ``lp.server.engine.Engine`` (``submit``,
-``queue_depth``, ``ready``, ``stop``, ``request_stop``, ``workers``, ``max_queue``,
-``failed``) and the same job events (``("tokens", ids)`` per step, then ``("done",
-Outcome)`` or ``("error", ApiError)``). Scheduling is per iteration: at every step
-boundary the thread hands newly submitted jobs to the batch engine (FIFO; they start
-when ``server.max_batch`` and the K/V reservation allow, their prompts fed in chunks of
-``server.max_prefill_tokens`` rows inside the same forward as the others' decode rows),
-aborts cancelled ones (their blocks are freed at once) and runs one batched step.
+Contract: ``BatchedEngine`` faces the HTTP side with ``submit``, ``queue_depth``, ``ready``,
+``stop``, ``request_stop``, ``workers``, ``max_queue``, ``failed`` and the job events of
+``lp.server.engine.Job`` (``("tokens", ids)`` per step, then ``("done", Outcome)`` or
+``("error", ApiError)``). Scheduling is per iteration: at every step boundary the thread
+hands newly submitted jobs to the batch engine (FIFO; they start when ``server.max_batch``
+and the K/V reservation allow, their prompts fed in chunks of ``server.max_prefill_tokens``
+rows inside the same forward as the others' decode rows), aborts cancelled ones (their
+blocks are freed at once) and runs one batched step.
 
 ``submit`` validates a request against the K/V pool at once (``ApiError`` 400 for one
 that can never fit ``server.kv_tokens``) and raises ``QueueFull`` when
-``server.max_queue`` requests already wait to start. One process only: under LP the
-server keeps the one-at-a-time ``Engine``.
+``server.max_queue`` requests already wait to start.
+
+Under LP (``group``) every rank holds the same batch: joins, aborts and admissions are
+decided by rank 0 only and ride with the step. Before each step rank 0 sends one STEP
+message through ``lp.dist.RequestChannel`` (``lp.server.engine.pack_step``: the requests
+that joined, each with rank 0's request id, the ids aborted, the ids the step admits),
+then every rank runs the same ``BatchEngine.step``; the other ranks run ``worker_loop``,
+which replays the message and steps. With nothing to do rank 0 sends an IDLE header every
+``heartbeat_s``, and SHUTDOWN on ``stop()``. A dead or stuck worker surfaces as
+``WorkerFailure`` on rank 0 within ``parallel.timeout_s`` (the step's exchange or the
+channel): the engine logs it, fails every request with 503 and calls ``on_fatal``.
 """
 
 from __future__ import annotations
@@ -23,19 +33,25 @@ import threading
 import time
 
 from lp.batch import BatchEngine
-from lp.server.engine import Outcome, QueueFull, Unavailable
+from lp.dist import RequestChannel, WorkerFailure
+from lp.server.engine import Outcome, QueueFull, Unavailable, pack_step, unpack_step
 from lp.server.protocol import ApiError
 
 log = logging.getLogger("lp.serve")
 
 
 class BatchedEngine:
-    workers = 1
-
     def __init__(self, runner, tokenizer, eos: list[int], max_queue: int, max_batch: int, kv_tokens: int,
-                 max_prefill_tokens: int | None, metrics=None, on_fatal=None, draft_store=None, tq_curve=None):
+                 max_prefill_tokens: int | None, metrics=None, on_fatal=None, draft_store=None, tq_curve=None,
+                 group=None, heartbeat_s: float = 5.0):
         self.batch = BatchEngine(runner, kv_tokens, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
-                                 tq_curve=tq_curve, draft_store=draft_store)
+                                 tq_curve=tq_curve, draft_store=draft_store, group=group)
+        self.group = group
+        self.workers = self.batch.workers  # LP workers (x parallel.tp processes)
+        self.channel = RequestChannel(group) if group is not None else None
+        self.heartbeat_s = heartbeat_s
+        self._joined: list = []  # (id, prompt ids, decoding) added since the last STEP message (LP)
+        self._aborted: list[int] = []  # ids aborted since the last STEP message (LP)
         self.tokenizer = tokenizer
         self.eos = eos
         self.max_queue = max_queue
@@ -94,27 +110,64 @@ class BatchedEngine:
     # -- the decode thread ---------------------------------------------------
 
     def _loop(self) -> None:
+        last = time.monotonic()  # the last message to the workers (LP)
         try:
             while True:
                 with self._cond:
                     while not self._new and not self.batch.has_work and not self.stopping:
-                        self._cond.wait()
+                        if self.channel is None:
+                            self._cond.wait()
+                            continue
+                        left = self.heartbeat_s - (time.monotonic() - last)
+                        if left <= 0:
+                            break
+                        self._cond.wait(timeout=left)
                     if self.stopping:
                         break
                     new, self._new = list(self._new), collections.deque()
                 for job in new:
                     self._join(job)
                 self._reap_cancelled()
+                admit = None
+                if self.channel is not None:
+                    admit = self._announce()
+                    last = time.monotonic()
                 if self.batch.has_work:
-                    self._step()
+                    self._step(admit)
                 self._gauges()
+        except WorkerFailure as e:
+            self._fatal(f"worker failure: {e}")
         except Exception as e:  # noqa: BLE001  (a bug: never leave the server wedged)
             log.exception("decode thread crashed")
-            self.failed = f"decode thread crashed: {type(e).__name__}: {e}"
-            if self.on_fatal is not None:
-                self.on_fatal()
+            self._fatal(f"decode thread crashed: {type(e).__name__}: {e}")
         finally:
             self._drain("the server is shutting down" if self.failed is None else self.failed)
+            if self.channel is not None and self.failed is None:
+                try:
+                    self.channel.send(RequestChannel.SHUTDOWN)
+                    log.info("sent shutdown to %d other rank(s)", self.group.world_size - 1)
+                except WorkerFailure as e:
+                    log.error("could not send shutdown to the workers: %s", e)
+
+    def _announce(self) -> list[int]:
+        """LP: the step's joins, aborts and admissions to every rank (one STEP message), or
+        an IDLE heartbeat when nothing changed and nothing runs. -> the ids the step admits."""
+        run = self.batch.has_work
+        admit = self.batch.admissions() if run else []
+        if not (run or self._joined or self._aborted):
+            self.channel.send(RequestChannel.IDLE)
+            return admit
+        fields, payload = pack_step(self._joined, self._aborted, admit, run)
+        self._joined, self._aborted = [], []
+        self.channel.send(RequestChannel.STEP, fields, payload)
+        return admit
+
+    def _fatal(self, msg: str) -> None:
+        log.error("[lp.serve] %s; shutting down the server", msg)
+        with self._cond:
+            self.failed = msg
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def _join(self, job) -> None:
         if job.cancelled:
@@ -128,6 +181,8 @@ class BatchedEngine:
             return
         self._jobs[rid] = job
         self._cfgs[rid] = self.batch.waiting[-1].decoder.cfg
+        if self.channel is not None:
+            self._joined.append((rid, job.prompt_ids, job.decoding))
 
     def _reap_cancelled(self) -> None:
         """Abort the cancelled jobs (their blocks are free at once), update the gauges, then
@@ -137,6 +192,8 @@ class BatchedEngine:
             if job.cancelled:
                 running = any(r.id == rid for r in self.batch.running)
                 self.batch.abort(rid)
+                if self.channel is not None:
+                    self._aborted.append(rid)
                 del self._jobs[rid]
                 reaped.append((rid, job, self.batch.result(rid) if running else None))
         if not reaped:
@@ -150,8 +207,8 @@ class BatchedEngine:
                 self._count(job, "cancelled")
                 job.emit("error", ApiError("cancelled", status=499, type="cancelled"))
 
-    def _step(self) -> None:
-        outs = self.batch.step()
+    def _step(self, admit: list[int] | None) -> None:
+        outs = self.batch.step(admit)
         now = time.perf_counter()
         for r in self.batch.running:
             job = self._jobs.get(r.id)
@@ -200,3 +257,35 @@ class BatchedEngine:
             self._new, self._jobs = collections.deque(), {}
         for job in jobs:
             job.emit("error", ApiError(why, status=503, type="server_error", code="unavailable"))
+
+
+# ---------------------------------------------------------------------------
+# ranks 1..K-1
+
+
+def worker_loop(engine: BatchEngine, tokenizer, eos: list[int], base, group) -> None:
+    """Replay rank 0's batch until SHUTDOWN: each STEP message's joins (with rank 0's ids),
+    aborts, then the step with rank 0's admissions. ``base``: the server's decoding config
+    (the per-request fields ride in the message). Raises WorkerFailure when rank 0 stays
+    silent past parallel.timeout_s or a collective fails."""
+    channel = RequestChannel(group)
+    steps = 0
+    while True:
+        kind, fields, payload = channel.recv()
+        if kind == RequestChannel.IDLE:
+            continue
+        if kind == RequestChannel.SHUTDOWN:
+            log.info("rank %d: shutdown from rank 0 after %d step(s)", group.rank, steps)
+            return
+        joins, aborts, admits, run = unpack_step(fields, payload, base)
+        for rid, prompt_ids, d in joins:  # rank 0 accepted them: the same checks pass here
+            engine.add(prompt_ids, d, eos, tokenizer, request_id=rid)
+        for rid in aborts:
+            engine.abort(rid)
+            engine.result(rid)
+        assert run == engine.has_work, (run, engine.has_work)
+        if run:
+            for out in engine.step(admits):
+                if out.finished:
+                    engine.result(out.request_id)  # rank 0 answers; nothing kept here
+            steps += 1

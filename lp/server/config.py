@@ -35,7 +35,7 @@ class ServerConfig:
     # drafts also from earlier requests' outputs: one lp.suffix.DraftStore per rank (identical
     # on every LP rank), holding decoding.draft_store_tokens tokens, oldest evicted first
     draft_store: bool = False
-    # continuous batching (one process; under LP requests run one at a time): sequences
+    # continuous batching (one process and LP, every rank holding the same batch): sequences
     # decoded together, slots of the paged K/V cache (per layer; a request reserves prompt +
     # max_tokens + its largest step, waits while that does not fit, 400 if it never can),
     # prompt rows fed per step (longer prompts are fed in chunks beside the others' decode rows)

@@ -1,40 +1,28 @@
-"""The decode engine: one decode thread, a bounded FIFO, and the LP worker-side loop.
+"""What the HTTP side and the decode engine share, and the int64 wire format of requests.
 
-Contract: rank 0 builds ``Engine(...)``, ``start()``s it and ``submit()``s ``Job``s from
-the HTTP handlers; one sequence decodes at a time, in one background thread (torch work
-stays off the event loop). ``submit`` raises ``QueueFull`` when ``server.max_queue``
-requests already wait behind the running one, ``Unavailable`` once the engine failed or
-is stopping. A job's events reach its asyncio handler through
-``loop.call_soon_threadsafe``: ``("tokens", ids)`` for each step's verified tokens,
-then ``("done", Outcome)`` or ``("error", ApiError)``. ``job.cancel()`` (a client went
-away) stops its generation at the next step through ``generate(cancel=...)``; a queued
-cancelled job is dropped without decoding.
+Contract: ``Job`` is one HTTP request on its way through the engine
+(``lp.server.batched.BatchedEngine``, in one process and under LP alike): its events reach
+its asyncio handler through ``loop.call_soon_threadsafe``: ``("tokens", ids)`` for each
+step's verified tokens, then ``("done", Outcome)`` or ``("error", ApiError)``;
+``job.cancel()`` (a client went away) stops it at the next step boundary. ``QueueFull`` and
+``Unavailable`` are what ``submit`` raises.
 
-Under LP (torchrun, ``group`` set) rank 0's decode thread hands every request to all
-ranks through ``lp.dist.RequestChannel`` (header fields + token ids, see
-``pack_request``), sends an IDLE header every ``heartbeat_s`` while nothing is queued,
-and a SHUTDOWN header on ``stop()``. The other ranks run ``worker_loop`` and decode the
-same request in step. A dead or stuck worker surfaces as ``WorkerFailure`` on rank 0
-within ``parallel.timeout_s``: the engine logs it, fails the running and queued
-requests with 503, and calls ``on_fatal`` so the HTTP server exits.
+Under LP (torchrun) rank 0 hands the batch's changes to every rank through
+``lp.dist.RequestChannel`` as int64s, no pickling: ``pack_request`` (one request: header
+fields + prompt ids, stop strings, logit bias) and ``pack_step`` (one step's joins, each a
+packed request with rank 0's request id, its aborts and its admissions).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
-import logging
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
 
 from lp.config import DecodingConfig
-from lp.dist import RequestChannel, WorkerFailure
-from lp.server.protocol import ApiError
-
-log = logging.getLogger("lp.serve")
 
 
 class QueueFull(Exception):
@@ -79,27 +67,6 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
         except RuntimeError:  # the event loop is closed (server shut down)
             pass
-
-
-class _Streamer:
-    """generate()'s streamer: drops the prompt, forwards each step's verified tokens."""
-
-    def __init__(self, job: Job):
-        self.job = job
-        self.prompt_seen = False
-
-    def put(self, value) -> None:
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        ids = [int(t) for t in (value.reshape(-1).tolist() if hasattr(value, "reshape") else value)]
-        if ids:
-            if self.job.first_token is None:
-                self.job.first_token = time.perf_counter()
-            self.job.emit("tokens", ids)
-
-    def end(self) -> None:
-        pass
 
 
 # ---------------------------------------------------------------------------
@@ -168,197 +135,32 @@ def unpack_request(fields: list[int], payload: list[int], base: DecodingConfig) 
     return prompt_ids, d
 
 
-# ---------------------------------------------------------------------------
-# rank 0
+def pack_step(joins: list[tuple[int, list[int], DecodingConfig]], aborts: list[int], admits: list[int],
+              run: bool) -> tuple[list[int], list[int]]:
+    """Header fields and payload of one step's changes (rank 0 -> every rank): ``joins`` =
+    [(request id, prompt ids, decoding)], the aborted ids, the ids the step admits, and
+    whether a step runs. Payload: per join [id, n_fields, fields..., n_payload, payload...],
+    then the aborted ids, then the admitted ids."""
+    payload = []
+    for rid, prompt_ids, d in joins:
+        fields, body = pack_request(prompt_ids, d)
+        payload += [rid, len(fields), *fields, len(body), *body]
+    payload += list(aborts) + list(admits)
+    return [len(joins), len(aborts), len(admits), int(run)], payload
 
 
-class Engine:
-    def __init__(self, runner, tokenizer, eos: list[int], group, max_queue: int, heartbeat_s: float,
-                 metrics=None, on_fatal=None, draft_store=None):
-        self.runner = runner
-        self.draft_store = draft_store  # lp.suffix.DraftStore shared by all requests, or None
-        self.tokenizer = tokenizer
-        self.eos = eos
-        self.group = group
-        self.workers = group.lp_size if group is not None else 1  # LP workers (x parallel.tp processes)
-        self.channel = RequestChannel(group) if group is not None else None
-        self.max_queue = max_queue
-        self.heartbeat_s = heartbeat_s
-        self.metrics = metrics
-        self.on_fatal = on_fatal
-        self._waiting: collections.deque[Job] = collections.deque()
-        self._cond = threading.Condition()
-        self.running: Job | None = None
-        self.stopping = False
-        self.failed: str | None = None
-        self._thread = threading.Thread(target=self._loop, name="lp-decode", daemon=True)
-
-    # -- API for the HTTP side ---------------------------------------------
-
-    @property
-    def ready(self) -> bool:
-        return self._thread.is_alive() and not self.stopping and self.failed is None
-
-    def start(self) -> "Engine":
-        self._thread.start()
-        return self
-
-    def submit(self, job: Job) -> None:
-        with self._cond:
-            if self.failed is not None or self.stopping:
-                raise Unavailable(self.failed or "the server is shutting down")
-            busy = 1 if self.running is not None else 0
-            if len(self._waiting) + busy >= self.max_queue + 1:
-                raise QueueFull()
-            self._waiting.append(job)
-            self._set_depth()
-            self._cond.notify()
-
-    def queue_depth(self) -> int:
-        return len(self._waiting)
-
-    def request_stop(self) -> None:
-        """Stop taking requests and cancel the running one at its next step (a signal handler)."""
-        with self._cond:
-            self.stopping = True
-            if self.running is not None:
-                self.running.cancel()
-            self._cond.notify()
-
-    def stop(self, timeout: float) -> None:
-        """Cancel the running request, fail the queued ones, send SHUTDOWN to the workers."""
-        self.request_stop()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.error("decode thread did not stop within %.0f s", timeout)
-
-    # -- the decode thread ---------------------------------------------------
-
-    def _set_depth(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_depth.set(len(self._waiting))
-            self.metrics.running.set(1 if self.running is not None else 0)
-
-    def _loop(self) -> None:
-        last = time.monotonic()
-        try:
-            while True:
-                with self._cond:
-                    while not self._waiting and not self.stopping:
-                        left = self.heartbeat_s - (time.monotonic() - last)
-                        if self.channel is not None and left <= 0:
-                            break
-                        self._cond.wait(timeout=left if self.channel is not None else None)
-                    if self.stopping:
-                        break
-                    job = self._waiting.popleft() if self._waiting else None
-                    self.running = job
-                    self._set_depth()
-                if job is None:  # idle: heartbeat to the workers
-                    self.channel.send(RequestChannel.IDLE)
-                    last = time.monotonic()
-                    continue
-                try:
-                    if job.cancelled:  # its client went away while it waited
-                        if self.metrics is not None:
-                            self.metrics.requests.labels(job.endpoint, "cancelled").inc()
-                        job.emit("error", ApiError("cancelled", status=499, type="cancelled"))
-                        continue
-                    self._decode(job)
-                finally:
-                    with self._cond:
-                        self.running = None
-                        self._set_depth()
-                last = time.monotonic()
-        except WorkerFailure as e:
-            self._fatal(f"worker failure: {e}")
-        except Exception as e:  # noqa: BLE001  (a bug: never leave the server wedged)
-            log.exception("decode thread crashed")
-            self._fatal(f"decode thread crashed: {type(e).__name__}: {e}")
-        finally:
-            self._drain("the server is shutting down" if self.failed is None else self.failed)
-            if self.channel is not None and self.failed is None:
-                try:
-                    self.channel.send(RequestChannel.SHUTDOWN)
-                    log.info("sent shutdown to %d other rank(s)", self.group.world_size - 1)
-                except WorkerFailure as e:
-                    log.error("could not send shutdown to the workers: %s", e)
-
-    def _decode(self, job: Job) -> None:
-        from lp.decoding import LookaheadDecoder
-
-        job.started = time.perf_counter()
-        try:
-            decoder = LookaheadDecoder(self.runner, job.decoding, self.group, draft_store=self.draft_store)
-        except ValueError as e:
-            job.emit("error", ApiError(str(e), code="invalid_value"))
-            return
-        if self.channel is not None:
-            fields, payload = pack_request(job.prompt_ids, job.decoding)
-            self.channel.send(RequestChannel.REQUEST, fields, payload)
-        try:
-            def on_emit(tokens, logprobs):
-                if logprobs is not None:
-                    job.emit("logprobs", logprobs)  # before their tokens: the stream attaches them to that chunk
-
-            res = decoder.generate(job.prompt_ids, self.eos, streamer=_Streamer(job), tokenizer=self.tokenizer,
-                                   cancel=lambda: job.cancelled, on_emit=on_emit)
-        except WorkerFailure as e:
-            job.emit("error", ApiError(f"an LP worker failed: {e}", status=503, type="server_error",
-                                       code="worker_failure"))
-            raise
-        except ValueError as e:  # rejected before the first step, on every rank alike
-            job.emit("error", ApiError(str(e), code="invalid_value"))
-            return
-        except Exception as e:
-            job.emit("error", ApiError(f"internal error: {type(e).__name__}", status=500, type="server_error"))
-            if self.group is not None:
-                raise  # the ranks may be out of step: stop the server
-            log.exception("request failed")
-            return
-        ttft = None if job.first_token is None else job.first_token - job.arrived
-        if self.metrics is not None:
-            self.metrics.observe_result(job.endpoint, res, len(job.prompt_ids), ttft)
-        job.emit("done", Outcome(res, decoder.cfg, ttft, job.started - job.arrived))
-
-    def _drain(self, why: str) -> None:
-        with self._cond:
-            jobs, self._waiting = list(self._waiting), collections.deque()
-            self._set_depth()
-        for job in jobs:
-            job.emit("error", ApiError(why, status=503, type="server_error", code="unavailable"))
-
-    def _fatal(self, msg: str) -> None:
-        log.error("[lp.serve] %s; shutting down the server", msg)
-        with self._cond:
-            self.failed = msg
-        self._drain(msg)
-        if self.on_fatal is not None:
-            self.on_fatal()
-
-
-# ---------------------------------------------------------------------------
-# ranks 1..K-1
-
-
-def worker_loop(runner, tokenizer, eos: list[int], group, base: DecodingConfig, draft_store=None) -> None:
-    """Decode every request rank 0 announces, until SHUTDOWN. Raises WorkerFailure when rank 0
-    stays silent past parallel.timeout_s or a collective fails."""
-    from lp.decoding import LookaheadDecoder
-
-    channel = RequestChannel(group)
-    served = 0
-    while True:
-        kind, fields, payload = channel.recv()
-        if kind == RequestChannel.IDLE:
-            continue
-        if kind == RequestChannel.SHUTDOWN:
-            log.info("rank %d: shutdown from rank 0 after %d request(s)", group.rank, served)
-            return
-        prompt_ids, d = unpack_request(fields, payload, base)
-        try:
-            LookaheadDecoder(runner, d, group, draft_store=draft_store).generate(prompt_ids, eos, tokenizer=tokenizer)
-        except ValueError as e:  # rank 0 rejected it at the same point, before any exchange
-            log.warning("rank %d: request rejected: %s", group.rank, e)
-        served += 1
+def unpack_step(fields: list[int], payload: list[int], base: DecodingConfig):
+    """-> (joins [(id, prompt ids, decoding)], aborted ids, admitted ids, run)."""
+    n_joins, n_aborts, n_admits, run = fields[:4]
+    joins, i = [], 0
+    for _ in range(n_joins):
+        rid, nf = payload[i], payload[i + 1]
+        req_fields = payload[i + 2 : i + 2 + nf]
+        nb = payload[i + 2 + nf]
+        body = payload[i + 3 + nf : i + 3 + nf + nb]
+        i += 3 + nf + nb
+        joins.append((rid, *unpack_request(req_fields, body, base)))
+    aborts = payload[i : i + n_aborts]
+    admits = payload[i + n_aborts : i + n_aborts + n_admits]
+    assert i + n_aborts + n_admits == len(payload), (i, n_aborts, n_admits, len(payload))
+    return joins, aborts, admits, bool(run)
