@@ -308,6 +308,15 @@ class WorkerGroup:
         curve = [(int(vals[1 + 3 * i]), vals[2 + 3 * i]) for i in range(n)]
         return curve, frozenset(int(vals[1 + 3 * i]) for i in range(n) if vals[3 + 3 * i] > 0.5)
 
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (e.g. the K/V slots each GPU has room for)."""
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        except Exception as e:
+            raise WorkerFailure(f"all_reduce failed ({type(e).__name__}: {e})") from e
+        return int(t.item())
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

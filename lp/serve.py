@@ -100,8 +100,23 @@ def _batch_engine(cfg: ServeConfig, runner, group):
     from lp.batch import BatchEngine
 
     s = cfg.server
-    return BatchEngine(runner, s.kv_tokens, max_batch=s.max_batch, max_prefill_tokens=s.max_prefill_tokens,
-                       draft_store=_draft_store(cfg), group=group)
+    return BatchEngine(runner, kv_tokens(cfg, runner, group), max_batch=s.max_batch,
+                       max_prefill_tokens=s.max_prefill_tokens, draft_store=_draft_store(cfg), group=group)
+
+
+def kv_tokens(cfg: ServeConfig, runner, group) -> int:
+    """The paged pool's slots: server.kv_tokens, or server.kv_memory_fraction of the GPU memory
+    free now (the smallest across LP ranks, so every rank admits alike)."""
+    s = cfg.server
+    if s.kv_memory_fraction is None:
+        return s.kv_tokens
+    from lp.paged import kv_tokens_for_memory
+
+    slots = kv_tokens_for_memory(runner.model.config, runner.dtype, runner.device, s.kv_memory_fraction)
+    if group is not None:
+        slots = group.min_int(slots)
+    log.info("[lp.serve] server.kv_memory_fraction=%s: %d K/V slots", s.kv_memory_fraction, slots)
+    return slots
 
 
 def _serve_worker(cfg: ServeConfig, runner, tokenizer, eos, group) -> int:
@@ -146,8 +161,9 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
     heartbeat = min(s.heartbeat_s, cfg.parallel.timeout_s / 3)
     metrics = ServerMetrics(world)
     try:  # continuous batching (lp.batch), under LP too: every rank holds the same batch
-        engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, s.kv_tokens, s.max_prefill_tokens,
-                               metrics, draft_store=_draft_store(cfg), group=group, heartbeat_s=heartbeat)
+        engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, kv_tokens(cfg, runner, group),
+                               s.max_prefill_tokens, metrics, draft_store=_draft_store(cfg), group=group,
+                               heartbeat_s=heartbeat)
     except WorkerFailure as e:
         log.error("[lp.serve] rank 0: worker failure: %s; stopping", e)
         os._exit(3)

@@ -260,3 +260,8 @@ def test_kv_pool_from_a_memory_fraction():
         kv_tokens_for_memory(cfg, torch.float32, torch.device("cpu"), 0.5)
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         kv_tokens_for_memory(cfg, torch.float32, torch.device("cpu"), 1.5)
+    from lp.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="server.kv_memory_fraction"):
+        ServerConfig(kv_memory_fraction=0).validate()
+    assert ServerConfig(kv_memory_fraction=0.9).validate().kv_memory_fraction == 0.9

@@ -41,6 +41,9 @@ class ServerConfig:
     # prompt rows fed per step (longer prompts are fed in chunks beside the others' decode rows)
     max_batch: int = 8
     kv_tokens: int = 16384
+    # on a GPU instead of kv_tokens: the pool fills this fraction of the memory free after
+    # loading (the smallest across LP ranks); refused on the CPU
+    kv_memory_fraction: float | None = None
     max_prefill_tokens: int = 512
     # when set (or env LP_API_KEY), /v1 routes need "Authorization: Bearer <key>", else 401
     api_key: str | None = None
@@ -68,6 +71,9 @@ class ServerConfig:
         need(_is_int(self.max_batch) and self.max_batch >= 1, "max_batch", "an integer >= 1", self.max_batch)
         need(_is_int(self.kv_tokens) and self.kv_tokens >= 16, "kv_tokens", "an integer >= 16 (one block)",
              self.kv_tokens)
+        frac = self.kv_memory_fraction
+        need(frac is None or (isinstance(frac, (int, float)) and not isinstance(frac, bool) and 0 < frac <= 1),
+             "kv_memory_fraction", "a number in (0, 1] or null", frac)
         need(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1, "max_prefill_tokens",
              "an integer >= 1", self.max_prefill_tokens)
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api_key",
