@@ -105,27 +105,34 @@ def test_mixed_settings_and_sampling_in_one_batch(tiny_factory):
     assert results[3].output_ids != results[4].output_ids
 
 
-def test_kv_bound_makes_requests_wait(tiny_factory):
-    """Room for two requests at a time, six queued: all complete exactly, at most two run at
-    once, every block is back at the end; a request that can never fit is refused at once."""
+@pytest.mark.parametrize("requests,room", [(6, 2), (64, 8)])
+def test_kv_bound_makes_requests_wait(tiny_factory, requests, room):
+    """Room for ``room`` requests at a time, ``requests`` queued (max_batch above the room, so
+    the K/V pool binds): all complete exactly, none lost, at most ``room`` run at once, the pool
+    never grows past its bound, every block is back at the end; a request that can never fit
+    is refused at once."""
     model = tiny_factory("llama")
     runner = ModelRunner(model)
     cfg = DecodingConfig(max_new_tokens=20, **TREE)
     need = max(len(p) for p in PROMPTS) + 20 + LookaheadDecoder(runner, cfg).max_step_rows()
-    engine = BatchEngine(runner, kv_tokens=2 * (need + 8), block_size=8, max_batch=8)
-    ids = [engine.add(PROMPTS[i % len(PROMPTS)], cfg) for i in range(6)]
+    engine = BatchEngine(runner, kv_tokens=room * (need + 8), block_size=8, max_batch=2 * room)
+    ids = [engine.add(PROMPTS[i % len(PROMPTS)], cfg) for i in range(requests)]
     outs, most = {}, 0
     while engine.has_work:
         for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.new_tokens)
         most = max(most, len(engine.running))
         assert engine.blocks_in_use <= engine.cache.blocks.num_blocks
-    assert most == 2
+        assert all(k.shape[1] == engine.cache.kv_tokens for k in engine.cache.keys + engine.cache.values)
+    assert most == room
+    refs = [hf_greedy(model, p, 20) for p in PROMPTS]
+    assert sorted(outs) == sorted(ids)
     for i, rid in enumerate(ids):
-        assert outs[rid] == hf_greedy(model, PROMPTS[i % len(PROMPTS)], 20), i
+        assert outs[rid] == refs[i % len(PROMPTS)], i
+        assert engine.result(rid).output_ids == outs[rid]
     assert engine.blocks_in_use == 0 and not engine.cache.blocks.reserved
     with pytest.raises(ValueError, match="kv_tokens"):
-        engine.add(list(range(1, 100)) * 3, cfg)
+        engine.add(list(range(1, 100)) * 3 * room, cfg)
 
 
 def test_block_table_literal():
