@@ -107,10 +107,10 @@ def test_mixed_settings_and_sampling_in_one_batch(tiny_factory):
 
 @pytest.mark.parametrize("requests,room", [(6, 2), (64, 8)])
 def test_kv_bound_makes_requests_wait(tiny_factory, requests, room):
-    """Room for ``room`` requests at a time, ``requests`` queued (max_batch above the room, so
-    the K/V pool binds): all complete exactly, none lost, at most ``room`` run at once, the pool
-    never grows past its bound, every block is back at the end; a request that can never fit
-    is refused at once."""
+    """K/V room for ``room`` worst-case requests, ``requests`` queued (max_batch twice the room,
+    so the pool binds): all complete exactly, none lost, reservations never exceed the pool and
+    the pool never grows, every block is back at the end; a request that can never fit is
+    refused at once."""
     model = tiny_factory("llama")
     runner = ModelRunner(model)
     cfg = DecodingConfig(max_new_tokens=20, **TREE)
@@ -122,17 +122,20 @@ def test_kv_bound_makes_requests_wait(tiny_factory, requests, room):
         for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.new_tokens)
         most = max(most, len(engine.running))
-        assert engine.blocks_in_use <= engine.cache.blocks.num_blocks
+        assert sum(engine.cache.blocks.reserved.values()) <= engine.cache.blocks.num_blocks
         assert all(k.shape[1] == engine.cache.kv_tokens for k in engine.cache.keys + engine.cache.values)
-    assert most == room
+    # the pool, not max_batch, bounds the batch: room for the longest prompt's worst case
+    # `room` times (shorter prompts fit a few more)
+    assert room <= most < 2 * room
     refs = [hf_greedy(model, p, 20) for p in PROMPTS]
     assert sorted(outs) == sorted(ids)
     for i, rid in enumerate(ids):
         assert outs[rid] == refs[i % len(PROMPTS)], i
         assert engine.result(rid).output_ids == outs[rid]
     assert engine.blocks_in_use == 0 and not engine.cache.blocks.reserved
-    with pytest.raises(ValueError, match="kv_tokens"):
-        engine.add(list(range(1, 100)) * 3 * room, cfg)
+    if engine.cache.kv_tokens < 297:  # a prompt within the tiny model's 512 positions that can never fit
+        with pytest.raises(ValueError, match="kv_tokens"):
+            engine.add(list(range(1, 100)) * 3, cfg)
 
 
 def test_block_table_literal():
