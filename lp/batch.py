@@ -339,11 +339,12 @@ class BatchEngine:
         for it in items:
             dec, run = it.req.decoder, it.req.run
             c = dec.cfg
+            if drafts and policy == "static":
+                it.prop = dec.propose(run)  # its own budget, priced as if alone
+                continue
             it.opts = dec.draft_options(run)
             if not drafts:
                 it.prop = dec.proposal(run, it.opts, [])
-            elif policy == "static":
-                it.prop = dec.propose(run)  # its own budget, priced as if alone
             elif c.drafts == "pool":
                 it.prop = dec.proposal(run, it.opts, _select_candidates(run.pool, run.context, it.opts.x, c.G, c.N - 1))
                 fixed += it.prop.plan[0].rows
