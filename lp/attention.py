@@ -17,9 +17,10 @@ exploit that shape; ``lp.model.ModelRunner`` builds their masks and selects them
   ``attention_mask`` is the additive [1, 1, Q, Q] local block. Sliding-window models
   are refused (the prefix would need a mask).
 * ``lp_batch_sdpa``: a batched step of several sequences (lp.batch): sdpa per sequence
-  over its own gathered keys, with its slice of the batch's additive mask.
+  over its own keys, read in place from the paged pool (lp.paged), with its own mask
+  (none for a one-row sequence).
 
-Both return ``(out [B, Q, H, D], None)`` like transformers' own attention functions.
+All return ``(out [B, Q, H, D], None)`` like transformers' own attention functions.
 
 Legend: B batch (1), H query heads, H_kv key/value heads, Q rows, K cached rows, D head size.
 """
