@@ -52,7 +52,7 @@ def repo_conf_dir() -> str | None:
 def hydra_main(config_name: str, schemas: dict, run: Callable, config_path: str | None) -> None:
     import hydra
 
-    from lp.dist import torchrun_env
+    from lp.dist import exit_process, torchrun_env
 
     register(schemas)
     rank, _, _ = torchrun_env()
@@ -69,4 +69,15 @@ def hydra_main(config_name: str, schemas: dict, run: Callable, config_path: str 
         if isinstance(code, int) and not isinstance(code, bool):
             sys.exit(code)
 
-    _main()
+    if torchrun_env()[1] == 1:
+        _main()
+        return
+    # under torchrun: leave without the interpreter's teardown (lp.dist.exit_process)
+    try:
+        _main()
+        code = 0
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    exit_process(code)

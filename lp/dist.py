@@ -322,6 +322,20 @@ class WorkerGroup:
             dist.destroy_process_group()
 
 
+def exit_process(code: int = 0):
+    """End a torchrun worker process now, after flushing its output, without the
+    interpreter's teardown: torch's C++ threads (gloo pairs, sub-groups) can abort a
+    process during teardown ("terminate called without an active exception") even after
+    ``destroy_process_group``, and torchrun would then report a clean run as failed."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _pad(values: list[int], size: int) -> list[int]:
     assert len(values) <= size, (len(values), size)
     return list(values) + [-1] * (size - len(values))

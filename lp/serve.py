@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from lp import cli
-from lp.dist import RequestChannel, WorkerFailure, init_worker_group, torchrun_env, worker_device
+from lp.dist import RequestChannel, WorkerFailure, exit_process, init_worker_group, torchrun_env, worker_device
 from lp.server.config import ServeConfig, ServerConfig
 
 log = logging.getLogger("lp.serve")
@@ -131,13 +131,7 @@ def _serve_worker(cfg: ServeConfig, runner, tokenizer, eos, group) -> int:
                   group.rank, e, cfg.parallel.timeout_s)
         os._exit(3)
     group.close()
-    # a worker rank leaves without the interpreter's teardown: torch's C++ threads of the
-    # mesh's sub-groups could otherwise abort the process ("terminate called without an
-    # active exception") after a clean shutdown, and torchrun would report a failure
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_process(0)
 
 
 def _draft_store(cfg: ServeConfig):

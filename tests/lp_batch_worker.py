@@ -10,6 +10,7 @@ Spec "generate_batch": instead, every rank calls ``LookaheadDecoder.generate_bat
 requests (max_batch 2); rank 0 writes each one's output ids.
 """
 
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -54,6 +55,7 @@ def run_schedule(runner: ModelRunner, spec: dict, group=None) -> dict:
 
 
 def main() -> None:
+    faulthandler.enable()  # a native abort prints every thread's Python stack
     from lp.dist import init_worker_group
     from tests.helpers import make_tiny_model
 
@@ -75,7 +77,10 @@ def main() -> None:
         with open(sys.argv[2], "w") as f:
             json.dump(result, f)
     if group is not None:
+        from lp.dist import exit_process
+
         group.close()
+        exit_process(0)
 
 
 if __name__ == "__main__":

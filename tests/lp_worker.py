@@ -8,6 +8,7 @@ on every rank (a negative control). ``kill_rank_at_step: [R, S]``: rank R SIGKIL
 its step S (a dead worker for the survivors to detect).
 """
 
+import faulthandler
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from lp.tp import shard_for
 
 
 def main() -> None:
+    faulthandler.enable()  # a native abort prints every thread's Python stack
     spec = json.load(open(sys.argv[1]))
     torch.set_num_threads(spec.get("threads", 1))
     parallel = ParallelConfig(
@@ -74,7 +76,10 @@ def main() -> None:
         with open(sys.argv[2], "w") as f:
             json.dump(results, f)
     if group is not None:
+        from lp.dist import exit_process
+
         group.close()
+        exit_process(0)
 
 
 if __name__ == "__main__":
