@@ -4,7 +4,10 @@ Contract: ``PackedCache(capacity)`` is a ``transformers.Cache`` whose layers hol
 buffer each, ``[1, H_kv, capacity, D]``, allocated once on the first write (dtype and
 device from the model's keys). A forward over Q new rows writes them at
 ``[length, length + Q)`` in place and hands attention a *view* of the filled part
-``[:length + Q]``, so early steps do not pay for the whole buffer. With
+``[:length + Q]``, so early steps do not pay for the whole buffer. ``dtype`` (default: the
+keys' own) stores K/V wider than the model computes them: float64 for lp.exact_attention,
+which then reads them without converting the whole prefix at every layer of every step
+(float32 -> float64 is exact, so attention sees the same values). With
 ``full_view=True`` (CUDA graphs) attention gets the whole buffer instead and the
 mask hides the unfilled tail, so every shape is static.
 
@@ -28,18 +31,19 @@ class PackedLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, capacity: int, full_view: bool = False):
+    def __init__(self, capacity: int, full_view: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
         self.capacity = capacity
         self.full_view = full_view
+        self.dtype = dtype
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         assert b == 1, "lookahead decodes one sequence"
         self.device = key_states.device
-        self.keys = torch.zeros(1, h, self.capacity, d, dtype=key_states.dtype, device=self.device)
-        self.values = torch.zeros(1, h, self.capacity, value_states.shape[-1], dtype=value_states.dtype,
+        self.keys = torch.zeros(1, h, self.capacity, d, dtype=self.dtype or key_states.dtype, device=self.device)
+        self.values = torch.zeros(1, h, self.capacity, value_states.shape[-1], dtype=self.dtype or value_states.dtype,
                                   device=self.device)
         self.is_initialized = True
 
@@ -86,15 +90,16 @@ class PackedLayer(CacheLayerMixin):
 class PackedCache(Cache):
     """One ``PackedLayer`` per decoder layer (added as the model writes them)."""
 
-    def __init__(self, capacity: int, full_view: bool = False):
+    def __init__(self, capacity: int, full_view: bool = False, dtype: torch.dtype | None = None):
         self.capacity = capacity
         self.full_view = full_view
+        self.dtype = dtype
         self.write_index = None  # static mode: device tensor of write positions (lp.graphs)
         super().__init__(layers=[])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
-            self.layers.append(PackedLayer(self.capacity, self.full_view))
+            self.layers.append(PackedLayer(self.capacity, self.full_view, self.dtype))
         if self.write_index is not None:
             return self.layers[layer_idx].write_at(key_states, value_states, self.write_index)
         return self.layers[layer_idx].update(key_states, value_states)

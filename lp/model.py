@@ -268,7 +268,8 @@ class ModelRunner:
             else:
                 self._clear_dirty()
         self._dirty = (0, 0)
-        return PackedCache(capacity)
+        # row-exact attention computes in float64: keep K/V in it, converted once on write
+        return PackedCache(capacity, dtype=torch.float64 if self.attention == "rowexact" else None)
 
     def _clear_dirty(self) -> None:
         a, b = self._dirty

@@ -105,9 +105,9 @@ class RowInt8Linear(nn.Module):
         self._packed = torch.ops.quantized.linear_prepack(w_q, bias)
         # the input buffer: [rows, I] scaled activations, then the two pinning columns +C, -C
         self._buf = torch.cat([torch.zeros(1, self.in_features), torch.tensor([[_C, -_C]])], dim=1)
-        self._x = None  # SharedInputPart: the last shared input and its product
-        self._y = None
-        self._served: set[int] = set()
+        # SharedInputPart: [the last shared input, its product, the parts served] in a plain
+        # list (an nn.Module attribute write costs microseconds, three per part per step)
+        self._share = [None, None, set()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # five small ops around the kernel: each costs a few microseconds on the CPU, as
@@ -120,7 +120,7 @@ class RowInt8Linear(nn.Module):
         if self._buf.shape[0] < m:
             self._buf = torch.cat([self._buf, self._buf[:1].expand(m - self._buf.shape[0], -1)]).contiguous()
         buf_MI2 = self._buf[:m]
-        amax_M1 = torch.linalg.vector_norm(x_MI, float("inf"), dim=1, keepdim=True).clamp_(min=1e-30)
+        amax_M1 = x_MI.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)  # 2-7x cheaper than an inf-norm
         torch.mul(x_MI, torch.reciprocal(amax_M1), out=buf_MI2[:, : self.in_features])  # rows scaled to _C
         y_MO = torch.ops.quantized.linear_dynamic(buf_MI2, self._packed, _REDUCE_RANGE)
         y_MO.mul_(amax_M1)
@@ -131,12 +131,13 @@ class RowInt8Linear(nn.Module):
     def shared(self, x: torch.Tensor, part: int) -> torch.Tensor:
         """The fused product for ``x``, computed once for the parts that read the same
         input tensor one after the other (a part asking twice means a new round)."""
-        if x is not self._x or part in self._served:
-            self._x, self._y, self._served = x, self(x), set()
-        self._served.add(part)
-        y = self._y
-        if len(self._served) == len(self.splits):
-            self._x = self._y = None  # every part has its columns: hold no activations
+        share = self._share
+        if x is not share[0] or part in share[2]:
+            share[0], share[1], share[2] = x, self(x), set()
+        share[2].add(part)
+        y = share[1]
+        if len(share[2]) == len(self.splits):
+            share[0] = share[1] = None  # every part has its columns: hold no activations
         return y
 
     def extra_repr(self) -> str:
