@@ -154,6 +154,25 @@ def test_smollm2_int8_equals_generate(smollm2_int8, shape):
 
 
 @pytest.mark.slow
+def test_smollm2_int8_batch_equals_generate(smollm2_int8):
+    """The batched step (lp.batch: paged cache, keys gathered with a mask hiding the other
+    sequences, prompts prefilled in 48-token chunks beside the others' decode rows) keeps
+    int8's row-exact attention: every sequence == generate on the int8 model."""
+    from lp.config import DecodingConfig
+    from lp.decoding import LookaheadDecoder
+    from tests.test_smollm2 import assert_equal_or_tie
+
+    model, prompts, refs = smollm2_int8
+    runner = ModelRunner(model)
+    assert runner.attention == "rowexact"
+    results = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=SMOL_NEW)).generate_batch(
+        prompts, eos_token_ids=[2], max_prefill_tokens=48)
+    for k, (ids, res, ref) in enumerate(zip(prompts, results, refs)):
+        assert_equal_or_tie(model, ids, res.output_ids, ref, f"int8 batch prompt {k}")
+    assert sum(r.stats.steps for r in results) < sum(len(r) for r in refs), "no step published more than one token"
+
+
+@pytest.mark.slow
 def test_smollm2_int8_lp_two_workers(smollm2_int8, tmp_path):
     from tests.test_lp import torchrun
 
