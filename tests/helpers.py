@@ -244,3 +244,19 @@ def plant_verifier(fake, setattr=setattr) -> None:
     for name, mod in list(sys.modules.items()):
         if (name == "lp" or name.startswith("lp.")) and getattr(mod, "verify_node", None) is original:
             setattr(mod, "verify_node", fake)
+
+
+def finish_worker(group, result, out_path: str) -> None:
+    """End a test worker script: rank 0 (or the lone process) writes ``result`` as JSON to
+    ``out_path``; under torchrun every rank then leaves the group and exits at once
+    (lp.dist.exit_process: no interpreter teardown that could abort a clean run)."""
+    import json
+
+    if group is None or group.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    if group is not None:
+        from lp.dist import exit_process
+
+        group.close()
+        exit_process(0)

@@ -57,7 +57,7 @@ def run_schedule(runner: ModelRunner, spec: dict, group=None) -> dict:
 def main() -> None:
     faulthandler.enable()  # a native abort prints every thread's Python stack
     from lp.dist import init_worker_group
-    from tests.helpers import make_tiny_model
+    from tests.helpers import finish_worker, make_tiny_model
 
     spec = json.load(open(sys.argv[1]))
     torch.set_num_threads(1)
@@ -73,14 +73,7 @@ def main() -> None:
         result = {name: res.output_ids for name, res in zip(spec["requests"], results)}
     else:
         result = run_schedule(runner, spec, group)
-    if group is None or group.rank == 0:
-        with open(sys.argv[2], "w") as f:
-            json.dump(result, f)
-    if group is not None:
-        from lp.dist import exit_process
-
-        group.close()
-        exit_process(0)
+    finish_worker(group, result, sys.argv[2])
 
 
 if __name__ == "__main__":

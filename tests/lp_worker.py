@@ -72,14 +72,10 @@ def main() -> None:
         dist.all_gather(peers, logits, group=group.tp_mesh.get_group())
         for r in results:
             r["tp_logits_identical"] = all(torch.equal(peers[0], p) for p in peers)
-    if group is None or group.rank == 0:
-        with open(sys.argv[2], "w") as f:
-            json.dump(results, f)
-    if group is not None:
-        from lp.dist import exit_process
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.helpers import finish_worker
 
-        group.close()
-        exit_process(0)
+    finish_worker(group, results, sys.argv[2])
 
 
 if __name__ == "__main__":
