@@ -115,14 +115,17 @@ def test_mesh_model_on_paper():
 # the mesh, for real (slow: 3-4 gloo processes on 2 cores)
 
 
-def run_worker(nproc: int, spec: dict, tmp_path: Path, timeout: float = 600):
+def run_worker(nproc: int, spec: dict, tmp_path: Path, timeout: float = 600, monitor_s: float | None = None):
+    """``monitor_s``: torchrun's poll interval for dead workers (its default, 0.1 s, can tear
+    the job down before the survivors report what they saw)."""
     spec_file, out_file = tmp_path / f"spec{nproc}.json", tmp_path / f"out{nproc}.json"
     spec_file.write_text(json.dumps(spec))
     out_file.unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", LP_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, str(WORKER), str(spec_file), str(out_file)]
     if nproc > 1:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] + (
+            [f"--monitor-interval={monitor_s}"] if monitor_s is not None else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, (json.loads(out_file.read_text()) if out_file.exists() else [])
 
@@ -189,7 +192,9 @@ def test_killed_rank_ends_every_rank_within_timeout(tiny_dir, tmp_path):
     spec = {"model_path": str(tiny_dir), "tp": 2, "timeout_s": 15, "kill_rank_at_step": [1, 3],
             "jobs": [{"prompt_ids": REPETITIVE_PROMPT, "decoding": {"W": 4, "N": 3, "G": 4, "max_new_tokens": 200}}]}
     t = time.monotonic()
-    proc, results = run_worker(4, spec, tmp_path, timeout=300)
+    # torchrun looks for dead workers every 5 s here, so the survivors' own detection is what
+    # ends them (at its default 0.1 s torchrun's SIGTERM can come before their message)
+    proc, results = run_worker(4, spec, tmp_path, timeout=300, monitor_s=5)
     elapsed = time.monotonic() - t
     assert proc.returncode != 0 and results == []
     assert elapsed < 120, elapsed  # startup + at most parallel.timeout_s, not torch's 30-minute default
