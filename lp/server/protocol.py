@@ -317,78 +317,107 @@ def _prompt_ids(req: _Common, ctx: ServingContext) -> tuple[list[int], str]:
 
 
 def _decoding(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: str) -> DecodingConfig:
+    """The request's DecodingConfig: the server's base with each field the request sets,
+    every field checked (ApiError naming the parameter) in stages."""
+    upd: dict = {"max_new_tokens": _max_new_tokens(req, ctx, prompt_len, prompt_param)}
+    upd.update(_sampling_fields(req))
+    if req.logit_bias is not None:
+        upd["logit_bias"] = _logit_bias(req.logit_bias, ctx.vocab_size)
+    upd.update(_logprobs_fields(req, ctx.workers))
+    upd.update(_stop_seed_lookahead(req, ctx.limits))
+    d = dataclasses.replace(ctx.base, **upd)
+    try:
+        return d.validate()
+    except ValueError as e:  # should not happen after the checks above; still a client error
+        raise ApiError(str(e), code="invalid_value") from None
+
+
+def _bad(param: str, what: str, got) -> ApiError:
+    return ApiError(f"Invalid value for '{param}': {what} (got {_short(got)}).", param=param, code="invalid_value")
+
+
+def _max_new_tokens(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: str) -> int:
+    """max_completion_tokens (current name) wins over max_tokens (legacy); the default and
+    every value bounded by the server's limit and the model's context."""
     lim, base = ctx.limits, ctx.base
-
-    def bad(param: str, what: str, got) -> ApiError:
-        return ApiError(f"Invalid value for '{param}': {what} (got {_short(got)}).", param=param, code="invalid_value")
-
-    # max tokens: max_completion_tokens (current name) wins over max_tokens (legacy)
     max_new = None
     for name in ("max_tokens", "max_completion_tokens"):
         v = getattr(req, name)
         if v is None:
             continue
         if v < 1:
-            raise bad(name, "expected an integer >= 1", v)
+            raise _bad(name, "expected an integer >= 1", v)
         if v > lim.max_tokens:
-            raise bad(name, f"this server allows at most {lim.max_tokens}", v)
+            raise _bad(name, f"this server allows at most {lim.max_tokens}", v)
         max_new = v
     room = None if ctx.max_positions is None else ctx.max_positions - prompt_len
     if room is not None and room < 1:
         raise ApiError(f"This model's maximum context length is {ctx.max_positions} tokens; your prompt has "
                        f"{prompt_len} tokens.", param=prompt_param, code="context_length_exceeded")
     if max_new is None:
-        max_new = min(base.max_new_tokens, lim.max_tokens, room if room is not None else base.max_new_tokens)
-    elif room is not None and max_new > room:
+        return min(base.max_new_tokens, lim.max_tokens, room if room is not None else base.max_new_tokens)
+    if room is not None and max_new > room:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         raise ApiError(f"This model's maximum context length is {ctx.max_positions} tokens; you requested "
                        f"{prompt_len + max_new} tokens ({prompt_len} in the prompt, {max_new} for the completion).",
                        param=param, code="context_length_exceeded")
+    return max_new
 
-    upd: dict = {"max_new_tokens": max_new}
+
+def _sampling_fields(req: _Common) -> dict:
+    """temperature (0: greedy), top_p, top_k, min_p and the penalties."""
+    upd: dict = {}
     if req.temperature is not None:
         if not 0 <= req.temperature <= 2:
-            raise bad("temperature", "expected a number in [0, 2]", req.temperature)
+            raise _bad("temperature", "expected a number in [0, 2]", req.temperature)
         if req.temperature == 0:
             upd["do_sample"] = False
         else:
             upd.update(do_sample=True, temperature=float(req.temperature))
     if req.top_p is not None:
         if not 0 < req.top_p <= 1:
-            raise bad("top_p", "expected a number in (0, 1]", req.top_p)
+            raise _bad("top_p", "expected a number in (0, 1]", req.top_p)
         upd["top_p"] = float(req.top_p)
     if req.top_k is not None:
         if req.top_k < 0:
-            raise bad("top_k", "expected an integer >= 0 (0: off)", req.top_k)
+            raise _bad("top_k", "expected an integer >= 0 (0: off)", req.top_k)
         upd["top_k"] = req.top_k
     if req.min_p is not None:
         if not 0 <= req.min_p <= 1:
-            raise bad("min_p", "expected a number in [0, 1]", req.min_p)
+            raise _bad("min_p", "expected a number in [0, 1]", req.min_p)
         upd["min_p"] = float(req.min_p)
     if req.repetition_penalty is not None:
         if not 0 < req.repetition_penalty <= 10:
-            raise bad("repetition_penalty", "expected a number in (0, 10]", req.repetition_penalty)
+            raise _bad("repetition_penalty", "expected a number in (0, 10]", req.repetition_penalty)
         upd["repetition_penalty"] = float(req.repetition_penalty)
     for name in ("frequency_penalty", "presence_penalty"):
         v = getattr(req, name)
         if v is not None:
             if not -2 <= v <= 2:
-                raise bad(name, "expected a number in [-2, 2]", v)
+                raise _bad(name, "expected a number in [-2, 2]", v)
             upd[name] = float(v)
-    if req.logit_bias is not None:
-        bias = {}
-        if len(req.logit_bias) > 300:
-            raise bad("logit_bias", "at most 300 tokens", f"{len(req.logit_bias)} entries")
-        for key, b in req.logit_bias.items():
-            if not key.isdigit() or int(key) >= ctx.vocab_size:
-                raise bad("logit_bias", f"keys must be token ids in [0, {ctx.vocab_size})", key)
-            if not -100 <= b <= 100:
-                raise bad("logit_bias", "biases must be in [-100, 100]", b)
-            bias[int(key)] = float(b)
-        upd["logit_bias"] = bias
+    return upd
+
+
+def _logit_bias(logit_bias: dict, vocab_size: int) -> dict[int, float]:
+    bias = {}
+    if len(logit_bias) > 300:
+        raise _bad("logit_bias", "at most 300 tokens", f"{len(logit_bias)} entries")
+    for key, b in logit_bias.items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise _bad("logit_bias", f"keys must be token ids in [0, {vocab_size})", key)
+        if not -100 <= b <= 100:
+            raise _bad("logit_bias", "biases must be in [-100, 100]", b)
+        bias[int(key)] = float(b)
+    return bias
+
+
+def _logprobs_fields(req: _Common, workers: int) -> dict:
+    """Chat: logprobs (bool) + top_logprobs; completions: logprobs (int). One process only."""
+    upd: dict = {}
     if isinstance(req, ChatRequest):
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise bad("top_logprobs", "expected an integer in [0, 20]", req.top_logprobs)
+            raise _bad("top_logprobs", "expected an integer in [0, 20]", req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise ApiError("Invalid value for 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is set.",
                            param="top_logprobs", code="invalid_value")
@@ -396,22 +425,28 @@ def _decoding(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: 
             upd.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     elif req.logprobs is not None:
         if not 0 <= req.logprobs <= 20:
-            raise bad("logprobs", "expected an integer in [0, 20]", req.logprobs)
+            raise _bad("logprobs", "expected an integer in [0, 20]", req.logprobs)
         upd.update(logprobs=True, top_logprobs=req.logprobs)
-    if upd.get("logprobs") and ctx.workers > 1:
-        raise ApiError(f"Invalid value for 'logprobs': logprobs are not supported with {ctx.workers} LP workers "
+    if upd.get("logprobs") and workers > 1:
+        raise ApiError(f"Invalid value for 'logprobs': logprobs are not supported with {workers} LP workers "
                        "(the verifying rows may live on another worker); run one process.", param="logprobs",
                        code="unsupported_parameter")
+    return upd
+
+
+def _stop_seed_lookahead(req: _Common, lim) -> dict:
+    """seed, stop sequences and the per-request lookahead shape (within the server's limits)."""
+    upd: dict = {}
     if req.seed is not None:
         if not INT64_MIN <= req.seed <= INT64_MAX:
-            raise bad("seed", "expected a 64-bit integer", req.seed)
+            raise _bad("seed", "expected a 64-bit integer", req.seed)
         upd["seed"] = req.seed
     if req.stop is not None:
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop)
         if len(stops) > lim.max_stop:
-            raise bad("stop", f"at most {lim.max_stop} stop sequences", req.stop)
+            raise _bad("stop", f"at most {lim.max_stop} stop sequences", req.stop)
         if any(s == "" for s in stops):
-            raise bad("stop", "stop sequences must be non-empty", req.stop)
+            raise _bad("stop", "stop sequences must be non-empty", req.stop)
         upd["stop_strings"] = stops
     if req.lookahead is not None:
         la = req.lookahead
@@ -420,13 +455,9 @@ def _decoding(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: 
             if v is None:
                 continue
             if not lo <= v <= hi:
-                raise bad(f"lookahead.{name}", f"this server allows {lo} <= {name} <= {hi}", v)
+                raise _bad(f"lookahead.{name}", f"this server allows {lo} <= {name} <= {hi}", v)
             upd[name] = v
-    d = dataclasses.replace(base, **upd)
-    try:
-        return d.validate()
-    except ValueError as e:  # should not happen after the checks above; still a client error
-        raise ApiError(str(e), code="invalid_value") from None
+    return upd
 
 
 # ---------------------------------------------------------------------------
