@@ -139,6 +139,12 @@ def run(cfg: GenerateConfig) -> dict | None:
         "threads": torch.get_num_threads(),
         "model": str(path),
     }
+    _report(cfg, dcfg, result)
+    return result
+
+
+def _report(cfg: GenerateConfig, dcfg: DecodingConfig, result: dict) -> None:
+    """The summary line(s) on stdout and, with ``output=``, the result as JSON."""
     print(
         f"\n[lp] {_shape(dcfg)} workers={result['workers']} tp={cfg.parallel.tp} dtype={result['dtype']}"
         f"{_quant_note(result['quant'])}: "
@@ -156,7 +162,6 @@ def run(cfg: GenerateConfig) -> dict | None:
     if cfg.output:
         Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.output).write_text(json.dumps(result) + "\n")
-    return result
 
 
 def _run_ar(model, tokenizer, prompt_ids, dcfg: DecodingConfig, eos, streamer):

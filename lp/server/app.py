@@ -92,61 +92,89 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
     async def models():
         return {"object": "list", "data": [{"id": ctx.model_id, "object": "model", "created": 0, "owned_by": "lp"}]}
 
+    routes = _Completions(engine, ctx, metrics, retry_after_s)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _complete(request, "chat", ChatRequest)
+        return await routes.complete(request, "chat", ChatRequest)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _complete(request, "completions", CompletionRequest)
+        return await routes.complete(request, "completions", CompletionRequest)
 
-    async def _complete(request: Request, kind: str, cls):
+    return app
+
+
+_CANCELLED = dict(status=503, type="server_error", code="cancelled")  # a generation cut by the server's shutdown
+
+
+class _Completions:
+    """The two OpenAI completion routes: parse and check the request, submit its job to
+    the engine, answer whole or as a stream of server-sent events."""
+
+    def __init__(self, engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_s: int):
+        self.engine, self.ctx, self.metrics, self.retry_after_s = engine, ctx, metrics, retry_after_s
+
+    async def complete(self, request: Request, kind: str, cls):
         endpoint = "chat" if kind == "chat" else "completions"
         try:
             body = await request.body()
             if len(body) > MAX_BODY_BYTES:
                 raise ApiError(f"The request body is larger than {MAX_BODY_BYTES} bytes.", code="body_too_large",
                                status=413)
-            prep = prepare(parse(cls, body), ctx)
+            prep = prepare(parse(cls, body), self.ctx)
         except ApiError as e:
-            metrics.requests.labels(endpoint, "invalid").inc()
+            self.metrics.requests.labels(endpoint, "invalid").inc()
             log.info("%d %s: %s", e.status, endpoint, e.message)
             return _error(e)
         except Exception as e:  # noqa: BLE001  (e.g. a tokenizer refusing some input): still the client's input
-            metrics.requests.labels(endpoint, "invalid").inc()
+            self.metrics.requests.labels(endpoint, "invalid").inc()
             log.warning("400 %s: %s: %s", endpoint, type(e).__name__, e)
             return _error(ApiError(f"The input could not be processed: {type(e).__name__}: {e}", code="invalid_value"))
-        loop = asyncio.get_running_loop()
-        job = Job(endpoint, prep.prompt_ids, prep.decoding, loop=loop, events=asyncio.Queue())
+        job = Job(endpoint, prep.prompt_ids, prep.decoding, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        refused = self._submit(job, endpoint)
+        if refused is not None:
+            return refused
+        rid = new_id(kind)
+        if prep.user:
+            log.info("%s for user %r", rid, prep.user)
+        detok = Detokenizer(self.ctx.tokenizer, prep.decoding.stop_strings)
+        if prep.stream:
+            return StreamingResponse(self._stream(job, kind, rid, detok, prep), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._whole(request, job, kind, rid, detok, prep)
+
+    def _submit(self, job: Job, endpoint: str):
+        """Queue the job; None, or the error response when the engine refuses it."""
         try:
-            engine.submit(job)
+            self.engine.submit(job)
         except QueueFull:
-            metrics.requests.labels(endpoint, "rejected_queue_full").inc()
-            return _error(ApiError(f"The server's queue is full ({engine.max_queue} waiting); retry later.",
+            self.metrics.requests.labels(endpoint, "rejected_queue_full").inc()
+            return _error(ApiError(f"The server's queue is full ({self.engine.max_queue} waiting); retry later.",
                                    status=429, type="rate_limit_exceeded", code="queue_full"),
-                          headers={"Retry-After": str(retry_after_s)})
+                          headers={"Retry-After": str(self.retry_after_s)})
         except Unavailable as e:
             return _error(ApiError(f"The server is unavailable: {e}", status=503, type="server_error",
                                    code="unavailable"))
         except ApiError as e:  # the batched engine refuses a request that can never fit its K/V pool
-            metrics.requests.labels(endpoint, "invalid").inc()
+            self.metrics.requests.labels(endpoint, "invalid").inc()
             log.info("%d %s: %s", e.status, endpoint, e.message)
             return _error(e)
-        rid = new_id(kind)
-        if prep.user:
-            log.info("%s for user %r", rid, prep.user)
-        detok = Detokenizer(ctx.tokenizer, prep.decoding.stop_strings)
-        if prep.stream:
-            return StreamingResponse(_stream(job, kind, rid, detok, prep), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _whole(request, job, kind, rid, detok, prep)
+        return None
 
-    def _logprobs(kind, lps, offset):
+    def _logprobs(self, kind, lps, offset):
         if kind == "chat":
-            return chat_logprobs(ctx.tokenizer, lps)
-        return completion_logprobs(ctx.tokenizer, lps, offset)
+            return chat_logprobs(self.ctx.tokenizer, lps)
+        return completion_logprobs(self.ctx.tokenizer, lps, offset)
 
-    async def _whole(request, job, kind, rid, detok, prep):
+    def _info(self, out, prep) -> dict:
+        """The response's ``lookahead`` object (and ``output_ids`` when asked for)."""
+        la = lookahead_info(out.result, out.decoding, self.engine.workers, out.ttft_s, out.queue_s)
+        if prep.return_token_ids:
+            la["output_ids"] = list(out.result.output_ids)
+        return la
+
+    async def _whole(self, request, job, kind, rid, detok, prep):
         lps = []
         try:
             while True:
@@ -165,31 +193,27 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
                 elif ev == "error":
                     return _error(data)
                 elif ev == "done":
-                    out = data
-                    res = out.result
+                    res = data.result
                     if res.finish_reason == "cancelled":
-                        return _error(ApiError("The request was cancelled (server shutting down).", status=503,
-                                               type="server_error", code="cancelled"))
+                        return _error(ApiError("The request was cancelled (server shutting down).", **_CANCELLED))
                     text = detok.content()
-                    la = lookahead_info(res, out.decoding, engine.workers, out.ttft_s, out.queue_s)
-                    if prep.return_token_ids:
-                        la["output_ids"] = list(res.output_ids)
-                    logprobs = _logprobs(kind, lps[: len(res.output_ids)], 0) if prep.decoding.logprobs else None
+                    logprobs = self._logprobs(kind, lps[: len(res.output_ids)], 0) if prep.decoding.logprobs else None
                     if prep.echo_text is not None:
                         text = prep.echo_text + text
-                    return JSONResponse(full_response(kind, rid, ctx.model_id, text, res.finish_reason,
-                                                      usage(len(prep.prompt_ids), len(res.output_ids)), la,
-                                                      logprobs))
+                    return JSONResponse(full_response(kind, rid, self.ctx.model_id, text, res.finish_reason,
+                                                      usage(len(prep.prompt_ids), len(res.output_ids)),
+                                                      self._info(data, prep), logprobs))
         finally:
             job.cancel()  # no-op once done; stops the decode if this handler is torn down
 
-    async def _stream(job, kind, rid, detok, prep):
+    async def _stream(self, job, kind, rid, detok, prep):
+        model_id = self.ctx.model_id
         done = False
         lps, offset = [], 0  # logprobs waiting for their tokens' chunk; completions' text offset
         try:
-            yield _sse(chunk(kind, rid, ctx.model_id, "", role=True))
+            yield _sse(chunk(kind, rid, model_id, "", role=True))
             if prep.echo_text is not None:
-                yield _sse(chunk(kind, rid, ctx.model_id, prep.echo_text))
+                yield _sse(chunk(kind, rid, model_id, prep.echo_text))
             while True:
                 try:
                     ev, data = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
@@ -201,11 +225,11 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
                 elif ev == "tokens":
                     delta = detok.push(data)
                     if lps:
-                        yield _sse(chunk(kind, rid, ctx.model_id, delta, logprobs=_logprobs(kind, lps, offset)))
-                        offset += sum(len(ctx.tokenizer.decode([t.token])) for t in lps)
+                        yield _sse(chunk(kind, rid, model_id, delta, logprobs=self._logprobs(kind, lps, offset)))
+                        offset += sum(len(self.ctx.tokenizer.decode([t.token])) for t in lps)
                         lps = []
                     elif delta:
-                        yield _sse(chunk(kind, rid, ctx.model_id, delta))
+                        yield _sse(chunk(kind, rid, model_id, delta))
                 elif ev == "error":
                     done = True
                     yield _sse(data.body())
@@ -213,29 +237,26 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
                     return
                 elif ev == "done":
                     done = True
-                    out = data
-                    res = out.result
-                    if res.finish_reason == "cancelled":
-                        yield _sse(ApiError("The request was cancelled (server shutting down).", status=503,
-                                            type="server_error", code="cancelled").body())
-                        yield "data: [DONE]\n\n"
-                        return
-                    tail = detok.finish()
-                    if tail:
-                        yield _sse(chunk(kind, rid, ctx.model_id, tail))
-                    la = lookahead_info(res, out.decoding, engine.workers, out.ttft_s, out.queue_s)
-                    if prep.return_token_ids:
-                        la["output_ids"] = list(res.output_ids)
-                    use = usage(len(prep.prompt_ids), len(res.output_ids))
-                    yield _sse(chunk(kind, rid, ctx.model_id, None if kind == "chat" else "", res.finish_reason,
-                                     lookahead=la))
-                    if prep.include_usage:
-                        yield _sse(usage_chunk(kind, rid, ctx.model_id, use))
-                    yield "data: [DONE]\n\n"
+                    for event in self._stream_end(data, kind, rid, detok, prep):
+                        yield event
                     return
         finally:
             if not done:
                 log.info("client of %s went away; cancelling its generation", rid)
             job.cancel()
 
-    return app
+    def _stream_end(self, out, kind, rid, detok, prep):
+        """The last events of a stream: the text's tail, the finish chunk, usage, [DONE]."""
+        model_id, res = self.ctx.model_id, out.result
+        if res.finish_reason == "cancelled":
+            yield _sse(ApiError("The request was cancelled (server shutting down).", **_CANCELLED).body())
+            yield "data: [DONE]\n\n"
+            return
+        tail = detok.finish()
+        if tail:
+            yield _sse(chunk(kind, rid, model_id, tail))
+        yield _sse(chunk(kind, rid, model_id, None if kind == "chat" else "", res.finish_reason,
+                         lookahead=self._info(out, prep)))
+        if prep.include_usage:
+            yield _sse(usage_chunk(kind, rid, model_id, usage(len(prep.prompt_ids), len(res.output_ids))))
+        yield "data: [DONE]\n\n"
