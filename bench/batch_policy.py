@@ -7,7 +7,7 @@ tests/data/prompts.json alternating with HumanEval code prompts) in one ``BatchE
 per draft policy:
 
 * ``budget``: lp's default, one draft budget over every sequence's trie nodes on the
-  measured t(Q) curve (lp.drafts.select_trees);
+  measured t(Q) curve (lp.drafts.select.select_trees);
 * ``static<k>``: each sequence drafts with its own one-sequence budget while at most k
   sequences decode, and not at all above k (the kind of rule vLLM's
   ``num_speculative_tokens_per_batch_size`` and TensorRT-LLM's per-batch settings encode);
@@ -43,7 +43,7 @@ def mixed_prompts(tokenizer, k: int) -> list[list[int]]:
 
 def run_policy(runner, cfg, eos, prompts, tq, policy: str, max_batch: int | None = None
                ) -> tuple[float, list[list[int]], float]:
-    from lp.batch import BatchEngine
+    from lp.engine.batch import BatchEngine
 
     static = policy.startswith("static")
     engine = BatchEngine(runner, kv_tokens=32768, max_batch=max_batch or len(prompts), tq_curve=tq,

@@ -139,7 +139,7 @@ class BenchConfig:
     model: str = "smollm2"  # the embedded SmolLM2-135M-Instruct; ignored when model_path is set
     model_path: str | None = None  # any local transformers folder (Llama-style for tp/pp)
     dtype: str = "float32"  # float32 | bfloat16 | auto
-    quant: str = "none"  # none | int8 | int4 | auto: lp.quant, applied to the model of every method and worker
+    quant: str = "none"  # none | int8 | int4 | auto: lp.model.quant, applied to the model of every method and worker
     device: str = "cpu"  # cpu | cuda (workers use cuda:LOCAL_RANK and nccl)
     methods: list[str] = field(default_factory=lambda: ["ar", "prompt_lookup", "lookahead", "lp", "tp", "pp"])
     workers: list[int] = field(default_factory=lambda: [1, 2])  # K for lp/tp/pp (strong scaling)

@@ -47,7 +47,7 @@ def _section(out: Path, name: str, fn) -> None:
 def _load(dtype: str):
     """SmolLM2 when its files are here, else a random model of SmolLM2's shape (exactness
     still holds against generate on the same weights; speed figures are then indicative)."""
-    from lp.model import load_model, resolve_model_path
+    from lp.model.loader import load_model, resolve_model_path
 
     try:
         path = resolve_model_path("smollm2", None)

@@ -29,7 +29,7 @@ if [ "${NGPU:-0}" -gt 1 ]; then
   if [ "$TP" = 2 ]; then
     python -c "
 import shutil, sys; from pathlib import Path
-from tests.helpers import make_tiny_model; from lp.model import resolve_model_path
+from tests.helpers import make_tiny_model; from lp.model.loader import resolve_model_path
 out = Path(sys.argv[1]); make_tiny_model(vocab=49152).save_pretrained(out)
 src = resolve_model_path('smollm2', None)
 [shutil.copy(src / f, out / f) for f in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja') if (src / f).exists()]
@@ -39,7 +39,7 @@ src = resolve_model_path('smollm2', None)
     "${MODEL_ARGS[@]}" decoding.W=15 decoding.N=5 decoding.G=15 decoding.max_new_tokens=64 stream=false \
     output="$OUT/lp_mesh.json" >> "$OUT/lp_mesh.log" 2>&1 \
     && timeout 120 python -c "
-import json, sys, torch; from lp.model import load_model, resolve_model_path
+import json, sys, torch; from lp.model.loader import load_model, resolve_model_path
 r = json.load(open(sys.argv[1])); path = r['model']
 m, tok = load_model(path, r['dtype'], 'cuda'); ids = torch.tensor([r['prompt_ids']], device='cuda')
 ref = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,

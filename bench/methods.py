@@ -9,7 +9,7 @@ unchanged model (``apply_tp``, ``PipelineStage``), in the manner of gpt-fast's t
 
     ar             transformers generate, greedy
     prompt_lookup  transformers generate(prompt_lookup_num_tokens=k), greedy
-    lookahead/lp   lp.decoding.LookaheadDecoder (lp: with a WorkerGroup)
+    lookahead/lp   lp.engine.decoder.LookaheadDecoder (lp: with a WorkerGroup)
     tp             greedy loop over a tensor-parallel model (DTensor plan or manual shards)
     pp             greedy loop over consecutive layer groups, hidden states sent over gloo
 
@@ -101,8 +101,8 @@ def run_lookahead(
     """``decoding`` given: DecodingConfig(max_new_tokens, **decoding) (the hardware defaults
     fill the rest) instead of the explicit W/N/G. ``runner_kw``: ModelRunner options."""
     from lp.config import DecodingConfig
-    from lp.decoding import LookaheadDecoder
-    from lp.model import ModelRunner
+    from lp.engine.decoder import LookaheadDecoder
+    from lp.model.runner import ModelRunner
 
     if decoding is not None:
         cfg = DecodingConfig(max_new_tokens=max_new_tokens, **decoding)

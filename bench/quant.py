@@ -6,7 +6,7 @@ loads SmolLM2-135M-Instruct once per variant (fp32 and bf16 weights, ``model.qua
 ``model.quant=int4``; all held in memory at once) and writes to ``--out``
 (default bench/results/quant):
 
-* ``tq.json``: t(Q) for Q = 1..16 per variant (lp.calibrate.measure, rounds interleaved
+* ``tq.json``: t(Q) for Q = 1..16 per variant (lp.model.calibrate.measure, rounds interleaved
   over the variants, the minimum kept);
 * ``quality.json``: against fp32, the mean per-token KL(fp32 || variant) over a fixed
   text (the prompts' text joined, teacher-forced) and greedy agreement on the prompts
@@ -37,7 +37,7 @@ VARIANTS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": (
 
 
 def load_variants(names: list[str]):
-    from lp.model import load_model, resolve_model_path
+    from lp.model.loader import load_model, resolve_model_path
 
     path = resolve_model_path("smollm2", None)
     models, tok = {}, None
@@ -48,8 +48,8 @@ def load_variants(names: list[str]):
 
 
 def measure_tq(models: dict, qs: list[int], rounds: int) -> dict:
-    from lp.calibrate import measure
-    from lp.model import ModelRunner
+    from lp.model.calibrate import measure
+    from lp.model.runner import ModelRunner
 
     runners = {n: ModelRunner(m) for n, m in models.items()}
     best: dict[str, dict[int, float]] = {n: {} for n in runners}

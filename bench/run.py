@@ -142,7 +142,7 @@ def sweep_prompts(cfg: BenchConfig, data_dir: Path) -> list[Prompt]:
 class Runner:
     def __init__(self, cfg: BenchConfig, out: Path):
         from lp.generate import eos_ids
-        from lp.model import load_model, resolve_model_path
+        from lp.model.loader import load_model, resolve_model_path
 
         self.cfg = cfg
         self.out = out
@@ -410,7 +410,7 @@ def run_bench(cfg: BenchConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if cfg.kind == "concurrency":
         from bench.concurrency import run_concurrency
-        from lp.model import resolve_model_path
+        from lp.model.loader import resolve_model_path
 
         run_concurrency(cfg, out, resolve_model_path(cfg.model, cfg.model_path))
         return out
@@ -426,7 +426,7 @@ def run_bench(cfg: BenchConfig) -> Path:
     rows: list[dict] = []
     ar_kernel = Job("ar", 1, cfg.threads).kernel
     t0 = time.perf_counter()
-    from lp.tp import valid_tp
+    from lp.parallel.tp import valid_tp
 
     plan = plan_jobs(cfg, valid_tp(runner.model.config) if "lp_tp" in cfg.methods else None)
     if cfg.interleave:

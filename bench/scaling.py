@@ -6,7 +6,7 @@ Contract: the model is plain arithmetic over measured (or assumed) inputs:
     S(W,N,G)    step compression (new tokens / steps), measured or from the paper's law
     speedup(P)  = S(W,N,G) * t(1) / (t(Q_dev) + t_exchange)
 
-where Q_dev is the most packed rows any of P devices runs per step (lp.shard's
+where Q_dev is the most packed rows any of P devices runs per step (lp.lookahead.shard's
 plan) and t_exchange the per-step all_gather. The paper's law (arXiv 2402.02057
 §4): E = (γ+1) − Σ_{i=1..γ} (1−α^i)^b and S = (f−1+E)/f with γ = N−1, b = G.
 
@@ -16,7 +16,7 @@ plan) and t_exchange the per-step all_gather. The paper's law (arXiv 2402.02057
     python -m bench.scaling paper                                             # the 8-GPU note (SCALING.md)
     python -m bench.scaling mesh [--gpu h200 --devices 8]                     # best lp x tp split (SCALING.md)
 
-Only the t(Q) measurement touches a model (lp.model.ModelRunner); the rest reads JSON.
+Only the t(Q) measurement touches a model (lp.model.runner.ModelRunner); the rest reads JSON.
 """
 
 from __future__ import annotations
@@ -90,12 +90,12 @@ def packed_rows(W: int, N: int, G: int, pending: int = 1) -> int:
 
 
 def rows_per_device(P: int, W: int, N: int, G: int, pending: int = 1) -> int:
-    """The most rows any of P workers runs under lp.shard's balanced plan (every worker runs the pending rows).
+    """The most rows any of P workers runs under lp.lookahead.shard's balanced plan (every worker runs the pending rows).
 
-    lp.shard.plan_shards tries every load from the smallest up, which is slow for the
-    large W and G of a search; this bisects on the same feasibility test (lp.shard._try_load)
+    lp.lookahead.shard.plan_shards tries every load from the smallest up, which is slow for the
+    large W and G of a search; this bisects on the same feasibility test (lp.lookahead.shard._try_load)
     when it exists, and falls back to plan_shards otherwise."""
-    from lp import shard
+    from lp.lookahead import shard
 
     depth, R = N - 2, N - 1
     if P == 1:
@@ -152,8 +152,8 @@ def measure_tq(model, qs: Iterable[int] = DEFAULT_QS, cache_len: int = 200, repe
     content. The cache is cropped back after every forward."""
     import torch
 
-    from lp.layout import chain_layout
-    from lp.model import ModelRunner
+    from lp.lookahead.layout import chain_layout
+    from lp.model.runner import ModelRunner
 
     qs = list(qs)
     runner = ModelRunner(model)
@@ -477,7 +477,7 @@ def mesh_table(gpu_key: str, model_key: str, overhead_ms: float, devices: int = 
 def _measure_cmd(args) -> None:
     import torch
 
-    from lp.model import load_model, resolve_model_path
+    from lp.model.loader import load_model, resolve_model_path
 
     torch.set_num_threads(args.threads)
     model, _ = load_model(resolve_model_path(args.model, args.model_path), args.dtype, args.device)

@@ -110,9 +110,10 @@ def offline_references(prompts: list[str], max_tokens: int, threads: int) -> dic
     import torch
 
     from lp.config import DecodingConfig, GenerateConfig
-    from lp.decoding import LookaheadDecoder
+    from lp.engine.decoder import LookaheadDecoder
     from lp.generate import build_prompt_ids, eos_ids
-    from lp.model import ModelRunner, load_model, resolve_model_path
+    from lp.model.runner import ModelRunner
+    from lp.model.loader import load_model, resolve_model_path
 
     torch.set_num_threads(threads)
     model, tok = load_model(resolve_model_path("smollm2", None), "float32")

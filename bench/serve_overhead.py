@@ -38,9 +38,10 @@ def main(argv=None) -> int:
     import torch
 
     from lp.config import DecodingConfig, GenerateConfig
-    from lp.decoding import LookaheadDecoder
+    from lp.engine.decoder import LookaheadDecoder
     from lp.generate import build_prompt_ids, eos_ids
-    from lp.model import ModelRunner, load_model, resolve_model_path
+    from lp.model.runner import ModelRunner
+    from lp.model.loader import load_model, resolve_model_path
 
     out = ROOT / a.out
     out.mkdir(parents=True, exist_ok=True)

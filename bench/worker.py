@@ -4,7 +4,7 @@ Contract: ``bench.run`` writes the job spec (method, model, dtype, threads,
 W/N/G, the prompts as token ids, eos ids) to a JSON file and starts this module
 under torchrun with OMP_NUM_THREADS = threads per worker. Every rank loads the
 model, applies its parallel plan (lp: a WorkerGroup; tp: shards; pp: a stage; lp_tp: the
-(lp, tp) mesh, each LP worker's replica sharded by lp.tp over its tp ranks),
+(lp, tp) mesh, each LP worker's replica sharded by lp.parallel.tp over its tp ranks),
 and decodes every prompt with the same call. Rank 0 writes the per-prompt runs
 to ``--out``; a rank that fails exits non-zero and torchrun stops the others.
 """
@@ -27,8 +27,8 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
 
     from bench import methods
     from lp.config import ParallelConfig
-    from lp.dist import init_worker_group, torchrun_env, worker_device
-    from lp.model import load_model
+    from lp.parallel.dist import init_worker_group, torchrun_env, worker_device
+    from lp.model.loader import load_model
 
     torch.set_num_threads(spec["threads"])
     rank, world, _ = torchrun_env()
@@ -39,7 +39,7 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
     model, _ = load_model(Path(spec["model_path"]), spec["dtype"], str(device), spec.get("quant", "none"))
     info: dict = {"workers": world, "threads": torch.get_num_threads()}
     if method == "lp_tp":
-        from lp.tp import shard_for
+        from lp.parallel.tp import shard_for
 
         shard_for(model, group)
         info.update(lp_workers=world // tp, tp=tp)
@@ -89,7 +89,7 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lp.dist import WorkerFailure
+    from lp.parallel.dist import WorkerFailure
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", required=True)

@@ -9,8 +9,9 @@ Python API::
 """
 
 from lp.config import DecodingConfig, GenerateConfig, ModelConfig, ParallelConfig
-from lp.decoding import GenerationResult, GenerationStats, LookaheadDecoder
-from lp.model import ModelRunner, load_model, resolve_model_path
+from lp.engine.decoder import GenerationResult, GenerationStats, LookaheadDecoder
+from lp.model.runner import ModelRunner
+from lp.model.loader import load_model, resolve_model_path
 
 __all__ = [
     "DecodingConfig",

@@ -52,7 +52,7 @@ def repo_conf_dir() -> str | None:
 def hydra_main(config_name: str, schemas: dict, run: Callable, config_path: str | None) -> None:
     import hydra
 
-    from lp.dist import exit_process, torchrun_env
+    from lp.parallel.dist import exit_process, torchrun_env
 
     register(schemas)
     rank, _, _ = torchrun_env()
@@ -72,7 +72,7 @@ def hydra_main(config_name: str, schemas: dict, run: Callable, config_path: str 
     if torchrun_env()[1] == 1:
         _main()
         return
-    # under torchrun: leave without the interpreter's teardown (lp.dist.exit_process)
+    # under torchrun: leave without the interpreter's teardown (lp.parallel.dist.exit_process)
     try:
         _main()
         code = 0

@@ -26,8 +26,8 @@ class DecodingConfig:
     # verify candidates anyway, plain one-row steps otherwise (for hardware where Q=2 rows
     # already cost much more than one). off: no window (drafts only).
     window_policy: str | None = None
-    # suffix: suffix-matched drafts of adaptive length (prompt + output, lp.suffix) and the
-    #   window's n-grams, merged into a token tree and cut to the draft budget (lp.drafts);
+    # suffix: suffix-matched drafts of adaptive length (prompt + output, lp.drafts.suffix) and the
+    #   window's n-grams, merged into a token tree and cut to the draft budget (lp.drafts.select);
     # pool: the paper's verification branch, up to G pooled n-grams of N-1 tokens keyed by x.
     # None: suffix under the hardware defaults, pool when W, N or G is set explicitly.
     drafts: str | None = None
@@ -35,7 +35,7 @@ class DecodingConfig:
     max_draft_rows: int | None = None  # cap on the draft tree's rows per step (None: hardware)
     draft_alpha: float = 2.0  # suffix drafts: length = min(max_draft_len, alpha * match length)
     # auto: rows per step maximize expected tokens per second under the measured t(Q)
-    # (lp.calibrate, cached per machine and model); all: every draft node up to the cap
+    # (lp.model.calibrate, cached per machine and model); all: every draft node up to the cap
     draft_budget: str = "auto"
     draft_store: bool = False  # also draft from earlier outputs (a cross-request DraftStore)
     draft_store_tokens: int = 65536  # tokens the store holds; oldest outputs evicted first
@@ -45,7 +45,7 @@ class DecodingConfig:
     top_p: float = 1.0  # 1.0: off
     seed: int = 0
     stop_strings: list[str] = field(default_factory=list)
-    # logits processors (lp.processors), applied to every verified row with that row's own
+    # logits processors (lp.lookahead.processors), applied to every verified row with that row's own
     # history (committed tokens + its ancestors in the draft tree), in transformers' order:
     # logit_bias, repetition_penalty, then OpenAI's frequency/presence penalties
     repetition_penalty: float = 1.0  # 1.0: off; prompt + output tokens (transformers' formula)
@@ -133,10 +133,10 @@ class ModelConfig:
     # eager | flex (FlexAttention BlockMask) | flash (cascade: unmasked prefix + tree-masked block)
     attention: str = "auto"
     cuda_graphs: bool = False  # capture the decode forward per row bucket (CUDA only)
-    # small-row matmuls W @ x.T for steps of 2+ rows (lp.kernels): auto (CPU: the row counts
+    # small-row matmuls W @ x.T for steps of 2+ rows (lp.model.kernels): auto (CPU: the row counts
     # the t(Q) calibration measured faster) | on | off (torch's x @ W.T everywhere)
     small_rows: str = "auto"
-    # quantized weights (lp.quant), applied identically on every LP worker: none | int8 (CPU:
+    # quantized weights (lp.model.quant), applied identically on every LP worker: none | int8 (CPU:
     # int8 weights x per-row int8 activations over fbgemm; CUDA: torchao int8 weight-only) |
     # int4 (torchao int4 weight-only, bf16 activations) | auto (per hardware: see README)
     quant: str = "none"
@@ -166,7 +166,7 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     workers: int | None = None  # LP workers; workers x tp must equal torchrun's WORLD_SIZE when set
-    tp: int = 1  # tensor-parallel degree: each LP worker's replica sharded over tp processes (lp.tp)
+    tp: int = 1  # tensor-parallel degree: each LP worker's replica sharded over tp processes (lp.parallel.tp)
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     timeout_s: float = 60.0  # a stuck or dead worker ends the job within this time
     check_divergence: bool = False  # compare a hash of pool/window/output across ranks each step
@@ -207,7 +207,7 @@ class GenerateConfig:
 def hardware_defaults(device_type: str, dtype_name: str, amx: bool) -> dict:
     """W/N/G/window_policy/drafts/max_draft_rows for the hardware.
 
-    Draft rows per step are not in this table: the budget (lp.budget) picks them every
+    Draft rows per step are not in this table: the budget (lp.drafts.budget) picks them every
     step from the measured t(Q) curve and the drafts' expected acceptance, up to
     ``max_draft_rows``. What is left here is the window's shape and when it rides:
 
@@ -215,7 +215,7 @@ def hardware_defaults(device_type: str, dtype_name: str, amx: bool) -> dict:
       step, up to 15 drafts per source, a tree of up to 64 rows.
     * CPU in bf16 with AMX: ~32 extra rows cost ~1.4x one row: W=5, N=4 every step.
     * CPU otherwise (fp32, or bf16 without AMX): a step of 2-16 rows costs 0.8-1.5x one row
-      (with lp.kernels' small-row matmuls; 1.3-1.8x without), so drafts pay and the window
+      (with lp.model.kernels' small-row matmuls; 1.3-1.8x without), so drafts pay and the window
       does not: no window (measured on 20 HumanEval prompts: suffix drafts alone 1.99x
       generate, with the W=1, N=5 window riding on draft steps 1.72x), up to 4 drafts per
       source, a tree of up to 24 rows.

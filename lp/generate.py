@@ -22,7 +22,7 @@ import torch
 
 from lp import cli
 from lp.config import DecodingConfig, GenerateConfig
-from lp.dist import WorkerFailure, init_worker_group, torchrun_env, worker_device
+from lp.parallel.dist import WorkerFailure, init_worker_group, torchrun_env, worker_device
 
 DEFAULT_PROMPT = "Explain in three short paragraphs what a hash table is and when to use one."
 
@@ -79,9 +79,10 @@ def run(cfg: GenerateConfig) -> dict | None:
     """Load the model, decode one prompt, report. Returns the result dict on rank 0."""
     from transformers import TextStreamer
 
-    from lp.decoding import LookaheadDecoder
-    from lp.model import ModelRunner, load_model, resolve_model_path
-    from lp.tp import check_tp_path, shard_for
+    from lp.engine.decoder import LookaheadDecoder
+    from lp.model.runner import ModelRunner
+    from lp.model.loader import load_model, resolve_model_path
+    from lp.parallel.tp import check_tp_path, shard_for
 
     cfg.validate()
     rank, world, _ = torchrun_env()
@@ -165,7 +166,7 @@ def _report(cfg: GenerateConfig, dcfg: DecodingConfig, result: dict) -> None:
 
 
 def _run_ar(model, tokenizer, prompt_ids, dcfg: DecodingConfig, eos, streamer):
-    from lp.processors import generate_kwargs
+    from lp.model.hf_generate import generate_kwargs
 
     if dcfg.logprobs:
         raise ValueError("decoding.logprobs is reported by decoding.mode=lookahead only")

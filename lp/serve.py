@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from lp import cli
-from lp.dist import RequestChannel, WorkerFailure, exit_process, init_worker_group, torchrun_env, worker_device
+from lp.parallel.dist import RequestChannel, WorkerFailure, exit_process, init_worker_group, torchrun_env, worker_device
 from lp.server.config import ServeConfig, ServerConfig
 
 log = logging.getLogger("lp.serve")
@@ -54,8 +54,9 @@ def model_id_of(cfg: ServeConfig) -> str:
 def run(cfg: ServeConfig) -> int:
     """Load the model on every rank and serve until shutdown. Returns the exit status (0)."""
     from lp.generate import eos_ids
-    from lp.model import ModelRunner, load_model, resolve_model_path
-    from lp.tp import check_tp_path, shard_for
+    from lp.model.runner import ModelRunner
+    from lp.model.loader import load_model, resolve_model_path
+    from lp.parallel.tp import check_tp_path, shard_for
 
     cfg.validate()
     _setup_logging()
@@ -78,7 +79,7 @@ def run(cfg: ServeConfig) -> int:
     if cfg.decoding.draft_budget == "auto":
         # the draft budget's t(Q) curve, measured now on every rank at once (once per machine,
         # then cached) rather than inside the first request
-        from lp.calibrate import cache_path, row_cost_curve
+        from lp.model.calibrate import cache_path, row_cost_curve
 
         log.info("[lp.serve] rank %d: t(Q) for the draft budget: %s", rank, cache_path(runner))
         row_cost_curve(runner)
@@ -97,7 +98,7 @@ def run(cfg: ServeConfig) -> int:
 def _batch_engine(cfg: ServeConfig, runner, group):
     """The batch engine every rank holds (its sizes from server.*; under LP a collective:
     every rank builds it at the same point, rank 0's t(Q) curve is shared)."""
-    from lp.batch import BatchEngine
+    from lp.engine.batch import BatchEngine
 
     s = cfg.server
     return BatchEngine(runner, kv_tokens(cfg, runner, group), max_batch=s.max_batch,
@@ -110,7 +111,7 @@ def kv_tokens(cfg: ServeConfig, runner, group) -> int:
     s = cfg.server
     if s.kv_memory_fraction is None:
         return s.kv_tokens
-    from lp.paged import kv_tokens_for_memory
+    from lp.model.paged import kv_tokens_for_memory
 
     slots = kv_tokens_for_memory(runner.model.config, runner.dtype, runner.device, s.kv_memory_fraction)
     if group is not None:
@@ -137,7 +138,7 @@ def _serve_worker(cfg: ServeConfig, runner, tokenizer, eos, group) -> int:
 def _draft_store(cfg: ServeConfig):
     """The cross-request draft store (server.draft_store=true): every rank keeps its own,
     identical, copy (each adds the same outputs in the same order)."""
-    from lp.suffix import DraftStore
+    from lp.drafts.suffix import DraftStore
 
     return DraftStore(cfg.decoding.draft_store_tokens) if cfg.server.draft_store else None
 
@@ -154,7 +155,7 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
     world = group.lp_size if group is not None else 1  # LP workers (each a TP group of parallel.tp)
     heartbeat = min(s.heartbeat_s, cfg.parallel.timeout_s / 3)
     metrics = ServerMetrics(world)
-    try:  # continuous batching (lp.batch), under LP too: every rank holds the same batch
+    try:  # continuous batching (lp.engine.batch), under LP too: every rank holds the same batch
         engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, kv_tokens(cfg, runner, group),
                                s.max_prefill_tokens, metrics, draft_store=_draft_store(cfg), group=group,
                                heartbeat_s=heartbeat)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lp.model import ModelRunner
+from lp.model.runner import ModelRunner
 from tests.helpers import TINY_VOCAB, make_tiny_model
 
 # Worker processes (torchrun, lp.serve, scripts under tests/) import this checkout's lp,
@@ -51,7 +51,7 @@ def tiny_factory():
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of SmolLM2-135M-Instruct in float32 (converted once under ~/.cache/lp)."""
-    from lp.model import load_model, resolve_model_path
+    from lp.model.loader import load_model, resolve_model_path
 
     path = resolve_model_path("smollm2", None)
     model, tokenizer = load_model(path, "float32")

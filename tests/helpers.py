@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from lp.config import DecodingConfig
-from lp.decoding import LookaheadDecoder
-from lp.model import ModelRunner
+from lp.engine.decoder import LookaheadDecoder
+from lp.model.runner import ModelRunner
 
 TINY_VOCAB = 128
 
@@ -219,7 +219,7 @@ def fit_verdict(rows: list[dict], alpha: float = 1e-3) -> tuple[bool, str]:
     return ok, report
 
 
-# Planted verifier bugs for the negative controls: the same signature as lp.sampling.verify_node.
+# Planted verifier bugs for the negative controls: the same signature as lp.lookahead.sampling.verify_node.
 
 
 def kept_mass_verify_node(probs_V, candidates, gen):
@@ -234,13 +234,13 @@ def kept_mass_verify_node(probs_V, candidates, gen):
 
 
 def plant_verifier(fake, setattr=setattr) -> None:
-    """Swap lp.sampling.verify_node for ``fake`` in every lp module that imported it
+    """Swap lp.lookahead.sampling.verify_node for ``fake`` in every lp module that imported it
     (``setattr``: pytest's ``monkeypatch.setattr`` in a test, to undo it afterwards)."""
     import sys
 
-    import lp.sampling
+    import lp.lookahead.sampling
 
-    original = lp.sampling.verify_node
+    original = lp.lookahead.sampling.verify_node
     for name, mod in list(sys.modules.items()):
         if (name == "lp" or name.startswith("lp.")) and getattr(mod, "verify_node", None) is original:
             setattr(mod, "verify_node", fake)
@@ -249,14 +249,14 @@ def plant_verifier(fake, setattr=setattr) -> None:
 def finish_worker(group, result, out_path: str) -> None:
     """End a test worker script: rank 0 (or the lone process) writes ``result`` as JSON to
     ``out_path``; under torchrun every rank then leaves the group and exits at once
-    (lp.dist.exit_process: no interpreter teardown that could abort a clean run)."""
+    (lp.parallel.dist.exit_process: no interpreter teardown that could abort a clean run)."""
     import json
 
     if group is None or group.rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
     if group is not None:
-        from lp.dist import exit_process
+        from lp.parallel.dist import exit_process
 
         group.close()
         exit_process(0)

@@ -1,7 +1,7 @@
 """Worker script for the LP batch tests: ``torchrun --nproc-per-node K tests/lp_batch_worker.py SPEC.json OUT.json``.
 
 Every rank builds the same tiny random model (tests.helpers.make_tiny_model, spec "model")
-and one ``lp.batch.BatchEngine`` on the torchrun worker group (or none when started without
+and one ``lp.engine.batch.BatchEngine`` on the torchrun worker group (or none when started without
 torchrun), then plays the spec's literal schedule of joins and aborts (``run_schedule``,
 which the tests also call in one process): ``schedule[step]`` lists ["join", name] /
 ["abort", name] done before that step. Rank 0 writes, per request name, the tokens the steps
@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lp.batch import BatchEngine  # noqa: E402
+from lp.engine.batch import BatchEngine  # noqa: E402
 from lp.config import DecodingConfig, ParallelConfig  # noqa: E402
-from lp.model import ModelRunner  # noqa: E402
+from lp.model.runner import ModelRunner  # noqa: E402
 
 
 def run_schedule(runner: ModelRunner, spec: dict, group=None) -> dict:
@@ -56,7 +56,7 @@ def run_schedule(runner: ModelRunner, spec: dict, group=None) -> dict:
 
 def main() -> None:
     faulthandler.enable()  # a native abort prints every thread's Python stack
-    from lp.dist import init_worker_group
+    from lp.parallel.dist import init_worker_group
     from tests.helpers import finish_worker, make_tiny_model
 
     spec = json.load(open(sys.argv[1]))
@@ -65,7 +65,7 @@ def main() -> None:
                               torch.device("cpu"))
     runner = ModelRunner(make_tiny_model(**spec["model"]), attention=spec.get("attention", "sdpa"))
     if spec.get("generate_batch"):  # the offline call, every rank with the same prompts
-        from lp.decoding import LookaheadDecoder
+        from lp.engine.decoder import LookaheadDecoder
 
         cfgs = [DecodingConfig(**r["decoding"]) for r in spec["requests"].values()]
         results = LookaheadDecoder(runner, cfgs[0], group, tq_curve=[tuple(p) for p in spec["tq_curve"]]) \

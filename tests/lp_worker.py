@@ -1,7 +1,7 @@
 """Worker script for the LP tests: ``torchrun --nproc-per-node K tests/lp_worker.py SPEC.json OUT.json``.
 
 Runs every job of SPEC (prompt ids + decoding config) with ``LookaheadDecoder`` on the
-torchrun worker group (spec "tp": LP workers x tp processes, lp.tp shards each replica; or one
+torchrun worker group (spec "tp": LP workers x tp processes, lp.parallel.tp shards each replica; or one
 process when started without torchrun) and writes, from rank 0, one result per job: output ids,
 steps, rows per rank. ``planted_bug``: the name of a wrong verifier in tests.helpers swapped in
 on every rank (a negative control). ``kill_rank_at_step: [R, S]``: rank R SIGKILLs itself after
@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from lp.config import DecodingConfig, ParallelConfig
-from lp.decoding import LookaheadDecoder
-from lp.dist import init_worker_group
-from lp.model import ModelRunner, load_model, resolve_model_path
-from lp.tp import shard_for
+from lp.engine.decoder import LookaheadDecoder
+from lp.parallel.dist import init_worker_group
+from lp.model.runner import ModelRunner
+from lp.model.loader import load_model, resolve_model_path
+from lp.parallel.tp import shard_for
 
 
 def main() -> None:

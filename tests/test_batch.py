@@ -1,4 +1,4 @@
-"""Batched lookahead steps (lp.batch) over the paged K/V cache (lp.paged).
+"""Batched lookahead steps (lp.engine.batch) over the paged K/V cache (lp.model.paged).
 
 Every output of a batch equals transformers' greedy ``generate`` of its own prompt,
 token for token, while other requests join and leave mid-decode; different settings
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from lp.batch import BatchEngine
-from lp.budget import AcceptanceModel
+from lp.engine.batch import BatchEngine
+from lp.drafts.budget import AcceptanceModel
 from lp.config import DecodingConfig
-from lp.decoding import LookaheadDecoder
-from lp.drafts import Scored, TreeRequest, select_tree, select_trees
-from lp.model import ModelRunner
-from lp.paged import BlockTable
+from lp.engine.decoder import LookaheadDecoder
+from lp.drafts.select import Scored, TreeRequest, select_tree, select_trees
+from lp.model.runner import ModelRunner
+from lp.model.paged import BlockTable
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 
 PROMPTS = [
@@ -261,7 +261,7 @@ def test_kv_pool_from_a_memory_fraction():
     import torch
     from transformers import LlamaConfig
 
-    from lp.paged import kv_slot_bytes, kv_tokens_for_memory
+    from lp.model.paged import kv_slot_bytes, kv_tokens_for_memory
 
     cfg = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
     assert kv_slot_bytes(cfg, torch.float32) == 30 * 2 * 3 * 64 * 4

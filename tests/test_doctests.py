@@ -6,12 +6,12 @@ import doctest
 
 import pytest
 
-import lp.pool
-import lp.shard
-import lp.verify
+import lp.lookahead.pool
+import lp.lookahead.shard
+import lp.lookahead.verify
 
 
-@pytest.mark.parametrize("module", [lp.pool, lp.verify, lp.shard], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [lp.lookahead.pool, lp.lookahead.verify, lp.lookahead.shard], ids=lambda m: m.__name__)
 def test_module_doctests(module):
     result = doctest.testmod(module, verbose=False, report=True)
     assert result.attempted > 0

@@ -8,18 +8,18 @@ import doctest
 import numpy as np
 import pytest
 
-import lp.budget
-import lp.drafts
-from lp.budget import AcceptanceModel, best_k, bucket, cost, envelope, padded_rows
+import lp.drafts.budget
+import lp.drafts.select
+from lp.drafts.budget import AcceptanceModel, best_k, bucket, cost, envelope, padded_rows
 from lp.config import DecodingConfig
-from lp.decoding import LookaheadDecoder
-from lp.drafts import Scored, node_probs, select_tree
-from lp.layout import build_layout, build_tree_layout
-from lp.model import ModelRunner
-from lp.shard import plan_tree_shards
-from lp.suffix import DraftStore, SuffixIndex
-from lp.tree import merge_trie
-from lp.verify import greedy_walk, walk
+from lp.engine.decoder import LookaheadDecoder
+from lp.drafts.select import Scored, node_probs, select_tree
+from lp.lookahead.layout import build_layout, build_tree_layout
+from lp.model.runner import ModelRunner
+from lp.lookahead.shard import plan_tree_shards
+from lp.drafts.suffix import DraftStore, SuffixIndex
+from lp.lookahead.tree import merge_trie
+from lp.lookahead.verify import greedy_walk, walk
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 
 CPU = [(1, 0.055), (2, 0.085), (16, 0.130), (32, 0.184)]  # this CPU, fp32 SmolLM2 (lead's numbers)
@@ -27,7 +27,7 @@ FLAT = [(1, 0.010), (64, 0.010)]  # an accelerator: rows are free
 
 
 def test_module_doctests():
-    for mod in (lp.budget, lp.drafts):
+    for mod in (lp.drafts.budget, lp.drafts.select):
         result = doctest.testmod(mod)
         assert result.attempted > 0 and result.failed == 0, (mod.__name__, result)
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lp.config import DecodingConfig, GenerateConfig, ModelConfig, ParallelConfig
-from lp.decoding import LookaheadDecoder
-from lp.model import ModelRunner, resolve_dtype, resolve_model_path
+from lp.engine.decoder import LookaheadDecoder
+from lp.model.runner import ModelRunner
+from lp.model.loader import resolve_dtype, resolve_model_path
 from tests.helpers import hf_greedy, lookahead
 
 

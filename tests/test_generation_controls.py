@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lp.model import ModelRunner
+from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, lookahead, step_spans
 
 MAX_NEW = 40
@@ -145,7 +145,7 @@ def test_streamer_receives_exactly_the_output(base, extra):
 
 def test_on_step_callback(base):
     from lp.config import DecodingConfig
-    from lp.decoding import LookaheadDecoder
+    from lp.engine.decoder import LookaheadDecoder
 
     _, runner, ref, _ = base
     seen = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lp.model import ModelRunner
+from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, lookahead
 
 MAX_NEW = 40
@@ -74,7 +74,7 @@ def test_greedy_short_prompts(tiny_factory):
 def test_greedy_decoder_is_reusable(tiny_factory):
     """One decoder instance, several requests: no state leaks between calls."""
     from lp.config import DecodingConfig
-    from lp.decoding import LookaheadDecoder
+    from lp.engine.decoder import LookaheadDecoder
 
     model = tiny_factory("qwen2")
     dec = LookaheadDecoder(ModelRunner(model), DecodingConfig(W=5, N=4, G=5, max_new_tokens=30))

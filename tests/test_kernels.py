@@ -1,4 +1,4 @@
-"""Small-row matmuls (lp.kernels): the swap keeps the model's own forward bit for bit, the
+"""Small-row matmuls (lp.model.kernels): the swap keeps the model's own forward bit for bit, the
 switched forward equals F.linear to rounding, and decoding through it equals generate."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lp.config import DecodingConfig, ModelConfig
-from lp.decoding import LookaheadDecoder
-from lp.kernels import SmallRowsLinear, install
-from lp.model import ModelRunner
+from lp.engine.decoder import LookaheadDecoder
+from lp.model.kernels import SmallRowsLinear, install
+from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, make_tiny_model
 
 
@@ -67,7 +67,7 @@ def test_decoding_through_small_rows_equals_generate(tiny_factory, family):
 
 def test_calibration_picks_small_rows_per_row_count(tiny_factory, tmp_path, monkeypatch):
     monkeypatch.setenv("LP_CACHE", str(tmp_path))
-    from lp.calibrate import QS, row_cost_curve
+    from lp.model.calibrate import QS, row_cost_curve
 
     runner = ModelRunner(tiny_factory("llama"))
     assert runner.small_rows_mode == "auto" and runner.small_rows == frozenset()

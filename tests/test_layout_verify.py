@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lp.layout import build_layout
-from lp.verify import Path, children, greedy_walk, sharing_prefix, walk
+from lp.lookahead.layout import build_layout
+from lp.lookahead.verify import Path, children, greedy_walk, sharing_prefix, walk
 
 # ---------------------------------------------------------------------------
 # layout

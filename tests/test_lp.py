@@ -56,7 +56,7 @@ CONFIGS = [(5, 4, 5), (1, 3, 2), (4, 4, 0), (7, 3, 7), (3, 2, 4)]
 
 @pytest.fixture(scope="module")
 def smollm2_refs():
-    from lp.model import load_model, resolve_model_path
+    from lp.model.loader import load_model, resolve_model_path
 
     path = resolve_model_path("smollm2", None)
     model, tok = load_model(path, "float32")
@@ -135,7 +135,7 @@ def test_lp_tree_drafts_greedy_matches_one_process(smollm2_refs, tmp_path):
             assert one["output_ids"] == ref, (job["decoding"], "single process differs from generate")
             assert many["output_ids"] == ref, (nproc, job["decoding"], "LP differs from generate")
             # the same trees, so the same steps, where every node is verified; under the default
-            # budget LP prices a node at 1/K of a row (lp.budget.best_k's workers), so its trees are
+            # budget LP prices a node at 1/K of a row (lp.drafts.budget.best_k's workers), so its trees are
             # legitimately larger and its step count differs: only the tokens must agree there
             if job["decoding"].get("draft_budget") == "all":
                 assert many["steps"] == one["steps"], (nproc, job["decoding"])

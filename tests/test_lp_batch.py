@@ -1,4 +1,4 @@
-"""Lookahead Parallelism with batches: lp.batch.BatchEngine on 2 gloo workers under torchrun.
+"""Lookahead Parallelism with batches: lp.engine.batch.BatchEngine on 2 gloo workers under torchrun.
 
 A literal schedule of joins and aborts (tests.lp_batch_worker) with tree drafts
 (drafts=suffix), the paper's window and pool (W5 N4 G5), a prompt prefilled in chunks beside
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from lp.config import DecodingConfig
-from lp.model import ModelRunner
+from lp.model.runner import ModelRunner
 from lp.server.engine import pack_step, unpack_step
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 from tests.lp_batch_worker import run_schedule

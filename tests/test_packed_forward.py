@@ -7,9 +7,9 @@ import pytest
 import torch
 import copy
 
-from lp.kv import PackedCache
-from lp.layout import build_layout
-from lp.model import ModelRunner
+from lp.model.kv import PackedCache
+from lp.lookahead.layout import build_layout
+from lp.model.runner import ModelRunner
 from tests.helpers import make_tiny_model
 
 ATOL = 1e-4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lp.pool import NGramPool
-from lp.window import Window
+from lp.lookahead.pool import NGramPool
+from lp.lookahead.window import Window
 
 # ---------------------------------------------------------------------------
 # NGramPool
@@ -249,7 +249,7 @@ def test_window_fingerprint_tracks_state():
 
 
 def test_context_index_docstring_example():
-    from lp.pool import ContextIndex
+    from lp.lookahead.pool import ContextIndex
 
     ix = ContextIndex([5, 6, 7, 9, 6, 7, 8, 1, 6, 7])
     assert ix.lookup(2, 3) == [(8, 1), (9, 6)]
@@ -258,7 +258,7 @@ def test_context_index_docstring_example():
 
 
 def test_context_index_longest_context_first():
-    from lp.pool import ContextIndex
+    from lp.lookahead.pool import ContextIndex
 
     # last token 3 with left context (1, 2, 3); earlier 3s at index 2 (context 1,2,3),
     # index 6 (context 9,2,3) and index 10 (context 4,4,3)
@@ -271,7 +271,7 @@ def test_context_index_longest_context_first():
 
 
 def test_context_index_suffixes_are_complete_and_distinct():
-    from lp.pool import ContextIndex
+    from lp.lookahead.pool import ContextIndex
 
     ix = ContextIndex([4, 1, 2, 4, 1, 2, 4, 1])
     # both earlier 1s continue with (2, 4, 1): proposed once
@@ -287,7 +287,7 @@ def test_context_index_suffixes_are_complete_and_distinct():
 
 def test_context_index_agrees_with_pool_for_unit_context():
     """With one token of context the index proposes exactly the pool's suffixes for the last token."""
-    from lp.pool import ContextIndex
+    from lp.lookahead.pool import ContextIndex
 
     toks = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
     for n in (2, 3, 4):

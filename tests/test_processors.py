@@ -1,4 +1,4 @@
-"""Logits processors along the draft tree (lp.processors): bias, repetition / frequency /
+"""Logits processors along the draft tree (lp.lookahead.processors): bias, repetition / frequency /
 presence penalties, min_p, logprobs — against transformers' own processors and ``generate``."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from lp.config import DecodingConfig
-from lp.layout import build_tree_layout
-from lp.model import ModelRunner
-from lp.processors import RowProcessor, row_extras
-from lp.sampling import warp
+from lp.lookahead.layout import build_tree_layout
+from lp.model.runner import ModelRunner
+from lp.lookahead.processors import RowProcessor, row_extras
+from lp.lookahead.sampling import warp
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, lookahead
 from tests.test_sampling_dist import small_vocab  # noqa: F401  (fixture)
 
@@ -203,7 +203,7 @@ def test_sampled_with_processors_has_exact_conditionals(small_vocab, kw, monkeyp
     """Exact conditionals of the first tokens with transformers' own processors on each
     prefix's ids (tests.helpers.exact_next_probs); lp's draws with tree drafts fit them. A
     planted bug that drops the trie ancestors from the rows' histories is rejected."""
-    import lp.processors
+    import lp.lookahead.processors
     from tests.helpers import conditional_fit, exact_next_probs, fit_verdict
     from tests.test_sampling_dist import DRAWS, NEW, TREE, lookahead_draws
 
@@ -226,8 +226,8 @@ def test_sampled_with_processors_has_exact_conditionals(small_vocab, kw, monkeyp
         return  # repetition counts the prompt, which holds every token of this 12-token vocabulary:
         # dropping the ancestors changes nothing there, so only the output-count penalties can tell
     # negative control: rows scored without their trie ancestors' tokens
-    monkeypatch.setattr(lp.processors, "row_extras", lambda layout: [[] for _ in layout.skeleton.keep])
-    monkeypatch.setattr("lp.decoding.row_extras", lambda layout: [[] for _ in layout.skeleton.keep])
+    monkeypatch.setattr(lp.lookahead.processors, "row_extras", lambda layout: [[] for _ in layout.skeleton.keep])
+    monkeypatch.setattr("lp.engine.decoder.row_extras", lambda layout: [[] for _ in layout.skeleton.keep])
     bad, _ = lookahead_draws(runner, prompt, DRAWS, TREE, **kw)
     ok, report = fit_verdict(conditional_fit(bad, exact))
     assert not ok, f"ancestors dropped from the histories went unnoticed: {report}"
@@ -263,13 +263,13 @@ def test_lp_two_workers_with_processors_equal_generate(smollm2, tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# batched steps (lp.batch): the same processors and logprobs per sequence
+# batched steps (lp.engine.batch): the same processors and logprobs per sequence
 
 
 def test_batched_processors_and_logprobs_equal_generate(tiny_factory):
     """Sequences with different processors and logprobs settings in one batch: each equals
     transformers generate with its own processors; logprobs equal the one-sequence run's."""
-    from lp.decoding import LookaheadDecoder
+    from lp.engine.decoder import LookaheadDecoder
 
     model = tiny_factory("llama")
     runner = ModelRunner(model)

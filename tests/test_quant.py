@@ -1,4 +1,4 @@
-"""Quantized weights (lp.quant): exactness relative to the model as quantized.
+"""Quantized weights (lp.model.quant): exactness relative to the model as quantized.
 
 Checks: ``model.quant`` validation; the int8 CPU linear computes every row of a packed
 input exactly as it computes that row alone (per-row activation scales); small-row kernels
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from lp.config import ModelConfig
-from lp.model import ModelRunner
-from lp.quant import RowInt8Linear, SharedInputPart, quantize, resolve_quant
+from lp.model.runner import ModelRunner
+from lp.model.quant import RowInt8Linear, SharedInputPart, quantize, resolve_quant
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, lookahead, make_tiny_model
 
 MAX_NEW = 32
@@ -95,7 +95,7 @@ def test_int8_fused_linears_equal_separate_ones():
 
 
 def test_quantized_runner_kernels_and_cache_key(tmp_path, monkeypatch):
-    from lp.calibrate import cache_path
+    from lp.model.calibrate import cache_path
 
     monkeypatch.setenv("LP_CACHE", str(tmp_path))
     plain = ModelRunner(make_tiny_model(seed=3), small_rows="on")
@@ -131,7 +131,7 @@ SMOL_NEW = 40
 
 @pytest.fixture(scope="module")
 def smollm2_int8():
-    from lp.model import load_model, resolve_model_path
+    from lp.model.loader import load_model, resolve_model_path
     from tests.test_smollm2 import prompt_ids
 
     model, tok = load_model(resolve_model_path("smollm2", None), "float32", quant="int8")
@@ -155,11 +155,11 @@ def test_smollm2_int8_equals_generate(smollm2_int8, shape):
 
 @pytest.mark.slow
 def test_smollm2_int8_batch_equals_generate(smollm2_int8):
-    """The batched step (lp.batch: paged cache, keys gathered with a mask hiding the other
+    """The batched step (lp.engine.batch: paged cache, keys gathered with a mask hiding the other
     sequences, prompts prefilled in 48-token chunks beside the others' decode rows) keeps
     int8's row-exact attention: every sequence == generate on the int8 model."""
     from lp.config import DecodingConfig
-    from lp.decoding import LookaheadDecoder
+    from lp.engine.decoder import LookaheadDecoder
     from tests.test_smollm2 import assert_equal_or_tie
 
     model, prompts, refs = smollm2_int8
@@ -189,7 +189,7 @@ def test_smollm2_int8_lp_two_workers(smollm2_int8, tmp_path):
 def test_int8_packed_step_equals_one_row_steps_bitwise():
     """With per-row int8 linears and lp_rowexact attention, a packed chain of Q rows gives each
     row's logits exactly as Q one-row steps do (what makes lookahead == generate)."""
-    from lp.layout import chain_layout
+    from lp.lookahead.layout import chain_layout
 
     runner = ModelRunner(make_tiny_model(seed=2), quant="int8")
     assert runner.attention == "rowexact" and runner.small_rows_mode == "off"
@@ -218,7 +218,7 @@ def _bf16_tie(gap: float, top: float) -> bool:
 @pytest.mark.parametrize("shape", [{}, {"W": 5, "N": 4, "G": 5}], ids=["tree", "paper_window"])
 def test_smollm2_int4_equals_generate_up_to_bf16_ties(shape):
     pytest.importorskip("torchao")
-    from lp.model import load_model, resolve_model_path
+    from lp.model.loader import load_model, resolve_model_path
     from tests.test_smollm2 import assert_equal_or_tie, prompt_ids
 
     model, tok = load_model(resolve_model_path("smollm2", None), "float32", quant="int4")

@@ -22,8 +22,8 @@ from collections import Counter
 import pytest
 
 from lp.config import DecodingConfig
-from lp.decoding import LookaheadDecoder
-from lp.model import ModelRunner
+from lp.engine.decoder import LookaheadDecoder
+from lp.model.runner import ModelRunner
 from tests.helpers import (
     conditional_fit,
     exact_next_probs,
@@ -43,7 +43,7 @@ POOL = dict(W=3, N=4, G=5, prompt_pool=True)  # the paper's pool, always-on wind
 TREE = dict(POOL, drafts="suffix", draft_budget="all", max_draft_len=6, max_draft_rows=10,
             window_policy="with_candidates")  # suffix drafts + window n-grams in one token tree
 # a cost curve on which 3..15 rows cost more than 16: steps are padded with filler chains up
-# to max_draft_rows (lp.budget.envelope), and verification treats the filler like any draft
+# to max_draft_rows (lp.drafts.budget.envelope), and verification treats the filler like any draft
 PADDED = [(1, 1.0), (2, 1.0), (3, 5.0), (16, 1.0)]
 
 CASES = {

@@ -1,4 +1,4 @@
-"""lp.sampling: exactness of the point-mass verifier and equality of the warpers with transformers'."""
+"""lp.lookahead.sampling: exactness of the point-mass verifier and equality of the warpers with transformers'."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from lp.sampling import node_generator, verify_node, warp
+from lp.lookahead.sampling import node_generator, verify_node, warp
 
 A, B, C, D = 0, 1, 2, 3
 P_LIST = [0.2, 0.3, 0.1, 0.4]

@@ -34,7 +34,7 @@ def test_pack_unpack_roundtrip(d):
     prompt = [1, 0, 49151, 5, 5]
     fields, payload = pack_request(prompt, d)
     assert all(isinstance(x, int) and -(2**63) <= x < 2**63 for x in fields + payload)
-    from lp.dist import RequestChannel
+    from lp.parallel.dist import RequestChannel
 
     assert len(fields) <= RequestChannel.FIELDS
     got_prompt, got = unpack_request(fields, payload, DecodingConfig(max_new_tokens=99, prompt_pool=True))
@@ -46,7 +46,7 @@ def test_pack_unpack_roundtrip(d):
 def tok():
     from transformers import AutoTokenizer
 
-    from lp.model import resolve_model_path
+    from lp.model.loader import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path("smollm2", None))
 
@@ -138,7 +138,7 @@ def test_server_config_validation():
 
 def test_server_draft_store_is_one_shared_store():
     from lp.serve import _draft_store
-    from lp.suffix import DraftStore
+    from lp.drafts.suffix import DraftStore
 
     assert _draft_store(ServeConfig()) is None
     cfg = ServeConfig(decoding=DecodingConfig(draft_store_tokens=128), server=ServerConfig(draft_store=True))

@@ -1,11 +1,11 @@
-"""lp.shard.plan_shards: validity on a grid of small cases and minimality against brute force."""
+"""lp.lookahead.shard.plan_shards: validity on a grid of small cases and minimality against brute force."""
 
 from __future__ import annotations
 
 import itertools
 
-import lp.shard
-from lp.shard import Shard, column_rows, plan_shards
+import lp.lookahead.shard
+from lp.lookahead.shard import Shard, column_rows, plan_shards
 
 
 def _check_valid(plan, W, P, C, D, G, R):
@@ -118,12 +118,12 @@ def test_plan_is_the_same_in_another_process():
     import sys
 
     args = [(3, 2, 7, 2, 5, 3), (2, 1, 5, 3, 5, 4), (4, 3, 2, 1, 7, 2), (3, 1, 0, 0, 5, 2)]
-    # lp.shard is plain Python: loaded from its file alone (no torch import), it starts in ~0.1 s
+    # lp.lookahead.shard is plain Python: loaded from its file alone (no torch import), it starts in ~0.1 s
     code = ("import importlib.util as u, sys; s = u.spec_from_file_location('shard', sys.argv[1]); "
             "m = u.module_from_spec(s); sys.modules['shard'] = m; s.loader.exec_module(m); "
             "print(repr([m.plan_shards(*a) for a in eval(sys.argv[2])]))")
     env = dict(os.environ, PYTHONHASHSEED=str(1 + int(os.environ.get("PYTHONHASHSEED", "0") or 0)))
-    out = subprocess.run([sys.executable, "-c", code, lp.shard.__file__, repr(args)], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code, lp.lookahead.shard.__file__, repr(args)], env=env, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == repr([plan_shards(*a) for a in args])
 

@@ -228,7 +228,7 @@ BACKEND_PROMPTS = {"flex": [("code", 0)], "flash": [("code", 0), ("chat", 0)]}
 
 @pytest.fixture(scope="module")
 def backend_runners(smollm2):
-    from lp.model import ModelRunner
+    from lp.model.runner import ModelRunner
 
     return {name: ModelRunner(smollm2[0], attention=name) for name in BACKEND_PROMPTS}
 
@@ -247,7 +247,7 @@ def test_smollm2_backends_equal_generate(smollm2, backend_runners, attention, W,
 
 
 # ---------------------------------------------------------------------------
-# small-row matmuls (lp.kernels): every step of 2+ rows through W @ x.T, the CLI's defaults
+# small-row matmuls (lp.model.kernels): every step of 2+ rows through W @ x.T, the CLI's defaults
 # (suffix-drafted trees, padded steps on a curve where 2-5 rows are cheaper than 1)
 
 SMALL_CURVE = [(1, 0.056), (2, 0.043), (3, 0.050), (4, 0.048), (5, 0.059), (8, 0.064), (16, 0.079), (32, 0.113)]
@@ -255,7 +255,7 @@ SMALL_CURVE = [(1, 0.056), (2, 0.043), (3, 0.050), (4, 0.048), (5, 0.059), (8, 0
 
 @pytest.fixture(scope="module")
 def small_rows_runner(smollm2):
-    from lp.model import ModelRunner
+    from lp.model.runner import ModelRunner
 
     return ModelRunner(smollm2[0], small_rows="on")
 
@@ -263,7 +263,7 @@ def small_rows_runner(smollm2):
 @pytest.mark.parametrize("kind,i", PROMPTS, ids=[f"{k}{i}" for k, i in PROMPTS])
 def test_smollm2_small_rows_defaults_equal_generate(smollm2, small_rows_runner, kind, i):
     from lp.config import DecodingConfig
-    from lp.decoding import LookaheadDecoder
+    from lp.engine.decoder import LookaheadDecoder
 
     model, tokenizer = smollm2
     ids = prompt_ids(tokenizer, kind, i)
@@ -286,7 +286,7 @@ def test_smollm2_256_tokens_default_settings_equal_generate(smollm2, smollm2_run
     tokens on 4 prompts: long enough for the draft index, the rates and the cache to be
     exercised far past what 48 tokens reach."""
     from lp.config import DecodingConfig
-    from lp.decoding import LookaheadDecoder
+    from lp.engine.decoder import LookaheadDecoder
 
     model, tokenizer = smollm2
     eos = eos_ids(model)
@@ -319,8 +319,9 @@ def test_smollm2_bfloat16_equals_generate_except_near_ties():
     BF16_TIE_ULPS bfloat16 ulps of the top logit (a packed forward rounds differently by a
     few ulps), the token lookahead took among those two; at most BF16_MAX_DIVERGED prompts."""
     from lp.config import DecodingConfig
-    from lp.decoding import LookaheadDecoder
-    from lp.model import ModelRunner, load_model, resolve_model_path
+    from lp.engine.decoder import LookaheadDecoder
+    from lp.model.runner import ModelRunner
+    from lp.model.loader import load_model, resolve_model_path
 
     model, tokenizer = load_model(resolve_model_path("smollm2", None), "bfloat16")
     assert model.dtype == torch.bfloat16

@@ -1,4 +1,4 @@
-"""The static-shape step behind CUDA graphs (lp.graphs), run uncaptured on the CPU: rows
+"""The static-shape step behind CUDA graphs (lp.model.graphs), run uncaptured on the CPU: rows
 padded to buckets, the cache written at device-tensor positions and read whole, the mask
 buffer updated column by column. Greedy output must still equal transformers generate."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lp import DecodingConfig, LookaheadDecoder, ModelRunner
-from lp.graphs import bucket_for
+from lp.model.graphs import bucket_for
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import doctest
 import random
 
-import lp.suffix
-from lp.suffix import Draft, DraftStore, SuffixIndex
+import lp.drafts.suffix
+from lp.drafts.suffix import Draft, DraftStore, SuffixIndex
 
 # ---------------------------------------------------------------------------
 # Brute-force references, O(n^2) and worse: obviously right, only for small texts. They
-# use nothing of lp.suffix: the draft length is the documented rule, written out here.
+# use nothing of lp.drafts.suffix: the draft length is the documented rule, written out here.
 
 
 def draft_len(m, max_tokens, alpha=1.0):
-    """min(max_tokens, max(1, floor(alpha * m))), as lp.suffix's docstring states it."""
+    """min(max_tokens, max(1, floor(alpha * m))), as lp.drafts.suffix's docstring states it."""
     return min(max_tokens, max(1, int(alpha * m)))
 
 
@@ -75,7 +75,7 @@ def repetitive(rng, n, vocab=64):
 
 
 def test_module_doctests():
-    result = doctest.testmod(lp.suffix, verbose=False, report=True)
+    result = doctest.testmod(lp.drafts.suffix, verbose=False, report=True)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from lp.config import ParallelConfig
-from lp.dist import mesh_shape
-from lp.tp import check_tp
+from lp.parallel.dist import mesh_shape
+from lp.parallel.tp import check_tp
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,7 +172,7 @@ def test_lp2_tp2_equals_one_process_and_generate(tiny_dir, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_lp1_tp3_equals_generate(smollm2, tmp_path):
-    from lp.model import resolve_model_path
+    from lp.model.loader import resolve_model_path
     from tests.test_smollm2 import MAX_NEW, assert_equal_or_tie, eos_ids, prompt_ids, reference
 
     model, tok = smollm2
@@ -208,7 +208,7 @@ def test_killed_rank_ends_every_rank_within_timeout(tiny_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_tok_dir(tmp_path_factory):
-    from lp.model import resolve_model_path
+    from lp.model.loader import resolve_model_path
 
     path = tmp_path_factory.mktemp("tiny_tok_tp")
     make_tiny_model(vocab=49152).save_pretrained(path)  # SmolLM2's vocabulary
@@ -227,7 +227,7 @@ def _chat_ids(tok, text: str) -> list[int]:
 @pytest.mark.slow
 def test_two_launches_lp2_tp2_equal_one_process(tiny_tok_dir, tmp_path):
     from lp import DecodingConfig, LookaheadDecoder, ModelRunner
-    from lp.model import load_model
+    from lp.model.loader import load_model
     from tests.test_multinode import _free_port
 
     out = tmp_path / "out.json"
@@ -262,7 +262,7 @@ def test_two_launches_lp2_tp2_equal_one_process(tiny_tok_dir, tmp_path):
 @pytest.mark.slow
 def test_serve_lp2_tp2_answers_openai_with_greedy_text(tiny_tok_dir, tmp_path):
     from lp.generate import eos_ids
-    from lp.model import load_model
+    from lp.model.loader import load_model
     from tests.test_serve import Server, free_port
 
     port = free_port()

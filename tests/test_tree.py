@@ -5,8 +5,8 @@ from __future__ import annotations
 import doctest
 import random
 
-import lp.tree
-from lp.tree import merge_trie
+import lp.lookahead.tree
+from lp.lookahead.tree import merge_trie
 
 
 def chain_rows(candidates):
@@ -46,7 +46,7 @@ def _ancestor(t, a, s):
 
 
 def test_module_doctests():
-    result = doctest.testmod(lp.tree, verbose=False, report=True)
+    result = doctest.testmod(lp.lookahead.tree, verbose=False, report=True)
     assert result.attempted > 0 and result.failed == 0
 
 

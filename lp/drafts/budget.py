@@ -2,7 +2,7 @@
 
 Contract: plain Python, no torch, deterministic (every LP rank makes the same choice
 from the same replicated state and the same curve). No timing happens here: the cost
-curve is an argument (measured by ``lp.calibrate`` or given), so tests use literal curves.
+curve is an argument (measured by ``lp.model.calibrate`` or given), so tests use literal curves.
 
 A step that verifies trie nodes n_1..n_k (an ancestor-closed set) publishes on average
 ``1 + sum_i P(n_i)`` tokens, where P(n) is the probability that the target accepts the

@@ -5,19 +5,19 @@ candidate continuation of the current token x with what predicts its acceptance 
 match length it was read after, the share of occurrences that continue with it).
 Sources:
 
-* the suffix index over prompt + output (lp.suffix.SuffixIndex): continuations after
+* the suffix index over prompt + output (lp.drafts.suffix.SuffixIndex): continuations after
   the longest earlier occurrences of the current suffix, of a length that grows with
   the match length, several per step ranked by frequency;
-* an optional cross-request ``DraftStore`` (lp.suffix) over earlier outputs;
+* an optional cross-request ``DraftStore`` (lp.drafts.suffix) over earlier outputs;
 * the n-gram pool keyed by x (the Jacobi window's trajectories, and the prompt's
   n-grams when the prompt pool is on), match length 0.
 
-``select_tree`` merges them into a trie (lp.tree), gives every node the probability
-that its whole path is accepted (the best over the drafts through it, lp.budget), and
+``select_tree`` merges them into a trie (lp.lookahead.tree), gives every node the probability
+that its whole path is accepted (the best over the drafts through it, lp.drafts.budget), and
 keeps the nodes the budget pays for; the result is the drafts cut to the kept nodes
 (a draft that became a prefix of another kept one is dropped):
 
-    >>> from lp.budget import AcceptanceModel
+    >>> from lp.drafts.budget import AcceptanceModel
     >>> drafts = [Scored((5, 6, 7, 8), 6, 1.0), Scored((5, 9), 1, 0.5), Scored((4,), 0, 1.0)]
     >>> select_tree(drafts, AcceptanceModel(), base=1, curve=None, cap=5)
     [(5, 6, 7, 8), (4,)]
@@ -34,7 +34,7 @@ With the priors, node P is 0.78, 0.61, 0.54, 0.47 along (5, 6, 7, 8) (read after
 along (5, 9) (m = 1, half the occurrences): on the steep CPU curve the five likely nodes
 pay (3.74 tokens expected for t(6) = 98 ms against 1 for 55 ms), a lone unlikely draft
 does not (a plain one-row step). With ``pad=True`` the step is priced on the curve's
-envelope and filled to the cheapest size (lp.budget):
+envelope and filled to the cheapest size (lp.drafts.budget):
 
     >>> bumpy = [(1, 0.058), (2, 0.095), (3, 0.118), (4, 0.084), (5, 0.075), (8, 0.081)]
     >>> select_tree([Scored((5, 6), 3, 1.0)], AcceptanceModel(), base=1, curve=bumpy, cap=16, pad=True)
@@ -49,8 +49,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lp.budget import AcceptanceModel, best_k, bucket, cost, envelope, padded_rows
-from lp.tree import merge_trie
+from lp.drafts.budget import AcceptanceModel, best_k, bucket, cost, envelope, padded_rows
+from lp.lookahead.tree import merge_trie
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def select_tree(
     """The drafts cut to the trie nodes the budget keeps (see module doc).
 
     ``pad`` (one process): the step is priced at the cheapest measured size at or above
-    its rows (lp.budget.envelope) and filled up to that size, first with the next most
+    its rows (lp.drafts.budget.envelope) and filled up to that size, first with the next most
     likely nodes, then with filler chains (never expected to be accepted; verification
     keeps them exact), all within ``cap`` nodes."""
     if not drafts or cap <= 0:
@@ -149,7 +149,7 @@ def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pa
     themselves, no batch-size threshold. ``pad``: price k >= 1 on the curve's envelope and
     fill the step with the next most likely nodes up to the cheapest measured size.
 
-        >>> from lp.budget import AcceptanceModel
+        >>> from lp.drafts.budget import AcceptanceModel
         >>> a = AcceptanceModel()
         >>> sure = TreeRequest([Scored((5, 6, 7, 8), 6, 1.0)], a, base=1, cap=16)
         >>> weak = TreeRequest([Scored((4, 9), 1, 0.5)], a, base=1, cap=16)
@@ -212,7 +212,7 @@ def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pa
 
 def node_probs(drafts: Sequence[Scored], trie, acceptance: AcceptanceModel) -> list[float]:
     """P(the target accepts the whole path to each trie node): the best over the drafts
-    through it of share x rate(m) x rate(m + 1) x ... (lp.budget; pool n-grams: m = 0
+    through it of share x rate(m) x rate(m + 1) x ... (lp.drafts.budget; pool n-grams: m = 0
     at every depth)."""
     prob = [0.0] * len(trie)
     for d, path in zip(drafts, trie.paths):

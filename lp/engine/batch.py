@@ -7,17 +7,17 @@ if it can never fit the K/V pool); ``step`` admits waiting requests FIFO while
 sequence's rows, and returns each sequence's newly verified tokens and whether it
 finished; ``abort`` drops a request and frees its blocks. Token ids only.
 
-Every request keeps the state of a one-sequence run (lp.decoding's ``_Run``: suffix
+Every request keeps the state of a one-sequence run (lp.engine.decoder's ``_Run``: suffix
 index, window and pool, acceptance model, stop rules, sampling seed) and its own
 ``LookaheadDecoder`` for the stages that are per sequence (propose, lay out, verify,
 publish, collect). What is shared is the step:
 
     admit     FIFO; a request waits until its worst case (prompt + max_new_tokens + its
-              largest step) can be reserved in the paged cache (lp.paged)
+              largest step) can be reserved in the paged cache (lp.model.paged)
     propose   each sequence's drafts; ONE draft budget over all of them
-              (lp.drafts.select_trees on the measured t(Q), Q = every row of the step;
+              (lp.drafts.select.select_trees on the measured t(Q), Q = every row of the step;
               a batch of one uses the decoder's own budget, today's step)
-    lay out   each sequence's rows (lp.layout), concatenated; a joining sequence's
+    lay out   each sequence's rows (lp.lookahead.layout), concatenated; a joining sequence's
               prompt is fed in chunks of at most ``max_prefill_tokens`` rows per step,
               in the same forward as the others' decode rows
     forward   one packed forward: the paged cache writes the rows into their slots and
@@ -29,13 +29,13 @@ publish, collect). What is shared is the step:
               gather/scatter per layer for the batch); finished sequences release
               their blocks
 
-Under Lookahead Parallelism (``group``: a ``lp.dist.WorkerGroup``, every rank builds the
+Under Lookahead Parallelism (``group``: a ``lp.parallel.dist.WorkerGroup``, every rank builds the
 engine and makes the same calls) every worker holds every running sequence and its whole
 prefix K/V; each sequence's decoder is built for the group, so a step lays out only this
-rank's shard of each sequence's plan (lp.shard: its subtrees and window columns; pending
+rank's shard of each sequence's plan (lp.lookahead.shard: its subtrees and window columns; pending
 rows on every rank). After verify, ONE fixed-shape exchange carries every sequence's
-verdict (lp.dist ``exchange_batch``: the sequences' frames in the running order, the same
-on every rank), each sequence merges it as a one-sequence run would (lp.decoding
+verdict (lp.parallel.dist ``exchange_batch``: the sequences' frames in the running order, the same
+on every rank), each sequence merges it as a one-sequence run would (lp.engine.decoder
 ``payload`` / ``merge_rows``), and commits by re-feed: its cache is cut back to the
 committed prefix and the emitted tokens are its next step's pending rows. Joins, aborts
 and admissions must be the same on every rank: ``admissions()`` says which waiting ids
@@ -55,9 +55,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lp.attention import BATCH_SDPA
+from lp.model.attention import BATCH_SDPA
 from lp.config import DecodingConfig
-from lp.decoding import (
+from lp.engine.decoder import (
     GenerationResult,
     GenerationStats,
     LookaheadDecoder,
@@ -67,11 +67,11 @@ from lp.decoding import (
     _record,
     _select_candidates,
 )
-from lp.drafts import TreeRequest, select_tree, select_trees
-from lp.layout import build_tree_layout
-from lp.model import ModelRunner
-from lp.paged import PagedCache, SeqView, blocks_for
-from lp.processors import row_extras
+from lp.drafts.select import TreeRequest, select_tree, select_trees
+from lp.lookahead.layout import build_tree_layout
+from lp.model.runner import ModelRunner
+from lp.model.paged import PagedCache, SeqView, blocks_for
+from lp.lookahead.processors import row_extras
 
 
 DRAFT_POLICIES = ("budget", "static", "none")
@@ -83,7 +83,7 @@ class StepOutput:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" once finished
-    logprobs: list | None = None  # lp.decoding.TokenLogprob per new token when the request asks for them
+    logprobs: list | None = None  # lp.engine.decoder.TokenLogprob per new token when the request asks for them
 
 
 @dataclass
@@ -94,7 +94,7 @@ class _Request:
     eos: set[int]
     tokenizer: object
     need: int  # K/V rows reserved: prompt + max_new_tokens + the largest step
-    run: object = None  # lp.decoding._Run once admitted
+    run: object = None  # lp.engine.decoder._Run once admitted
     stats: GenerationStats = field(default_factory=GenerationStats)
     t_start: float = 0.0
 
@@ -119,8 +119,8 @@ class BatchEngine:
     ``kv_tokens``: slots of the paged cache per layer (``block_size`` rows a block);
     ``max_prefill_tokens``: most prompt rows a step feeds (None: whole prompts);
     ``tq_curve``: [(Q, seconds)] row costs for the draft budget (None: measured once and
-    cached, lp.calibrate, when a request asks for ``draft_budget=auto``);
-    ``draft_store``: a ``lp.suffix.DraftStore`` every request drafts from;
+    cached, lp.model.calibrate, when a request asks for ``draft_budget=auto``);
+    ``draft_store``: a ``lp.drafts.suffix.DraftStore`` every request drafts from;
     ``draft_policy``: ``budget`` (one draft budget for the batch, the default), or the
     baselines it is measured against: ``static`` (vLLM's / TensorRT-LLM's kind of rule:
     each sequence drafts as if alone while at most ``static_batch`` decode, none above),
@@ -144,7 +144,7 @@ class BatchEngine:
         self.static_batch = static_batch
         self.runner = runner
         if runner.attention == "sdpa":
-            from lp import attention
+            from lp.model import attention
 
             attention.register()
         self.cache = PagedCache(kv_tokens, block_size)
@@ -152,7 +152,7 @@ class BatchEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.tq = tq_curve
         self.draft_store = draft_store
-        self.group = group  # lp.dist.WorkerGroup: every rank builds this engine and runs the same steps
+        self.group = group  # lp.parallel.dist.WorkerGroup: every rank builds this engine and runs the same steps
         self.workers = group.lp_size if group is not None else 1
         if group is not None:
             self._share_curve()
@@ -167,7 +167,7 @@ class BatchEngine:
         """Under a group: rank 0's t(Q) curve and small-row kernel choice on every rank, once,
         while every rank builds the engine (the joint draft budget must agree; a request
         joining later must not start a collective of its own)."""
-        from lp.calibrate import row_cost_curve
+        from lp.model.calibrate import row_cost_curve
 
         curve = self.tq if self.tq is not None else row_cost_curve(self.runner)
         self.tq, small = self.group.share_curve(curve, self.runner.small_rows)
@@ -184,7 +184,7 @@ class BatchEngine:
         prompt = [int(t) for t in prompt_ids]
         dec, need = self.check(prompt, cfg, tokenizer)
         if dec.cfg.drafts == "suffix" and dec.cfg.draft_budget == "auto" and self.tq is None:
-            from lp.calibrate import row_cost_curve
+            from lp.model.calibrate import row_cost_curve
 
             self.tq = row_cost_curve(self.runner)
         dec.tq = self.tq
@@ -372,7 +372,7 @@ class BatchEngine:
             qo += it.layout.num_rows
         if runner.attention == "sdpa":
             # one sdpa call per sequence over its own keys, read in place from the paged pool
-            # (lp.attention.batch_sdpa_forward); the model's mask argument is a placeholder
+            # (lp.model.attention.batch_sdpa_forward); the model's mask argument is a placeholder
             spans = self._sdpa_spans(items, pos)
             mask, extra, impl = self._placeholder, {"lp_spans": spans}, BATCH_SDPA
         else:  # eager and flex: one call over the gathered keys, the mask hiding other sequences
@@ -471,7 +471,7 @@ class BatchEngine:
                 dec, run = it.req.decoder, it.req.run
                 rows = argmax[ko : ko + n] if argmax is not None and not dec.cfg.do_sample else None
                 logits = it.raw = logits_KV[ko : ko + n]
-                if run.proc is not None:  # logit_bias / penalties along the tree (lp.processors)
+                if run.proc is not None:  # logit_bias / penalties along the tree (lp.lookahead.processors)
                     logits, rows = run.proc.apply(logits, row_extras(it.layout)), None
                 verdicts.append(dec.verify(run, it.prop, it.layout, logits, rows))
             else:
@@ -483,7 +483,7 @@ class BatchEngine:
         """Each decoding sequence's (path over all its candidates, z of every column): its own
         verdict in one process; under a group ONE exchange for the whole step, every sequence's
         frame in the batch's order (the same on every rank), then each unpacked as one
-        sequence's would be (lp.decoding: payload / merge_rows)."""
+        sequence's would be (lp.engine.decoder: payload / merge_rows)."""
         if self.group is None:
             return [None if v is None else it.req.decoder.merge_verdicts(it.req.run, it.prop, v, False)[:2]
                     for it, v in zip(items, verdicts)]

@@ -6,15 +6,15 @@ check stop strings). A step is a chain of named stages, each a small method:
 
     propose   drafts for the current token x (suffix index over prompt + output, the
               cross-request store, the window's n-gram pool; or the paper's pooled
-              candidates), cut to the draft budget (lp.drafts, lp.budget), the shard plan
-    lay_out   the packed rows (lp.layout: the drafts as one token trie, a row per node;
+              candidates), cut to the draft budget (lp.drafts.select, lp.drafts.budget), the shard plan
+    lay_out   the packed rows (lp.lookahead.layout: the drafts as one token trie, a row per node;
               the skeleton is cached by shape)
-    forward   one packed forward (lp.model), logits of the kept rows on the device;
-              logit_bias and penalties applied per row with its own history (lp.processors)
-    verify    walk the candidate trie (lp.verify; greedy argmax with ONE device->host
-              read per step, or the exact sampler of lp.sampling)
+    forward   one packed forward (lp.model.runner), logits of the kept rows on the device;
+              logit_bias and penalties applied per row with its own history (lp.lookahead.processors)
+    verify    walk the candidate trie (lp.lookahead.verify; greedy argmax with ONE device->host
+              read per step, or the exact sampler of lp.lookahead.sampling)
     merge     combine the workers' verdicts (identity in one process; one
-              fixed-shape all_gather under LP, lp.dist)
+              fixed-shape all_gather under LP, lp.parallel.dist)
     publish   truncate by max_new_tokens / eos / stop strings / cancel, stream
     collect   harvest the window's n-grams into the pool and advance the window; extend
               the suffix index; update the acceptance model with what was verified
@@ -22,9 +22,9 @@ check stop strings). A step is a chain of named stages, each a small method:
 
 The one-process / LP difference is two strategies chosen once per decoder, never a
 branch in the loop: ``merge`` (``LocalMerge`` / ``GatherMerge``: this worker's verdict
-packed by ``payload``, every worker's unpacked by ``merge_rows``; lp.batch calls the two
+packed by ``payload``, every worker's unpacked by ``merge_rows``; lp.engine.batch calls the two
 around one exchange for all its sequences) and ``commit`` (its ``plan``: what the
-cache keeps, lp.batch books it in its paged cache; ``CompactCommit``: move the
+cache keeps, lp.engine.batch books it in its paged cache; ``CompactCommit``: move the
 accepted candidate rows next to the prefix in place, the last emitted token is the
 next step's only pending row; ``RefeedCommit``: no K/V
 crosses workers, every worker crops back to the committed prefix and re-feeds the
@@ -43,20 +43,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lp.budget import AcceptanceModel
+from lp.drafts.budget import AcceptanceModel
 from lp.config import DecodingConfig
-from lp.dist import Frame, greedy_payload, read_greedy, read_sampled, sampled_payload
-from lp.drafts import Scored, observe, select_tree, suffix_drafts
-from lp.layout import build_tree_layout
-from lp.model import ModelRunner
-from lp.pool import ContextIndex, NGramPool
-from lp.processors import RowProcessor, row_extras, wants_processing
-from lp.sampling import node_generator, verify_node, warp
-from lp.shard import Shard, column_rows, plan_tree_shards
-from lp.suffix import DraftStore, SuffixIndex
-from lp.tree import merge_trie
-from lp.verify import Path, children, greedy_walk, sharing_prefix, walk
-from lp.window import Window
+from lp.parallel.dist import Frame, greedy_payload, read_greedy, read_sampled, sampled_payload
+from lp.drafts.select import Scored, observe, select_tree, suffix_drafts
+from lp.lookahead.layout import build_tree_layout
+from lp.model.runner import ModelRunner
+from lp.lookahead.pool import ContextIndex, NGramPool
+from lp.lookahead.processors import RowProcessor, row_extras, wants_processing
+from lp.lookahead.sampling import node_generator, verify_node, warp
+from lp.lookahead.shard import Shard, column_rows, plan_tree_shards
+from lp.drafts.suffix import DraftStore, SuffixIndex
+from lp.lookahead.tree import merge_trie
+from lp.lookahead.verify import Path, children, greedy_walk, sharing_prefix, walk
+from lp.lookahead.window import Window
 
 
 @dataclass
@@ -152,10 +152,10 @@ class LocalMerge:
 
 class GatherMerge:
     """LP (and TP: any process group): one fixed-shape int64 all_gather per step
-    (lp.dist.WorkerGroup); the decoder sees LP workers, not processes. The verdict is
+    (lp.parallel.dist.WorkerGroup); the decoder sees LP workers, not processes. The verdict is
     packed (``LookaheadDecoder.payload``) and every worker's payload unpacked
     (``LookaheadDecoder.merge_rows``) by the same code in one sequence and in a batch
-    (lp.batch gathers every sequence's frame at once)."""
+    (lp.engine.batch gathers every sequence's frame at once)."""
 
     def __init__(self, group):
         self.group = group
@@ -250,19 +250,19 @@ class _Options:
 
 
 class LookaheadDecoder:
-    """``draft_store``: a ``lp.suffix.DraftStore`` shared across requests (a server passes
+    """``draft_store``: a ``lp.drafts.suffix.DraftStore`` shared across requests (a server passes
     its own); with ``cfg.draft_store`` and none given, the decoder owns one. ``tq_curve``:
     [(Q, seconds)] row costs for the draft budget; None: measured once and cached
-    (lp.calibrate) when ``cfg.draft_budget == "auto"``."""
+    (lp.model.calibrate) when ``cfg.draft_budget == "auto"``."""
 
     def __init__(self, runner: ModelRunner, cfg: DecodingConfig, group=None, draft_store: DraftStore | None = None,
                  tq_curve=None):
         self.runner = runner
-        from lp.model import cpu_has_amx_bf16
+        from lp.model.loader import cpu_has_amx_bf16
 
         dtype_name = str(runner.dtype).replace("torch.", "")
         self.cfg = cfg.validate().with_hardware_defaults(runner.device.type, dtype_name, cpu_has_amx_bf16())
-        self.group = group  # lp.dist.WorkerGroup or None
+        self.group = group  # lp.parallel.dist.WorkerGroup or None
         self.merge = GatherMerge(group) if group is not None else LocalMerge()
         self.commit = RefeedCommit() if group is not None and group.lp_size > 1 else CompactCommit()
         self.workers = self.merge.workers
@@ -381,18 +381,18 @@ class LookaheadDecoder:
     def generate_batch(self, prompts: Sequence[Sequence[int]], eos_token_ids: Sequence[int] | int | None = None,
                        tokenizer=None, configs=None, max_batch: int | None = None, kv_tokens: int | None = None,
                        max_prefill_tokens: int | None = None) -> list[GenerationResult]:
-        """Decode several prompts in batched steps over one paged K/V cache (lp.batch), each
+        """Decode several prompts in batched steps over one paged K/V cache (lp.engine.batch), each
         with this decoder's config or its own (``configs``, one per prompt); one result per
         prompt, in order. ``kv_tokens`` None: room for all of them at once. Under a group
         (LP) every rank calls it with the same prompts and settings: each sequence's rows are
         sharded over the workers, one exchange per step carries every sequence's verdict."""
-        from lp.batch import generate_batch
+        from lp.engine.batch import generate_batch
 
         return generate_batch(self, prompts, eos_token_ids, tokenizer, configs, max_batch, kv_tokens,
                               max_prefill_tokens)
 
     def _start(self, prompt_ids: list[int], eos: set[int], cache=None) -> _Run:
-        """A run's state; ``cache``: the run's K/V (lp.batch passes a view of its paged cache)."""
+        """A run's state; ``cache``: the run's K/V (lp.engine.batch passes a view of its paged cache)."""
         cfg = self.cfg
         rng = random.Random(cfg.seed)
         window = Window(cfg.W, cfg.N, [rng.choice(prompt_ids) for _ in range(Window.seed_size(cfg.W, cfg.N))])
@@ -404,7 +404,7 @@ class LookaheadDecoder:
             pool.add_sequence(prompt_ids)
         index = SuffixIndex(prompt_ids) if cfg.drafts == "suffix" else None
         if index is not None and cfg.draft_budget == "auto" and self.tq is None:
-            from lp.calibrate import row_cost_curve
+            from lp.model.calibrate import row_cost_curve
 
             # every rank measures (or reads its cache) at the same time, so none waits out
             # parallel.timeout_s in the broadcast; rank 0's curve and kernel choice are used
@@ -429,7 +429,7 @@ class LookaheadDecoder:
         if cfg.drafts == "pool":
             candidates = _select_candidates(run.pool, run.context, opts.x, cfg.G, cfg.N - 1)
         else:
-            # one process pads the step to the cheapest measured size (lp.budget.envelope);
+            # one process pads the step to the cheapest measured size (lp.drafts.budget.envelope);
             # LP workers hold different row counts, so they price the curve as measured
             candidates = select_tree(opts.scored, run.acceptance, opts.base, self.tq, self.draft_rows, opts.extra,
                                      self.workers, pad=self.workers == 1)
@@ -437,7 +437,7 @@ class LookaheadDecoder:
 
     def draft_options(self, run: _Run) -> "_Options":
         """What the budget chooses from: the scored drafts (suffix mode), the step's base rows
-        and the window rows that ride along only with drafts (lp.batch shares this stage)."""
+        and the window rows that ride along only with drafts (lp.engine.batch shares this stage)."""
         cfg = self.cfg
         x = run.pending[-1]
         window = run.window
@@ -483,7 +483,7 @@ class LookaheadDecoder:
 
     def verify(self, run: _Run, prop: _Proposal, layout, logits_KV, argmax: list[int] | None = None):
         """The local verdict: greedy (Path over own candidates, z) or sampled (root, outcomes, z).
-        ``argmax``: the kept rows' argmaxes when the caller read them already (lp.batch)."""
+        ``argmax``: the kept rows' argmaxes when the caller read them already (lp.engine.batch)."""
         sk = layout.skeleton
         row_of = _row_index(sk)
         if not self.cfg.do_sample:
@@ -501,7 +501,7 @@ class LookaheadDecoder:
         return self.merge(self, run, prop, verdict, cancel)
 
     def payload(self, prop: _Proposal, verdict) -> list[int]:
-        """This worker's verdict as its int64 exchange payload (lp.dist, this run's frame)."""
+        """This worker's verdict as its int64 exchange payload (lp.parallel.dist, this run's frame)."""
         frame = self.merge.frame
         if not self.cfg.do_sample:
             local, z_local = verdict

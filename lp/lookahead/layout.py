@@ -14,7 +14,7 @@ gives all three branches of seeds/000 §0x04A:
   x; level r >= 1 at column j hangs below ``B[j]`` / level r-1 at column j;
 * the verification branch: candidate c's suffix is its own chain below x
   (``build_layout``), or, with ``build_tree_layout``, the candidates are merged into a
-  token trie (lp.tree) and each distinct trie node is one row below its parent node
+  token trie (lp.lookahead.tree) and each distinct trie node is one row below its parent node
   (children of the trie root hang below x): rows = distinct prefixes, not the sum of
   the candidates' lengths.
 
@@ -138,14 +138,14 @@ def build_tree_layout(
     columns: range,
     candidates: Sequence[Sequence[int]],
 ) -> Layout:
-    """Like ``build_layout``, with the candidates merged into one token trie (lp.tree):
+    """Like ``build_layout``, with the candidates merged into one token trie (lp.lookahead.tree):
     one row per distinct nonempty prefix; the skeleton is cached by the trie's parent tuple.
 
         >>> lay = build_tree_layout([7], [], range(0), [(5, 6), (5, 8), (9,)])
         >>> lay.tokens, lay.parents, lay.cand_rows
         ([7, 5, 6, 8, 9], [-1, 0, 1, 1, 0], [[1, 2], [1, 3], [4]])
     """
-    from lp.tree import merge_trie
+    from lp.lookahead.tree import merge_trie
 
     assert len(pending) >= 1
     trie = merge_trie(candidates)

@@ -19,7 +19,7 @@ greedy verification equals ``generate`` token for token:
     frequency/presence  logits[t] -= f * count[t] + p * (count[t] > 0)   (OpenAI's formula; counts
                                                                     over output + extra tokens)
 
-The sampling warpers (temperature, top_k, top_p, min_p) come after these, in lp.sampling.
+The sampling warpers (temperature, top_k, top_p, min_p) come after these, in lp.lookahead.sampling.
 
 Legend: K kept rows, V vocabulary, D most extra tokens of a row.
 """

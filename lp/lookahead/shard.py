@@ -112,7 +112,7 @@ def _try_load(load, num_workers, num_pending, num_columns, depth, num_candidates
 def plan_tree_shards(
     num_workers: int, num_pending: int, num_columns: int, depth: int, candidates: tuple[tuple[int, ...], ...]
 ) -> tuple[Shard, ...]:
-    """Shards for a step whose candidates form one token trie (lp.tree): the trie is split
+    """Shards for a step whose candidates form one token trie (lp.lookahead.tree): the trie is split
     by the subtrees below x (candidates grouped by first token, so no trie node is run
     twice and every node's children sit on the same worker), balanced by rows.
 

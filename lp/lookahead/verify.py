@@ -9,7 +9,7 @@ root) or from the last candidate row of that prefix (any candidate sharing the
 prefix gives the same conditional: the mask gives them the same visible prefix).
 
 A node's *outcome* is the token the target emits there: the argmax (greedy) or
-the exact multi-candidate sample verifier (lp.sampling). The walk emits the
+the exact multi-candidate sample verifier (lp.lookahead.sampling). The walk emits the
 root's outcome; while the emitted token is a child of the current node it moves
 there and emits that node's outcome. So a full match of an R-token suffix emits
 N tokens: R verified ones plus the target's next token (seeds/000 §0x05A).

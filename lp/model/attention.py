@@ -3,7 +3,7 @@
 
 Contract: a packed step's Q rows attend the whole cached prefix [0, K) and, inside the
 step's own block [K, K + Q), only their ancestors (the tree mask). Two functions
-exploit that shape; ``lp.model.ModelRunner`` builds their masks and selects them:
+exploit that shape; ``lp.model.runner.ModelRunner`` builds their masks and selects them:
 
 * ``lp_flex``: torch FlexAttention; ``attention_mask`` is a ``BlockMask`` whose
   ``mask_mod`` is "kv in the prefix, or kv an ancestor" (plus the sliding window).
@@ -16,8 +16,8 @@ exploit that shape; ``lp.model.ModelRunner`` builds their masks and selects them
 
   ``attention_mask`` is the additive [1, 1, Q, Q] local block. Sliding-window models
   are refused (the prefix would need a mask).
-* ``lp_batch_sdpa``: a batched step of several sequences (lp.batch): sdpa per sequence
-  over its own keys, read in place from the paged pool (lp.paged), with its own mask
+* ``lp_batch_sdpa``: a batched step of several sequences (lp.engine.batch): sdpa per sequence
+  over its own keys, read in place from the paged pool (lp.model.paged), with its own mask
   (none for a one-row sequence).
 
 All return ``(out [B, Q, H, D], None)`` like transformers' own attention functions.
@@ -128,8 +128,8 @@ def cascade_attention_forward(module, query, key, value, attention_mask, scaling
 
 def batch_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, lp_spans=None,
                        sliding_window=None, **kwargs):
-    """A batched step (lp.batch): the step's rows are sequence after sequence; ``key`` and
-    ``value`` are the whole paged pool (lp.paged, ``gather=False``); ``lp_spans`` = [(row
+    """A batched step (lp.engine.batch): the step's rows are sequence after sequence; ``key`` and
+    ``value`` are the whole paged pool (lp.model.paged, ``gather=False``); ``lp_spans`` = [(row
     offset, rows, where the keys are: first slot or slot indices, keys, full mask, sliding
     mask)] per sequence. Each sequence runs its own sdpa over its own keys (a slice of the
     pool when its blocks are contiguous), so attention costs sum_s rows_s x keys_s, not

@@ -5,7 +5,7 @@ above, after a 128-token prefix, measured once (~10 s on a 2-core CPU) and cache
 ``$LP_CACHE/tq/<model>-<device>-<dtype>-t<threads>-<attention>-small<mode>[-<quant>]-<version>.json`` (``LP_CACHE`` defaults to
 ~/.cache/lp); later calls read the file. A curve measured while the machine was busy
 (1-minute load average above the core count) is measured again on the first call that
-finds the machine quiet. The draft budget (lp.budget) takes the curve
+finds the machine quiet. The draft budget (lp.drafts.budget) takes the curve
 as a plain argument, so nothing else here depends on timing.
 """
 
@@ -26,13 +26,13 @@ VERSION = "v5"  # bumped when QS, the measurement or a kernel it prices changes:
 
 
 def cache_path(runner) -> Path:
-    from lp.model import default_cache_dir
+    from lp.model.loader import default_cache_dir
 
     cfg = runner.model.config
     blob = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
     digest = hashlib.sha1(blob.encode()).hexdigest()[:12]
     dtype = str(runner.dtype).replace("torch.", "")
-    from lp.tp import tp_degree
+    from lp.parallel.tp import tp_degree
 
     tp = tp_degree(runner.model)  # a TP step (all-reduces included) is not a one-device step
     name = (f"{digest}-{runner.device.type}-{dtype}-t{torch.get_num_threads()}{f'-tp{tp}' if tp > 1 else ''}"
@@ -42,15 +42,15 @@ def cache_path(runner) -> Path:
 
 
 def _quant_tag(runner) -> str:
-    """``-int8`` / ``-int4`` for a quantized model (lp.quant): curves of different quants never mix."""
+    """``-int8`` / ``-int4`` for a quantized model (lp.model.quant): curves of different quants never mix."""
     quant = getattr(runner, "quant", "none")
     return "" if quant == "none" else f"-{quant}"
 
 
 def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False) -> list[tuple[int, float]]:
     """The curve (cached); with ``model.small_rows=auto`` it also sets ``runner.small_rows``
-    to the row counts that ran faster with small-row matmuls (lp.kernels)."""
-    from lp.tp import tp_all
+    to the row counts that ran faster with small-row matmuls (lp.model.kernels)."""
+    from lp.parallel.tp import tp_all
 
     path = cache_path(runner)
     cores = os.cpu_count() or 1
@@ -92,7 +92,7 @@ def measure(runner, qs=QS, repeats: int = 3) -> tuple[list[tuple[int, float]], f
     """Fastest forward time of ``repeats`` per Q, after one warm-up round, on a PREFIX-token
     cache; with ``runner.small_rows_mode == "auto"`` each Q is timed both ways and
     keeps the faster (the returned set: the Q where small-row matmuls won)."""
-    from lp.layout import chain_layout
+    from lp.lookahead.layout import chain_layout
 
     limit = runner.max_positions or 4096
     prefix = min(PREFIX, max(limit - max(qs) - 1, 1))
@@ -123,7 +123,7 @@ def measure(runner, qs=QS, repeats: int = 3) -> tuple[list[tuple[int, float]], f
     finally:
         runner.small_rows = kept
     # kept as measured, not made monotone: a BLAS can run 2-3 rows slower than 4-8
-    # (lp.budget.envelope prices a step at the cheapest size at or above it)
+    # (lp.drafts.budget.envelope prices a step at the cheapest size at or above it)
     curve, small = [], set()
     for q in qs:
         if both:

@@ -11,11 +11,11 @@ float32 result only when it falls within that distance of a float32 rounding bou
 as a one-row step does (tests/test_quant.py checks it bitwise on a tiny model; on SmolLM2
 lookahead == generate).
 
-Why: with quantized activations (lp.quant's int8), a float32 rounding difference of 1e-7
+Why: with quantized activations (lp.model.quant's int8), a float32 rounding difference of 1e-7
 in a linear's input flips an int8 rounding now and then, and the flip moves the logits by
 up to ~0.3 (measured on SmolLM2: lookahead diverged from generate at top-2 gaps of 0.04
 and 0.29 with sdpa). sdpa's kernels round differently for 1 and for Q rows; every other
-op of a Llama-style layer is already row-wise (norms, rotary, elementwise MLP, lp.quant's
+op of a Llama-style layer is already row-wise (norms, rotary, elementwise MLP, lp.model.quant's
 int8 linears with per-row scales). A sequential-sum variant (cumsum over keys, provably
 order-exact) cost ~3x more per layer here. sdpa's CPU kernel in float64 blocks over the
 keys only (a row's sums never involve another row's values), shares each K/V head among

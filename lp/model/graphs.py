@@ -7,7 +7,7 @@ captured once and replayed:
 * rows are padded up to the bucket: a padding row holds token 0 at the step's first
   position, has no parent (it sees the prefix and itself) and is never read; its K/V
   lands after the real rows and the commit drops it;
-* the cache (lp.kv.PackedCache in static mode) is written at positions read from a
+* the cache (lp.model.kv.PackedCache in static mode) is written at positions read from a
   device tensor and read whole, the mask hiding the unfilled tail;
 * inputs (token ids, positions, write positions) are copied into static device
   buffers; no tensor is built on the host inside the forward.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from lp.kv import PackedCache
+from lp.model.kv import PackedCache
 
 BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 

@@ -1,13 +1,13 @@
 """Small-row matmuls for the packed step on the CPU: ``W @ x.T`` instead of ``x @ W.T``.
 
 Contract: ``install(model)`` swaps every bias-free ``nn.Linear`` with a plain float weight
-(quantized linears of lp.quant / torchao keep their own kernels) for a
+(quantized linears of lp.model.quant / torchao keep their own kernels) for a
 ``SmallRowsLinear`` that shares its Parameters (tied weights stay tied) and returns the
 model's one ``SmallRows`` switch (a second call returns the same switch); the output
 embedding (LM head) is marked to compute one row as two. While the
 switch is off, a swapped layer runs ``nn.Linear.forward`` unchanged, so the user's
 ``model.generate`` computes exactly what it did. ``ModelRunner`` turns the switch on for
-its own forwards whose row count the calibration (lp.calibrate) found faster this way, or
+its own forwards whose row count the calibration (lp.model.calibrate) found faster this way, or
 for every count with ``model.small_rows=on``.
 
 Why: for x of 2-16 rows and a weight W stored [out, in], MKL's sgemm is several times
@@ -67,7 +67,7 @@ def install(model: nn.Module) -> SmallRows:
         return switch
     switch = SmallRows()
     for module in model.modules():
-        # plain float weights only: a quantized linear (torchao tensor subclass, lp.quant)
+        # plain float weights only: a quantized linear (torchao tensor subclass, lp.model.quant)
         # runs its own kernel
         if type(module) is nn.Linear and module.bias is None and type(module.weight) is nn.Parameter:
             module.__class__ = SmallRowsLinear  # same object: same Parameters, hooks, tying

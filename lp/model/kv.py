@@ -5,7 +5,7 @@ buffer each, ``[1, H_kv, capacity, D]``, allocated once on the first write (dtyp
 device from the model's keys). A forward over Q new rows writes them at
 ``[length, length + Q)`` in place and hands attention a *view* of the filled part
 ``[:length + Q]``, so early steps do not pay for the whole buffer. ``dtype`` (default: the
-keys' own) stores K/V wider than the model computes them: float64 for lp.exact_attention,
+keys' own) stores K/V wider than the model computes them: float64 for lp.model.exact_attention,
 which then reads them without converting the whole prefix at every layer of every step
 (float32 -> float64 is exact, so attention sees the same values). With
 ``full_view=True`` (CUDA graphs) attention gets the whole buffer instead and the
@@ -14,7 +14,7 @@ mask hides the unfilled tail, so every shape is static.
 After a step the caller publishes by ``crop(length)`` (keep a prefix) or
 ``compact(keep_len, src_rows)`` (move accepted rows next to the prefix, then crop):
 both are in-place copies, no allocation, no concatenation. In static mode
-(``write_index`` set, lp.graphs) rows are written at positions read from a device
+(``write_index`` set, lp.model.graphs) rows are written at positions read from a device
 tensor and the caller sets the length.
 
 Legend: H_kv key/value heads, D head size, Q rows written this step.
@@ -62,7 +62,7 @@ class PackedLayer(CacheLayerMixin):
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def write_at(self, key_states: torch.Tensor, value_states: torch.Tensor, index_Q: torch.Tensor):
-        """Static mode (lp.graphs): write at positions from a device tensor, return the whole
+        """Static mode (lp.model.graphs): write at positions from a device tensor, return the whole
         buffer; the caller sets the length (a captured graph runs no Python)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -94,7 +94,7 @@ class PackedCache(Cache):
         self.capacity = capacity
         self.full_view = full_view
         self.dtype = dtype
-        self.write_index = None  # static mode: device tensor of write positions (lp.graphs)
+        self.write_index = None  # static mode: device tensor of write positions (lp.model.graphs)
         super().__init__(layers=[])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

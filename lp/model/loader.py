@@ -105,7 +105,7 @@ def resolve_model_path(name: str, path: str | None, cache_dir: str | None = None
 
 def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str = "none"):
     """Load (model, tokenizer or None) from a transformers folder with the sdpa attention;
-    ``quant`` != none quantizes its linears (lp.quant; int4 casts the model to bf16)."""
+    ``quant`` != none quantizes its linears (lp.model.quant; int4 casts the model to bf16)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = torch.device(device)
@@ -113,7 +113,7 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
     model.to(dev).eval()
     if quant != "none":
-        from lp.quant import quantize
+        from lp.model.quant import quantize
 
         quantize(model, quant, dev)
     has_tokenizer = any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))

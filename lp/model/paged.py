@@ -1,4 +1,4 @@
-"""A paged K/V cache shared by every running sequence of a batched step (lp.batch).
+"""A paged K/V cache shared by every running sequence of a batched step (lp.engine.batch).
 
 Contract: one pool of ``kv_tokens`` slots per layer, cut into fixed-size blocks of
 ``block_size`` slots; each sequence owns a block table (its blocks in order) and a
@@ -17,7 +17,7 @@ step (which sequences, how many new rows each); the model's public forward then 
 ``update(k, v, layer)`` once per layer, which writes the step's rows into their slots
 and returns either (``gather=True``: eager and flex) the K/V of exactly the slots the
 step reads, sequence after sequence -- the caller's mask hides other sequences -- or
-(``gather=False``: lp.attention's per-sequence sdpa) the pool itself, no copy: a
+(``gather=False``: lp.model.attention's per-sequence sdpa) the pool itself, no copy: a
 contiguous sequence's keys are a slice of it, a fragmented one's are gathered by the
 attention. Attention costs ~ (a sequence's rows) x (its length) summed over sequences,
 never (step rows) x (all slots).

@@ -245,7 +245,7 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
         n = _fuse_shared_inputs(model) + _swap_linears(model, RowInt8Linear)
         # sdpa rounds differently for 1 and Q rows, and int8 activations amplify that into
         # different logits: attention whose rows are independent keeps lookahead == generate
-        from lp import exact_attention
+        from lp.model import exact_attention
 
         exact_attention.register()
         model.set_attn_implementation(exact_attention.ROWEXACT)

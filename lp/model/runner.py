@@ -2,14 +2,14 @@
 
 Contract: ``ModelRunner.forward(layout, cache)`` runs one packed step through the
 model's *public* forward with explicit ``position_ids``, a mask built from the
-layout's parent forest, and a ``lp.kv.PackedCache`` (static, in-place); only the
+layout's parent forest, and a ``lp.model.kv.PackedCache`` (static, in-place); only the
 rows in ``layout.keep`` go through the LM head. It returns float32 logits, one row
 per kept row, on the model's device. ``crop`` and ``compact`` edit the cache after
 publication. No transformers class is patched.
 
 Attention (``model.attention``): ``sdpa`` and ``eager`` take an additive [1, 1, Q, K+Q]
 mask (a view of a buffer allocated once); ``flex`` a FlexAttention BlockMask;
-``flash`` the cascade kernel of lp.attention with only the [Q, Q] local block.
+``flash`` the cascade kernel of lp.model.attention with only the [Q, Q] local block.
 Models with sliding-window layers get the window applied in the mask (a dict
 {"full_attention", "sliding_attention"} for models mixing both kinds).
 
@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
-import importlib.util
 import inspect
 import logging
-import os
-from pathlib import Path
 
 import torch
 
-from lp.calibrate import QS as TIMED_ROWS
-from lp.layout import Layout
+from lp.model.calibrate import QS as TIMED_ROWS
+from lp.lookahead.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +40,9 @@ ATTENTION = ("auto", "sdpa", "eager", "flex", "flash", "rowexact")
 
 def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> str:
     """``auto``: flash (cascade over flash-attn) or flex on CUDA; on the CPU the kernel the
-    model was loaded with (sdpa or eager); ``rowexact`` wherever the model holds it (lp.quant's
-    int8 sets it: lp.exact_attention)."""
-    from lp.attention import flash_attn_available
+    model was loaded with (sdpa or eager); ``rowexact`` wherever the model holds it (lp.model.quant's
+    int8 sets it: lp.model.exact_attention)."""
+    from lp.model.attention import flash_attn_available
 
     if name not in ATTENTION:
         raise ValueError(f"model.attention must be one of {', '.join(ATTENTION)}, got {name!r}")
@@ -62,7 +58,7 @@ def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> 
 class ModelRunner:
     """Drives one causal LM through packed lookahead steps.
 
-    Per-step state lives in buffers allocated once: the ``PackedCache`` (lp.kv), an
+    Per-step state lives in buffers allocated once: the ``PackedCache`` (lp.model.kv), an
     additive mask buffer on the model's device where a step writes only its Q x Q local
     block (the cached prefix is visible to every row by construction), and per-shape
     device tensors (position offsets, kept rows, local block) cached on the layout's
@@ -73,10 +69,10 @@ class ModelRunner:
                  small_rows: str = "auto", quant: str | None = None):
         config = model.config
         if quant not in (None, "none") and getattr(model, "_lp_quant", None) is None:
-            from lp.quant import quantize
+            from lp.model.quant import quantize
 
             quantize(model, quant)  # in place: model.generate then runs the same quantized model
-        # the scheme the model holds (lp.quant), part of the t(Q) cache key
+        # the scheme the model holds (lp.model.quant), part of the t(Q) cache key
         self.quant = getattr(model, "_lp_quant", None) or "none"
         if not getattr(config, "is_decoder", True) or getattr(config, "is_encoder_decoder", False):
             raise ValueError("lookahead decoding needs a decoder-only causal LM")
@@ -114,11 +110,11 @@ class ModelRunner:
         configs = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
         self._configs = list(configs.values())
         if self.attention in ("flex", "flash"):
-            from lp import attention as kernels
+            from lp.model import attention as kernels
 
             kernels.register()
         if self.attention == "rowexact":
-            from lp import exact_attention
+            from lp.model import exact_attention
 
             exact_attention.register()
         if cuda_graphs and self.device.type != "cuda":
@@ -131,23 +127,23 @@ class ModelRunner:
         # CPU ``static_shapes=True`` runs the same path uncaptured (tests)
         self._static = None
         if cuda_graphs or static_shapes:
-            from lp.graphs import StaticStepper
+            from lp.model.graphs import StaticStepper
 
             self._static = StaticStepper(self, capture=cuda_graphs)
         self._mask = None  # [1, 1, Q_cap, K_cap] additive, 0 = visible
         self._dirty = (0, 0)  # columns holding the last step's local block
-        # small-row matmuls (lp.kernels): "on" for every step; "auto" for the row
-        # counts in small_rows, those lp.calibrate measured faster (CPU only, none until
+        # small-row matmuls (lp.model.kernels): "on" for every step; "auto" for the row
+        # counts in small_rows, those lp.model.calibrate measured faster (CPU only, none until
         # calibrated); see uses_small_rows
         if small_rows not in ("auto", "on", "off"):
             raise ValueError(f"model.small_rows must be auto, on or off, got {small_rows!r}")
-        # quantized linears (lp.quant) run their own kernels: auto steps aside for them
+        # quantized linears (lp.model.quant) run their own kernels: auto steps aside for them
         off = self.device.type != "cpu" or self.quant != "none"
         self.small_rows_mode = "off" if (small_rows == "auto" and off) else small_rows
         self.small_rows: frozenset[int] = frozenset()
         self._small = None
         if self.small_rows_mode != "off":
-            from lp import kernels
+            from lp.model import kernels
 
             self._small = kernels.install(model)
 
@@ -156,7 +152,7 @@ class ModelRunner:
     def new_cache(self, capacity: int | None = None, max_step_rows: int = 0):
         """A cache for ``capacity`` positions; the mask buffer is sized for steps of up to
         ``max_step_rows`` rows (longer steps, such as the prefill, get a one-off mask)."""
-        from lp.kv import PackedCache
+        from lp.model.kv import PackedCache
 
         if capacity is None:
             capacity = self.max_positions or 4096
@@ -271,7 +267,7 @@ class ModelRunner:
         return out.logits[0].float()
 
     def uses_small_rows(self, rows: int) -> bool:
-        """Whether a forward of ``rows`` rows runs small-row matmuls (lp.kernels)."""
+        """Whether a forward of ``rows`` rows runs small-row matmuls (lp.model.kernels)."""
         if self._small is None or rows < 1:
             return False
         if self.small_rows_mode == "on":

@@ -10,7 +10,7 @@ timeout; it returns a ``WorkerGroup`` (or None outside torchrun with one process
 The mesh by rank order: global rank r is LP worker ``r // tp``, tp rank ``r % tp``,
 so a worker's tp ranks are consecutive (on one node when tp divides the processes
 per node) and LP spans the nodes. Each LP worker is one TP group (``group.tp_mesh``,
-lp.tp shards its replica over it); ``lp_rank``/``lp_size`` are what the shard plan
+lp.parallel.tp shards its replica over it); ``lp_rank``/``lp_size`` are what the shard plan
 and the decoder see, ``rank``/``world_size`` the global process.
 
 One exchange per step, one fixed-shape int64 ``all_gather_into_tensor`` over the
@@ -18,7 +18,7 @@ whole world into buffers allocated once per generation (``begin``; no pickled
 objects, no per-step allocation). A sequence's payload travels in a ``Frame`` (its
 fixed slot sizes, chosen once per generation), packed and read by the same helpers
 (``greedy_payload`` / ``sampled_payload``, ``read_greedy`` / ``read_sampled``) in one
-sequence (``exchange``) and in a batched step (``exchange_batch``, lp.batch: every
+sequence (``exchange``) and in a batched step (``exchange_batch``, lp.engine.batch: every
 running sequence's frame, in the batch's order, concatenated into ONE all_gather;
 its buffers are reallocated only when the batch's shape changes). Every rank reads
 LP worker k's payload from the row of k's tp rank 0, so every tp rank of every
@@ -41,8 +41,8 @@ greedy   [hits, winner, emitted[0..E-1], z[0..C-1], state_hash]
 sampled  [root, outcome[0..M-1], z[0..C-1], state_hash]
          root: the rank's outcome at the ordinary row; outcome[n]: the outcome at
          node n of the rank's own draft trie (its subtrees of the step's trie, in
-         lp.tree order; the exact verifier at that node, with randomness keyed by
-         (seed, step, depth), lp.sampling); M = the most draft rows a step may
+         lp.lookahead.tree order; the exact verifier at that node, with randomness keyed by
+         (seed, step, depth), lp.lookahead.sampling); M = the most draft rows a step may
          verify. All ranks walk the whole trie with rank 0's root and each node's
          outcome from the rank that owns it, so all reach the same decision.
 
@@ -244,7 +244,7 @@ class WorkerGroup:
         return self._frames_of(rows, 0, self._slots)
 
     def exchange_batch(self, frames: list[tuple[Frame, list[int], int]]) -> list[list[list[int]]]:
-        """A batched step (lp.batch): ``frames`` = [(frame, payload, state_hash)] per sequence,
+        """A batched step (lp.engine.batch): ``frames`` = [(frame, payload, state_hash)] per sequence,
         in the batch's order (the same on every rank). ONE all_gather of the concatenated
         frames; -> per sequence, the payload row of every LP worker. Cancellation rides with
         the step's request message instead (lp.server.batched), so every cancel flag is 0."""
@@ -289,9 +289,9 @@ class WorkerGroup:
         return frames[:: self.tp_size], bool(frames[0][-2])  # rank 0 decides cancellation
 
     def share_curve(self, curve, small_rows):
-        """Rank 0's [(Q, seconds)] and its small-row kernel set (lp.kernels, a subset of the
+        """Rank 0's [(Q, seconds)] and its small-row kernel set (lp.model.kernels, a subset of the
         curve's Q) on every rank (one broadcast per generation that calibrates)."""
-        from lp.calibrate import QS
+        from lp.model.calibrate import QS
 
         buf = torch.full((3 * len(QS) + 1,), -1.0, dtype=torch.float64)
         if self.rank == 0:

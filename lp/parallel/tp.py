@@ -3,7 +3,7 @@
 Contract: ``check_tp(config, tp)`` raises ValueError (naming ``parallel.tp`` and the values
 that work) when the model's attention heads or key/value heads do not divide by ``tp``; it
 needs only the config, so callers run it before loading any weights.
-``apply_tp(model, tp_mesh)`` shards the model in place over the 1-D ``tp_mesh`` (lp.dist
+``apply_tp(model, tp_mesh)`` shards the model in place over the 1-D ``tp_mesh`` (lp.parallel.dist
 builds it: the "tp" dimension of the (lp, tp) mesh) with the model's own transformers
 ``tp_plan`` (``base_model_tp_plan`` of its config plus the class's head plan: q/k/v and
 gate/up column-wise, o/down row-wise with an all-reduce, a vocab-parallel embedding and a
@@ -13,7 +13,7 @@ embedding keep both replicated (one parameter cannot be sharded two ways).
 
 Every tp rank ends each layer with the same all-reduced (or all-gathered) tensor, so the
 logits the verifier reads are the same on every tp rank of a worker: the collectives of gloo
-and NCCL hand every rank one result (reduce-scatter then all-gather). lp.dist's exchange
+and NCCL hand every rank one result (reduce-scatter then all-gather). lp.parallel.dist's exchange
 reads every verdict from tp rank 0 of its worker anyway, so a difference could never split
 a worker. The products differ from one process only by float rounding (the summation order
 of the row-wise all-reduce).
@@ -92,7 +92,7 @@ def apply_tp(model, tp_mesh) -> None:
     """Shard ``model`` in place over ``tp_mesh`` (every rank holds the full weights on entry)."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    from lp import kernels
+    from lp.model import kernels
 
     tp = tp_mesh.size()
     check_tp(model.config, tp)
@@ -102,20 +102,20 @@ def apply_tp(model, tp_mesh) -> None:
     assert expanded, "the model's tp_plan matched no module"
     with torch.no_grad():
         apply_tensor_parallelism(model, tp_mesh, expanded)
-    model._lp_tp = tp  # read by lp.calibrate (a TP step is not a one-device step)
+    model._lp_tp = tp  # read by lp.model.calibrate (a TP step is not a one-device step)
     model._lp_tp_group = tp_mesh.get_group()
     model.forward = _collective_failures(model.forward)
 
 
 def _collective_failures(forward):
     """The instance's forward, with a failed all-reduce inside it (a dead or stuck tp peer:
-    gloo/NCCL raise after parallel.timeout_s) raised as lp.dist.WorkerFailure, which the
+    gloo/NCCL raise after parallel.timeout_s) raised as lp.parallel.dist.WorkerFailure, which the
     entry points report with this rank and exit on."""
     import functools
 
     import torch.distributed as dist
 
-    from lp.dist import WorkerFailure
+    from lp.parallel.dist import WorkerFailure
 
     @functools.wraps(forward)
     def tp_forward(*args, **kwargs):
@@ -161,7 +161,7 @@ def check_tp_path(path, tp: int, quant: str = "none") -> None:
 
 
 def shard_for(model, group):
-    """Shard ``model`` over ``group``'s tp ranks (lp.dist.WorkerGroup); unchanged without TP."""
+    """Shard ``model`` over ``group``'s tp ranks (lp.parallel.dist.WorkerGroup); unchanged without TP."""
     if group is not None and group.tp_size > 1:
         apply_tp(model, group.tp_mesh)
     return model

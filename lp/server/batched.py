@@ -1,4 +1,4 @@
-"""Continuous batching behind lp.serve: one decode thread stepping a ``lp.batch.BatchEngine``,
+"""Continuous batching behind lp.serve: one decode thread stepping a ``lp.engine.batch.BatchEngine``,
 in one process or as rank 0 of Lookahead Parallelism.
 
 Contract: ``BatchedEngine`` faces the HTTP side with ``submit``, ``queue_depth``, ``ready``,
@@ -16,7 +16,7 @@ that can never fit ``server.kv_tokens``) and raises ``QueueFull`` when
 
 Under LP (``group``) every rank holds the same batch: joins, aborts and admissions are
 decided by rank 0 only and ride with the step. Before each step rank 0 sends one STEP
-message through ``lp.dist.RequestChannel`` (``lp.server.engine.pack_step``: the requests
+message through ``lp.parallel.dist.RequestChannel`` (``lp.server.engine.pack_step``: the requests
 that joined, each with rank 0's request id, the ids aborted, the ids the step admits),
 then every rank runs the same ``BatchEngine.step``; the other ranks run ``worker_loop``,
 which replays the message and steps. With nothing to do rank 0 sends an IDLE header every
@@ -32,8 +32,8 @@ import logging
 import threading
 import time
 
-from lp.batch import BatchEngine
-from lp.dist import RequestChannel, WorkerFailure
+from lp.engine.batch import BatchEngine
+from lp.parallel.dist import RequestChannel, WorkerFailure
 from lp.server.engine import Outcome, QueueFull, Unavailable, pack_step, unpack_step
 from lp.server.protocol import ApiError
 

@@ -32,7 +32,7 @@ class ServerConfig:
     heartbeat_s: float = 5.0
     log_level: str = "info"  # uvicorn's
     access_log: bool = False
-    # drafts also from earlier requests' outputs: one lp.suffix.DraftStore per rank (identical
+    # drafts also from earlier requests' outputs: one lp.drafts.suffix.DraftStore per rank (identical
     # on every LP rank), holding decoding.draft_store_tokens tokens, oldest evicted first
     draft_store: bool = False
     # continuous batching (one process and LP, every rank holding the same batch): sequences

@@ -8,7 +8,7 @@ step's verified tokens, then ``("done", Outcome)`` or ``("error", ApiError)``;
 ``Unavailable`` are what ``submit`` raises.
 
 Under LP (torchrun) rank 0 hands the batch's changes to every rank through
-``lp.dist.RequestChannel`` as int64s, no pickling: ``pack_request`` (one request: header
+``lp.parallel.dist.RequestChannel`` as int64s, no pickling: ``pack_request`` (one request: header
 fields + prompt ids, stop strings, logit bias) and ``pack_step`` (one step's joins, each a
 packed request with rank 0's request id, its aborts and its admissions).
 """
@@ -35,7 +35,7 @@ class Unavailable(Exception):
 
 @dataclass
 class Outcome:
-    result: object  # lp.decoding.GenerationResult
+    result: object  # lp.engine.decoder.GenerationResult
     decoding: DecodingConfig  # W/N/G resolved for the hardware
     ttft_s: float | None
     queue_s: float

@@ -529,7 +529,7 @@ def _token_text(tok, token_id: int) -> str:
 
 
 def chat_logprobs(tok, lps) -> dict:
-    """OpenAI chat ``logprobs`` object for a list of lp.decoding.TokenLogprob."""
+    """OpenAI chat ``logprobs`` object for a list of lp.engine.decoder.TokenLogprob."""
     def entry(t: int, lp: float) -> dict:
         s = _token_text(tok, t)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
