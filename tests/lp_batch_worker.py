@@ -6,7 +6,7 @@ torchrun), then plays the spec's literal schedule of joins and aborts (``run_sch
 which the tests also call in one process): ``schedule[step]`` lists ["join", name] /
 ["abort", name] done before that step. Rank 0 writes, per request name, the tokens the steps
 streamed, the final output ids and finish reason, and the blocks left in use at the end.
-Spec "generate_batch": instead, every rank calls ``LookaheadDecoder.generate_batch`` on the
+Spec "generate_batch": instead, every rank calls ``lp.engine.batch.generate_batch`` on the
 requests (max_batch 2); rank 0 writes each one's output ids.
 """
 
@@ -65,11 +65,12 @@ def main() -> None:
                               torch.device("cpu"))
     runner = ModelRunner(make_tiny_model(**spec["model"]), attention=spec.get("attention", "sdpa"))
     if spec.get("generate_batch"):  # the offline call, every rank with the same prompts
+        from lp.engine.batch import generate_batch
         from lp.engine.decoder import LookaheadDecoder
 
         cfgs = [DecodingConfig(**r["decoding"]) for r in spec["requests"].values()]
-        results = LookaheadDecoder(runner, cfgs[0], group, tq_curve=[tuple(p) for p in spec["tq_curve"]]) \
-            .generate_batch([r["prompt"] for r in spec["requests"].values()], configs=cfgs, max_batch=2)
+        decoder = LookaheadDecoder(runner, cfgs[0], group, tq_curve=[tuple(p) for p in spec["tq_curve"]])
+        results = generate_batch(decoder, [r["prompt"] for r in spec["requests"].values()], configs=cfgs, max_batch=2)
         result = {name: res.output_ids for name, res in zip(spec["requests"], results)}
     else:
         result = run_schedule(runner, spec, group)

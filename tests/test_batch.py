@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from lp.engine.batch import BatchEngine
+from lp.engine.batch import BatchEngine, generate_batch
 from lp.drafts.budget import AcceptanceModel
 from lp.config import DecodingConfig
 from lp.engine.decoder import LookaheadDecoder
@@ -92,7 +92,7 @@ def test_mixed_settings_and_sampling_in_one_batch(tiny_factory):
             DecodingConfig(max_new_tokens=20, seed=8, **sample)]
     ref1 = hf_greedy(model, PROMPTS[1], 24)
     eos = ref1[10]  # stops request 1 early, at its first eos
-    results = LookaheadDecoder(runner, cfgs[0]).generate_batch(PROMPTS, eos_token_ids=[eos], configs=cfgs)
+    results = generate_batch(LookaheadDecoder(runner, cfgs[0]), PROMPTS, eos_token_ids=[eos], configs=cfgs)
     for i in range(3):
         want = hf_greedy(model, PROMPTS[i], cfgs[i].max_new_tokens)
         if eos in want:
@@ -190,7 +190,7 @@ def test_smollm2_four_prompts_in_one_batch(smollm2, smollm2_runner):
     keys = [("code", 0), ("code", 1), ("chat", 0), ("math", 0)]
     prompts = [prompt_ids(tokenizer, k, i) for k, i in keys]
     dec = LookaheadDecoder(smollm2_runner, DecodingConfig(max_new_tokens=new))
-    results = dec.generate_batch(prompts, eos_token_ids=eos_ids(model))
+    results = generate_batch(dec, prompts, eos_token_ids=eos_ids(model))
     for (k, i), p, res in zip(keys, prompts, results):
         ref = hf_greedy(model, p, new, eos_token_id=eos_ids(model))
         assert_equal_or_tie(model, p, res.output_ids, ref, f"batch {k}{i}")
@@ -211,7 +211,7 @@ def test_sampling_in_a_batch_of_four_matches_generate():
     for start in range(0, n, 4):
         cfgs = [DecodingConfig(W=3, N=4, G=5, max_new_tokens=3, do_sample=True, seed=s, **kw)
                 for s in range(start, start + 4)]
-        for res in dec.generate_batch([prompt] * 4, configs=cfgs):
+        for res in generate_batch(dec, [prompt] * 4, configs=cfgs):
             draws.append(res.output_ids)
             multi += sum(res.stats.accept_hist[2:])
     assert multi > 0.1 * n, "the verifier accepted multi-token runs"

@@ -269,6 +269,7 @@ def test_lp_two_workers_with_processors_equal_generate(smollm2, tmp_path):
 def test_batched_processors_and_logprobs_equal_generate(tiny_factory):
     """Sequences with different processors and logprobs settings in one batch: each equals
     transformers generate with its own processors; logprobs equal the one-sequence run's."""
+    from lp.engine.batch import generate_batch
     from lp.engine.decoder import LookaheadDecoder
 
     model = tiny_factory("llama")
@@ -279,7 +280,7 @@ def test_batched_processors_and_logprobs_equal_generate(tiny_factory):
                 dict(logit_bias={hf_greedy(model, prompts[2], 1)[0]: -100.0}, logprobs=True)]
     cfgs = [DecodingConfig(max_new_tokens=MAX_NEW, **s).validate() for s in settings]
     decoder = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=MAX_NEW))
-    results = decoder.generate_batch(prompts, configs=cfgs)
+    results = generate_batch(decoder, prompts, configs=cfgs)
     for p, cfg, res in zip(prompts, cfgs, results):
         kw, custom = hf_processors(cfg, len(p))
         assert res.output_ids == hf_greedy(model, p, MAX_NEW, logits_processor=custom, **kw)

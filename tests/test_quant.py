@@ -159,14 +159,15 @@ def test_smollm2_int8_batch_equals_generate(smollm2_int8):
     sequences, prompts prefilled in 48-token chunks beside the others' decode rows) keeps
     int8's row-exact attention: every sequence == generate on the int8 model."""
     from lp.config import DecodingConfig
+    from lp.engine.batch import generate_batch
     from lp.engine.decoder import LookaheadDecoder
     from tests.test_smollm2 import assert_equal_or_tie
 
     model, prompts, refs = smollm2_int8
     runner = ModelRunner(model)
     assert runner.attention == "rowexact"
-    results = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=SMOL_NEW)).generate_batch(
-        prompts, eos_token_ids=[2], max_prefill_tokens=48)
+    results = generate_batch(
+        LookaheadDecoder(runner, DecodingConfig(max_new_tokens=SMOL_NEW)), prompts, eos_token_ids=[2], max_prefill_tokens=48)
     for k, (ids, res, ref) in enumerate(zip(prompts, results, refs)):
         assert_equal_or_tie(model, ids, res.output_ids, ref, f"int8 batch prompt {k}")
     assert sum(r.stats.steps for r in results) < sum(len(r) for r in refs), "no step published more than one token"

@@ -542,7 +542,13 @@ class BatchEngine:
 def generate_batch(decoder: LookaheadDecoder, prompts: Sequence[Sequence[int]], eos_token_ids=None, tokenizer=None,
                    configs: Sequence[DecodingConfig] | None = None, max_batch: int | None = None,
                    kv_tokens: int | None = None, max_prefill_tokens: int | None = None) -> list[GenerationResult]:
-    """Decode ``prompts`` together (``LookaheadDecoder.generate_batch``)."""
+    """Decode several prompts in batched steps over one paged K/V cache, each with
+    ``decoder``'s config or its own (``configs``, one per prompt); one result per prompt, in
+    order. ``kv_tokens`` None: room for all of them at once. Under a group (LP) every rank
+    calls it with the same prompts and settings: each sequence's rows are sharded over the
+    workers, one exchange per step carries every sequence's verdict. (A module-level
+    function, not a decoder method: the batch engine is built over the one-sequence decoder,
+    never the reverse.)"""
     cfgs = list(configs) if configs is not None else [decoder.cfg] * len(prompts)
     if len(cfgs) != len(prompts):
         raise ValueError(f"configs must give one DecodingConfig per prompt ({len(prompts)}), got {len(cfgs)}")

@@ -378,19 +378,6 @@ class LookaheadDecoder:
         _finish_stats(stats, len(run.out), self.workers)
         return GenerationResult(run.out, stats, run.finish, run.logprobs if cfg.logprobs else None)
 
-    def generate_batch(self, prompts: Sequence[Sequence[int]], eos_token_ids: Sequence[int] | int | None = None,
-                       tokenizer=None, configs=None, max_batch: int | None = None, kv_tokens: int | None = None,
-                       max_prefill_tokens: int | None = None) -> list[GenerationResult]:
-        """Decode several prompts in batched steps over one paged K/V cache (lp.engine.batch), each
-        with this decoder's config or its own (``configs``, one per prompt); one result per
-        prompt, in order. ``kv_tokens`` None: room for all of them at once. Under a group
-        (LP) every rank calls it with the same prompts and settings: each sequence's rows are
-        sharded over the workers, one exchange per step carries every sequence's verdict."""
-        from lp.engine.batch import generate_batch
-
-        return generate_batch(self, prompts, eos_token_ids, tokenizer, configs, max_batch, kv_tokens,
-                              max_prefill_tokens)
-
     def _start(self, prompt_ids: list[int], eos: set[int], cache=None) -> _Run:
         """A run's state; ``cache``: the run's K/V (lp.engine.batch passes a view of its paged cache)."""
         cfg = self.cfg

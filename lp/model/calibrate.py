@@ -32,8 +32,6 @@ def cache_path(runner) -> Path:
     blob = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
     digest = hashlib.sha1(blob.encode()).hexdigest()[:12]
     dtype = str(runner.dtype).replace("torch.", "")
-    from lp.parallel.tp import tp_degree
-
     tp = tp_degree(runner.model)  # a TP step (all-reduces included) is not a one-device step
     name = (f"{digest}-{runner.device.type}-{dtype}-t{torch.get_num_threads()}{f'-tp{tp}' if tp > 1 else ''}"
             f"-{runner.attention}"
@@ -50,8 +48,6 @@ def _quant_tag(runner) -> str:
 def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False) -> list[tuple[int, float]]:
     """The curve (cached); with ``model.small_rows=auto`` it also sets ``runner.small_rows``
     to the row counts that ran faster with small-row matmuls (lp.model.kernels)."""
-    from lp.parallel.tp import tp_all
-
     path = cache_path(runner)
     cores = os.cpu_count() or 1
     cached = None
@@ -79,6 +75,18 @@ def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False) -> li
                                "loadavg": load, "busy": busy}))
     tmp.replace(path)
     return curve
+
+
+def tp_degree(model) -> int:
+    """The tensor-parallel degree lp.parallel.tp sharded ``model`` with (1: not sharded)."""
+    return getattr(model, "_lp_tp", 1)
+
+
+def tp_all(model, flag: bool) -> bool:
+    """True on every tp rank of this worker iff ``flag`` is true on all of them: the
+    agreement lp.parallel.tp installed on a sharded model (``flag`` unchanged without TP)."""
+    agree = getattr(model, "_lp_tp_all", None)
+    return flag if agree is None else agree(flag)
 
 
 def _load() -> float:

@@ -24,6 +24,7 @@ fast path when grad is off), so the forward costs plain matmuls plus 2 all-reduc
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -102,8 +103,10 @@ def apply_tp(model, tp_mesh) -> None:
     assert expanded, "the model's tp_plan matched no module"
     with torch.no_grad():
         apply_tensor_parallelism(model, tp_mesh, expanded)
-    model._lp_tp = tp  # read by lp.model.calibrate (a TP step is not a one-device step)
-    model._lp_tp_group = tp_mesh.get_group()
+    # read by lp.model.calibrate, which never imports torch.distributed: the degree (a TP step
+    # is not a one-device step) and the agreement its tp ranks reach before timing forwards
+    model._lp_tp = tp
+    model._lp_tp_all = functools.partial(_all_true, tp_mesh.get_group(), next(model.parameters()).device)
     model.forward = _collective_failures(model.forward)
 
 
@@ -130,20 +133,13 @@ def _collective_failures(forward):
     return tp_forward
 
 
-def tp_degree(model) -> int:
-    return getattr(model, "_lp_tp", 1)
-
-
-def tp_all(model, flag: bool) -> bool:
-    """True on every tp rank of this worker iff ``flag`` is true on all of them (one
-    all-reduce; ``flag`` unchanged without TP). Ranks that run forwards together must take
-    the same branch (e.g. measure t(Q) or read it from the cache)."""
-    group = getattr(model, "_lp_tp_group", None)
-    if group is None:
-        return flag
+def _all_true(group, device, flag: bool) -> bool:
+    """True on every rank of ``group`` iff ``flag`` is true on all of them (one all-reduce).
+    Ranks that run forwards together must take the same branch (e.g. measure t(Q) or read
+    it from the cache)."""
     import torch.distributed as dist
 
-    t = torch.tensor([int(flag)], dtype=torch.long, device=next(model.parameters()).device)
+    t = torch.tensor([int(flag)], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return bool(t.item())
 
