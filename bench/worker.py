@@ -28,7 +28,7 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
     from bench import methods
     from lp.config import ParallelConfig
     from lp.parallel.dist import init_worker_group, torchrun_env, worker_device
-    from lp.model.loader import load_model
+    from lp.parallel.tp import load_for
 
     torch.set_num_threads(spec["threads"])
     rank, world, _ = torchrun_env()
@@ -36,12 +36,10 @@ def decode_all(spec: dict, progress: bool) -> tuple[list[dict], dict]:
     method, eos = spec["method"], spec["eos"]
     tp = (spec.get("tp") or 1) if method == "lp_tp" else 1
     group = init_worker_group(ParallelConfig(timeout_s=spec["dist_timeout_s"], tp=tp), device)
-    model, _ = load_model(Path(spec["model_path"]), spec["dtype"], str(device), spec.get("quant", "none"))
+    # lp_tp: each rank reads only its shards (lp.parallel.tp.load_for)
+    model, _ = load_for(Path(spec["model_path"]), spec["dtype"], str(device), spec.get("quant", "none"), group)
     info: dict = {"workers": world, "threads": torch.get_num_threads()}
     if method == "lp_tp":
-        from lp.parallel.tp import shard_for
-
-        shard_for(model, group)
         info.update(lp_workers=world // tp, tp=tp)
     if method in ("lp", "lp_tp"):
 

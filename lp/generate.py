@@ -81,8 +81,8 @@ def run(cfg: GenerateConfig) -> dict | None:
 
     from lp.engine.decoder import LookaheadDecoder
     from lp.model.runner import ModelRunner
-    from lp.model.loader import load_model, resolve_model_path
-    from lp.parallel.tp import check_tp_path, shard_for
+    from lp.model.loader import resolve_model_path
+    from lp.parallel.tp import check_tp_path, load_for
 
     cfg.validate()
     rank, world, _ = torchrun_env()
@@ -96,8 +96,8 @@ def run(cfg: GenerateConfig) -> dict | None:
     try:
         path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
         check_tp_path(path, cfg.parallel.tp, cfg.model.quant)  # heads vs parallel.tp, before any weights load
-        model, tokenizer = load_model(path, cfg.model.dtype, str(device), cfg.model.quant)
-        shard_for(model, group)  # this LP worker's replica over its tp ranks (parallel.tp > 1)
+        # the whole replica, or under parallel.tp > 1 only this rank's shards of it
+        model, tokenizer = load_for(path, cfg.model.dtype, str(device), cfg.model.quant, group)
         prompt_ids = build_prompt_ids(tokenizer, cfg)
         eos = eos_ids(model, tokenizer)
         streamer = TextStreamer(tokenizer, skip_prompt=True) if (lead and cfg.stream) else None

@@ -55,8 +55,8 @@ def run(cfg: ServeConfig) -> int:
     """Load the model on every rank and serve until shutdown. Returns the exit status (0)."""
     from lp.generate import eos_ids
     from lp.model.runner import ModelRunner
-    from lp.model.loader import load_model, resolve_model_path
-    from lp.parallel.tp import check_tp_path, shard_for
+    from lp.model.loader import resolve_model_path
+    from lp.parallel.tp import check_tp_path, load_for
 
     cfg.validate()
     _setup_logging()
@@ -70,8 +70,8 @@ def run(cfg: ServeConfig) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
     check_tp_path(path, cfg.parallel.tp, cfg.model.quant)  # heads vs parallel.tp, before any weights load
-    model, tokenizer = load_model(path, cfg.model.dtype, str(device), cfg.model.quant)
-    shard_for(model, group)  # this LP worker's replica over its tp ranks (parallel.tp > 1)
+    # the whole replica, or under parallel.tp > 1 only this rank's shards of it
+    model, tokenizer = load_for(path, cfg.model.dtype, str(device), cfg.model.quant, group)
     if tokenizer is None:
         raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")
     runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows)

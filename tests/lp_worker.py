@@ -5,7 +5,10 @@ torchrun worker group (spec "tp": LP workers x tp processes, lp.parallel.tp shar
 process when started without torchrun) and writes, from rank 0, one result per job: output ids,
 steps, rows per rank. ``planted_bug``: the name of a wrong verifier in tests.helpers swapped in
 on every rank (a negative control). ``kill_rank_at_step: [R, S]``: rank R SIGKILLs itself after
-its step S (a dead worker for the survivors to detect).
+its step S (a dead worker for the survivors to detect). ``load: "whole"``: every rank loads
+the whole replica and shards it in memory (the default reads only its shards). The first
+result carries ``memory``: per global rank, peak RSS before and after loading, the dtypes and
+every parameter's local shape.
 """
 
 import faulthandler
@@ -22,7 +25,16 @@ from lp.engine.decoder import LookaheadDecoder
 from lp.parallel.dist import init_worker_group
 from lp.model.runner import ModelRunner
 from lp.model.loader import load_model, resolve_model_path
-from lp.parallel.tp import shard_for
+from lp.parallel.tp import load_for, local_shapes, shard_for
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (VmHWM; not ru_maxrss, which a process
+    inherits from the one that forked it, e.g. pytest holding a model)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main() -> None:
@@ -41,8 +53,14 @@ def main() -> None:
         helpers.plant_verifier(getattr(helpers, spec["planted_bug"]))
     group = init_worker_group(parallel, torch.device("cpu"))
     path = spec.get("model_path") or resolve_model_path("smollm2", None)
-    model, _ = load_model(path, spec.get("dtype", "float32"), quant=spec.get("quant", "none"))
-    shard_for(model, group)  # spec "tp" > 1: each LP worker's replica over its tp ranks
+    rss_before = peak_rss_mb()
+    if spec.get("load") == "whole":  # every rank loads the whole replica, then shards it in memory
+        model, _ = load_model(path, spec.get("dtype", "float32"), quant=spec.get("quant", "none"))
+        shard_for(model, group)
+    else:  # spec "tp" > 1: each rank reads only its shards of the checkpoint
+        model, _ = load_for(path, spec.get("dtype", "float32"), "cpu", spec.get("quant", "none"), group)
+    memory = {"rss_before_load_mb": rss_before, "peak_rss_mb": peak_rss_mb(),
+              "local_shapes": local_shapes(model), "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
     runner = ModelRunner(model)
     kill = spec.get("kill_rank_at_step")
 
@@ -73,6 +91,16 @@ def main() -> None:
         dist.all_gather(peers, logits, group=group.tp_mesh.get_group())
         for r in results:
             r["tp_logits_identical"] = all(torch.equal(peers[0], p) for p in peers)
+    memory["peak_rss_end_mb"] = peak_rss_mb()  # after the forwards touched every weight
+    if results:  # every rank's memory and local shapes, on the first result
+        if group is None:
+            results[0]["memory"] = [memory]
+        else:
+            import torch.distributed as dist
+
+            everyone = [None] * group.world_size
+            dist.all_gather_object(everyone, memory)
+            results[0]["memory"] = everyone
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.helpers import finish_worker
 

@@ -106,7 +106,7 @@ def resolve_model_path(name: str, path: str | None, cache_dir: str | None = None
 def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str = "none"):
     """Load (model, tokenizer or None) from a transformers folder with the sdpa attention;
     ``quant`` != none quantizes its linears (lp.model.quant; int4 casts the model to bf16)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -116,6 +116,12 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str 
         from lp.model.quant import quantize
 
         quantize(model, quant, dev)
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(path: Path):
+    """The folder's tokenizer, or None for an id-only model (tests)."""
+    from transformers import AutoTokenizer
+
     has_tokenizer = any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None  # id-only models in tests
-    return model, tokenizer
+    return AutoTokenizer.from_pretrained(path) if has_tokenizer else None

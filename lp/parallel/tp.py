@@ -62,12 +62,15 @@ def check_tp(config, tp: int) -> None:
         )
 
 
+def _tied(model) -> bool:
+    return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False) or getattr(
+        model.config, "tie_word_embeddings", False))
+
+
 def tp_plan(model) -> dict[str, str]:
     """The model's transformers plan, without the embedding and head when they are tied."""
     plan = dict(model.tp_plan)
-    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False) or getattr(
-        model.config, "tie_word_embeddings", False)
-    if tied:
+    if _tied(model):
         embed = model.get_input_embeddings()
         names = {n for n, m in model.named_modules() if m is embed or m is model.get_output_embeddings()}
         plan = {k: v for k, v in plan.items() if k not in names}
@@ -90,24 +93,152 @@ def _expand(model, plan: dict[str, str]) -> dict[str, str]:
 
 
 def apply_tp(model, tp_mesh) -> None:
-    """Shard ``model`` in place over ``tp_mesh`` (every rank holds the full weights on entry)."""
+    """Shard ``model`` in place over ``tp_mesh`` (every rank holds the full weights on entry;
+    ``load_sharded`` is the way that never holds them)."""
+    _shard_modules(model, tp_mesh)
+    _finish(model, tp_mesh)
+
+
+def _shard_modules(model, tp_mesh) -> None:
+    """The plan's parameters become DTensors of this rank's shard (on whatever device they
+    are: real weights are sliced, meta ones stay placeholders), its modules get the hooks."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     from lp.model import kernels
 
-    tp = tp_mesh.size()
-    check_tp(model.config, tp)
+    check_tp(model.config, tp_mesh.size())
     # the small-row layers must exist before the TP hooks wrap their forward
     kernels.install(model)
     expanded = _expand(model, tp_plan(model))
     assert expanded, "the model's tp_plan matched no module"
     with torch.no_grad():
         apply_tensor_parallelism(model, tp_mesh, expanded)
+
+
+def _finish(model, tp_mesh) -> None:
     # read by lp.model.calibrate, which never imports torch.distributed: the degree (a TP step
     # is not a one-device step) and the agreement its tp ranks reach before timing forwards
-    model._lp_tp = tp
+    model._lp_tp = tp_mesh.size()
     model._lp_tp_all = functools.partial(_all_true, tp_mesh.get_group(), next(model.parameters()).device)
     model.forward = _collective_failures(model.forward)
+
+
+def load_sharded(path, dtype: str, device: str, tp_mesh):
+    """(model, tokenizer or None) holding only this rank's shards, read from the checkpoint.
+
+    The model is built with its parameters on the meta device (accelerate's
+    ``init_empty_weights``; buffers such as rotary frequencies are real), sharded by the same
+    plan as ``apply_tp`` (the parameters become DTensor placeholders of the local shard
+    shape), then every parameter is read from the folder's safetensors files: a sharded one
+    as only its local slice (``safe_open(...).get_slice`` indexed by transformers'
+    ``DtensorShardOperation``: the other ranks' bytes are never read), a replicated one
+    whole, each cast to the model dtype on the way (a bf16 checkpoint read as bf16 is never
+    widened). Tied parameters (SmolLM2's embedding and LM head) are replicated, read once
+    and tied again. Peak memory per rank: the replicated parameters + weights / tp + the
+    runtime."""
+    from pathlib import Path
+
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed.sharding_utils import DtensorShardOperation
+
+    from lp.model.loader import load_tokenizer, resolve_dtype
+
+    path = Path(path)
+    dev = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    config = AutoConfig.from_pretrained(path)
+    check_tp(config, tp_mesh.size())
+    files = _weight_files(path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
+    model.eval()
+    _shard_modules(model, tp_mesh)
+    owner = {}  # checkpoint key -> file
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            owner.update({k: f for k in st.keys()})
+    head = model.get_output_embeddings()
+    tied_head = {f"{n}.weight" for n, m in model.named_modules() if m is head} if _tied(model) else set()
+    seen: set[int] = set()
+    by_file: dict = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen or (name in tied_head and name not in owner):
+            continue  # a tied alias: filled through the embedding, tied again below
+        seen.add(id(param))
+        if name not in owner:
+            raise ValueError(f"model.path={str(path)!r}: the checkpoint has no tensor {name!r} "
+                             "(parallel.tp > 1 reads transformers-named safetensors; re-save the model "
+                             "with save_pretrained or use parallel.tp=1)")
+        by_file.setdefault(owner[name], []).append((name, param))
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for f, params in by_file.items():
+            for name, param in params:
+                # one memory map per tensor, closed once its slice is copied out: the pages a
+                # slice touches (all of them for a column slice of a row-major weight) leave
+                # this process's resident set with it instead of piling up for the whole file
+                with safe_open(str(f), framework="pt") as st:
+                    source = st.get_slice(name)
+                    if isinstance(param, DTensor):
+                        local = _owned(DtensorShardOperation(param).shard_tensor(source), dev, torch_dtype)
+                        value = DTensor.from_local(local, param.device_mesh, param.placements,
+                                                   run_check=False, shape=param.shape, stride=param.stride())
+                    else:
+                        value = _owned(source[...], dev, torch_dtype)
+                    del source
+                module_name, _, pname = name.rpartition(".")
+                modules[module_name]._parameters[pname] = torch.nn.Parameter(value, requires_grad=False)
+    model.tie_weights()
+    for module in model.modules():  # buffers were built on the host
+        for bname, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[bname] = buf.to(dev)
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not meta, f"parameters left unloaded: {meta[:5]}"
+    _finish(model, tp_mesh)
+    model._lp_sharded_load = True
+    return model, load_tokenizer(path)
+
+
+def _owned(view: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The slice copied once into a new contiguous tensor of this rank (the model dtype, on
+    its device). safetensors hands out slices as views of the file's memory map, strided
+    for a column slice: keeping one would keep the mapping and every page it touched
+    resident for the process's life; copying through intermediates (``contiguous`` then a
+    cast) would leave freed blocks behind in the allocator."""
+    out = torch.empty(view.shape, dtype=dtype, device=device)
+    out.copy_(view)
+    return out
+
+
+def _weight_files(path) -> list:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model.path={str(path)!r} has no *.safetensors files: parallel.tp > 1 loads each rank's "
+                         "shards from safetensors (convert the checkpoint with save_pretrained(safe_serialization=True) "
+                         "or use parallel.tp=1)")
+    return files
+
+
+def load_for(path, dtype: str, device: str, quant: str, group):
+    """This rank's model: the whole replica without TP (lp.model.loader.load_model), only its
+    shards with it (``load_sharded``)."""
+    from lp.model.loader import load_model
+
+    if group is None or group.tp_size == 1:
+        return load_model(path, dtype, device, quant)
+    check_tp_path(path, group.tp_size, quant)
+    return load_sharded(path, dtype, device, group.tp_mesh)
+
+
+def local_shapes(model) -> dict[str, list[int]]:
+    """Each parameter's shape on this rank (a DTensor's local shard; the rest as they are)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: list(p.to_local().shape if isinstance(p, DTensor) else p.shape) for n, p in model.named_parameters()}
 
 
 def _collective_failures(forward):
