@@ -260,3 +260,15 @@ def finish_worker(group, result, out_path: str) -> None:
 
         group.close()
         exit_process(0)
+
+
+def randomize_biases(model, std: float, seed: int = 0):
+    """Give every bias of ``model`` (Qwen2's q/k/v) N(0, std^2) values in place, seeded:
+    transformers initializes biases to zero, which would hide any bug in how a bias is applied.
+    Returns the model."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+    return model

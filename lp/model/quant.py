@@ -17,9 +17,11 @@ torchao 0.18; numbers in bench/results/quant/):
   row's rounding would depend on the other rows. Here every row is first scaled to
   absolute maximum ``C`` and two extra input columns ``+C, -C`` (with zero weights) pin
   the tensor's range to exactly ``[-C, C]``: every row of every step is quantized with the
-  same parameters, the integer GEMM is exact, and the output is scaled back per row. A
-  row's output therefore depends only on that row: a Q-row linear equals Q one-row
-  linears bit for bit (tests/test_quant.py). torchao's own int8 tensors ran 1.8-10x slower
+  same parameters, the integer GEMM is exact, and the output is scaled back per row; a
+  bias (Qwen2's q/k/v) is added after that, in float32 (inside fbgemm it would be added to
+  the scaled rows' product and then scaled by each row's maximum). A row's output therefore
+  depends only on that row: a Q-row linear equals Q one-row linears bit for bit
+  (tests/test_quant.py, which also bounds a biased tiny Qwen2's KL to its float32 self). torchao's own int8 tensors ran 1.8-10x slower
   than float32 on this CPU (no fast int8 CPU GEMM behind them), hence fbgemm.
 * ``int8`` on CUDA: torchao's ``Int8WeightOnlyConfig`` (weight-only; activations stay
   bf16/fp16, so packed rows round like one row up to the GEMM's summation order).
@@ -75,7 +77,8 @@ def resolve_quant(name: str, device: torch.device) -> str:
 
 
 class RowInt8Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` with W in int8 (per output channel) and x quantized per row.
+    """``y = x @ W.T (+ b)`` with W in int8 (per output channel) and x quantized per row; the
+    bias ``b`` stays float32 and is added after the per-row rescale.
 
     Built from one ``nn.Linear`` or from several that read the same input (q/k/v, gate/up:
     their weights stacked, one kernel call; see ``SharedInputPart``). Integer products are
@@ -98,11 +101,15 @@ class RowInt8Linear(nn.Module):
             warnings.simplefilter("ignore")
             w_q = torch.quantize_per_channel(w_OI2, scale_O, torch.zeros_like(scale_O, dtype=torch.long), 0,
                                              torch.qint8)
+        # the bias stays out of the prepacked weight: fbgemm would add it to the product of
+        # the *scaled* rows, and the per-row rescale would multiply it by the row's maximum.
+        # It is added in float32 after the rescale (one elementwise op per row: rows stay
+        # independent).
         biases = [lin.bias for lin in linears]
-        bias = None if all(b is None for b in biases) else torch.cat(
+        self._bias_O = None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else w_OI.new_zeros(lin.out_features)
-             for b, lin in zip(biases, linears)])
-        self._packed = torch.ops.quantized.linear_prepack(w_q, bias)
+             for b, lin in zip(biases, linears)]).contiguous()
+        self._packed = torch.ops.quantized.linear_prepack(w_q, None)
         # the input buffer: [rows, I] scaled activations, then the two pinning columns +C, -C
         self._buf = torch.cat([torch.zeros(1, self.in_features), torch.tensor([[_C, -_C]])], dim=1)
         # SharedInputPart: [the last shared input, its product, the parts served] in a plain
@@ -124,6 +131,8 @@ class RowInt8Linear(nn.Module):
         torch.mul(x_MI, torch.reciprocal(amax_M1), out=buf_MI2[:, : self.in_features])  # rows scaled to _C
         y_MO = torch.ops.quantized.linear_dynamic(buf_MI2, self._packed, _REDUCE_RANGE)
         y_MO.mul_(amax_M1)
+        if self._bias_O is not None:
+            y_MO.add_(self._bias_O)
         if dtype != torch.float32:
             y_MO = y_MO.to(dtype)
         return y_MO.reshape(*x.shape[:-1], self.out_features)
