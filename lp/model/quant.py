@@ -29,6 +29,12 @@ torchao 0.18; numbers in bench/results/quant/):
   ``Int4OpaqueTensor`` (``aten._weight_int4pack_mm_for_cpu``, bf16 activations), on CUDA the
   tinygemm layout (``tile_packed_to_4d``). The model is cast to bf16 first.
 
+torchao is imported only by a scheme that uses it (``int4``; ``int8`` on CUDA). transformers
+imports it (when installed) with its quantizers, that is with every model class, and torchao
+prints warnings at import; ``defer_torchao()`` (lp.model.loader calls it when lp is imported)
+hides torchao from that one transformers module while it loads, and ``quantize`` completes
+that module once torchao is imported (tests/test_imports_light.py).
+
 The LM head is quantized with the other linears (measured: it is the largest single
 matmul, 49152 x 576 for SmolLM2); embeddings stay in the float dtype (a lookup reads one
 row per token; nothing to gain). A tied head gets its own quantized copy.
@@ -36,7 +42,11 @@ row per token; nothing to gain). A tied head gets its own quantized copy.
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
 import warnings
 
 import torch
@@ -212,6 +222,71 @@ def _swap_linears(model: nn.Module, make) -> int:
 # torchao (int4 everywhere, int8 on CUDA)
 
 
+_HF_TORCHAO = "transformers.quantizers.quantizer_torchao"  # imports torchao at its top when it can
+
+
+class _TorchaoHiddenLoader(importlib.abc.Loader):
+    """Executes a module with ``sys.modules["torchao"] = None``: ``importlib.util.find_spec``
+    then reports torchao missing (transformers' ``is_torchao_available()`` says no) and the
+    module skips its torchao imports. Everything else is the wrapped loader's."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):  # get_source, get_filename, ...: tracebacks, inspect
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        hide = "torchao" not in sys.modules
+        if hide:
+            sys.modules["torchao"] = None
+        try:
+            self.loader.exec_module(module)
+        finally:
+            if hide and "torchao" in sys.modules and sys.modules["torchao"] is None:
+                del sys.modules["torchao"]
+            _clear_torchao_check()
+        module._lp_torchao_hidden = hide
+
+
+class _DeferTorchaoFinder(importlib.abc.MetaPathFinder):
+    """Finds ``_HF_TORCHAO`` as the path finder does, to be loaded with torchao hidden
+    (once: inert afterwards)."""
+
+    done = False
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _HF_TORCHAO or self.done or "torchao" in sys.modules:
+            return None
+        self.done = True
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _TorchaoHiddenLoader(spec.loader)
+        return spec
+
+
+def _clear_torchao_check() -> None:
+    """transformers caches ``is_torchao_available()``: drop what was cached while hidden."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    check = getattr(utils, "is_torchao_available", None)
+    if check is not None and hasattr(check, "cache_clear"):
+        check.cache_clear()
+
+
+def defer_torchao() -> None:
+    """Keep torchao out of processes that do not quantize with it: transformers' torchao
+    quantizer module (imported with every model class) loads as if torchao were missing.
+    Does nothing if that module or torchao is imported already. ``_torchao()`` reloads the
+    module once torchao is in, so transformers' own torchao support is whole again."""
+    if _HF_TORCHAO in sys.modules or "torchao" in sys.modules:
+        return
+    if not any(isinstance(f, _DeferTorchaoFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DeferTorchaoFinder())
+
+
 def _torchao():
     import os
 
@@ -225,6 +300,14 @@ def _torchao():
             from torchao import quantization
         except ImportError as e:
             raise ValueError("model.quant=int4 (and int8 on CUDA) needs torchao: pip install --no-deps torchao") from e
+        hf = sys.modules.get(_HF_TORCHAO)
+        if getattr(hf, "_lp_torchao_hidden", False):  # loaded without torchao (defer_torchao): now with it
+            _clear_torchao_check()
+            try:
+                importlib.reload(hf)
+                hf._lp_torchao_hidden = False
+            except Exception as e:  # transformers' own torchao path only; lp's quantize_ does not use it
+                log.warning("could not reload %s with torchao: %s", _HF_TORCHAO, e)
     return quantization
 
 
@@ -259,19 +342,33 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
         exact_attention.register()
         model.set_attn_implementation(exact_attention.ROWEXACT)
     else:
-        q = _torchao()
-        if scheme == "int8":
-            config = q.Int8WeightOnlyConfig()
-        elif device.type == "cuda":
-            model.to(torch.bfloat16)
-            config = q.Int4WeightOnlyConfig(group_size=32, int4_packing_format="tile_packed_to_4d")
-        else:
-            from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
-
-            model.to(torch.bfloat16)
-            config = PrototypeInt4WeightOnlyConfig(group_size=32)
-        n = sum(1 for m in model.modules() if isinstance(m, nn.Linear))
-        q.quantize_(model, config)
+        # torchao's modules register Enums with torch's pytree as they import, and torch logs a
+        # deprecation for each (KernelPreference, ScaleCalculationMode, ...): not the user's concern
+        pytree_log = logging.getLogger("torch.utils._pytree")
+        pytree_level = pytree_log.level
+        pytree_log.setLevel(logging.ERROR)
+        try:
+            n = _quantize_torchao(model, scheme, device)
+        finally:
+            pytree_log.setLevel(pytree_level)
     model._lp_quant = scheme
     log.info("model.quant=%s: %d linear layers quantized", scheme, n)
     return scheme
+
+
+def _quantize_torchao(model, scheme: str, device: torch.device) -> int:
+    """int4 (and int8 on CUDA) through torchao; returns the number of linears quantized."""
+    q = _torchao()
+    if scheme == "int8":
+        config = q.Int8WeightOnlyConfig()
+    elif device.type == "cuda":
+        model.to(torch.bfloat16)
+        config = q.Int4WeightOnlyConfig(group_size=32, int4_packing_format="tile_packed_to_4d")
+    else:
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+        model.to(torch.bfloat16)
+        config = PrototypeInt4WeightOnlyConfig(group_size=32)
+    n = sum(1 for m in model.modules() if isinstance(m, nn.Linear))
+    q.quantize_(model, config)
+    return n
