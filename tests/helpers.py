@@ -233,6 +233,20 @@ def kept_mass_verify_node(probs_V, candidates, gen):
     return int(torch.multinomial(residual, 1, generator=gen).item())
 
 
+def no_renorm_verify_node(probs_V, candidates, gen):
+    """BUG: a rejected candidate's mass is zeroed but the residual is not renormalized, so
+    every later candidate is accepted with its unconditional probability (too rarely: by the
+    factor prod(1 - p) of the candidates rejected before it); the final residual sample
+    (torch.multinomial normalizes) takes what they lose."""
+    residual = probs_V.detach().to("cpu", torch.float64)
+    for token in dict.fromkeys(candidates):
+        u = torch.rand((), generator=gen, dtype=torch.float64).item()
+        if u < residual[token].item():
+            return token
+        residual[token] = 0.0
+    return int(torch.multinomial(residual, 1, generator=gen).item())
+
+
 def plant_verifier(fake, setattr=setattr) -> None:
     """Swap lp.lookahead.sampling.verify_node for ``fake`` in every lp module that imported it
     (``setattr``: pytest's ``monkeypatch.setattr`` in a test, to undo it afterwards)."""
@@ -260,3 +274,15 @@ def finish_worker(group, result, out_path: str) -> None:
 
         group.close()
         exit_process(0)
+
+
+def randomize_biases(model, std: float, seed: int = 0):
+    """Give every bias of ``model`` (Qwen2's q/k/v) N(0, std^2) values in place, seeded:
+    transformers initializes biases to zero, which would hide any bug in how a bias is applied.
+    Returns the model."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+    return model

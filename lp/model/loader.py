@@ -6,6 +6,9 @@ as given, or the default SmolLM2-135M-Instruct converted once from the GGUF file
 returns (model, tokenizer or None) with the sdpa attention, quantized by lp.model.quant
 when asked. ``default_cache_dir()`` (``$LP_CACHE``, default ~/.cache/lp) is where every
 per-machine artifact of lp lives (converted models, t(Q) curves).
+
+Importing this module (``import lp`` does) calls ``lp.model.quant.defer_torchao()``: model
+classes imported after it leave torchao unimported until a ``model.quant`` that needs it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from pathlib import Path
 
 import torch
 
+from lp.model.quant import defer_torchao
+
 log = logging.getLogger(__name__)
+
+defer_torchao()  # before any model class is imported: transformers would import torchao with it
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -17,15 +17,23 @@ torchao 0.18; numbers in bench/results/quant/):
   row's rounding would depend on the other rows. Here every row is first scaled to
   absolute maximum ``C`` and two extra input columns ``+C, -C`` (with zero weights) pin
   the tensor's range to exactly ``[-C, C]``: every row of every step is quantized with the
-  same parameters, the integer GEMM is exact, and the output is scaled back per row. A
-  row's output therefore depends only on that row: a Q-row linear equals Q one-row
-  linears bit for bit (tests/test_quant.py). torchao's own int8 tensors ran 1.8-10x slower
+  same parameters, the integer GEMM is exact, and the output is scaled back per row; a
+  bias (Qwen2's q/k/v) is added after that, in float32 (inside fbgemm it would be added to
+  the scaled rows' product and then scaled by each row's maximum). A row's output therefore
+  depends only on that row: a Q-row linear equals Q one-row linears bit for bit
+  (tests/test_quant.py, which also bounds a biased tiny Qwen2's KL to its float32 self). torchao's own int8 tensors ran 1.8-10x slower
   than float32 on this CPU (no fast int8 CPU GEMM behind them), hence fbgemm.
 * ``int8`` on CUDA: torchao's ``Int8WeightOnlyConfig`` (weight-only; activations stay
   bf16/fp16, so packed rows round like one row up to the GEMM's summation order).
 * ``int4``: torchao's int4 weight-only with group size 32 — on the CPU the prototype
   ``Int4OpaqueTensor`` (``aten._weight_int4pack_mm_for_cpu``, bf16 activations), on CUDA the
   tinygemm layout (``tile_packed_to_4d``). The model is cast to bf16 first.
+
+torchao is imported only by a scheme that uses it (``int4``; ``int8`` on CUDA). transformers
+imports it (when installed) with its quantizers, that is with every model class, and torchao
+prints warnings at import; ``defer_torchao()`` (lp.model.loader calls it when lp is imported)
+hides torchao from that one transformers module while it loads, and ``quantize`` completes
+that module once torchao is imported (tests/test_imports_light.py).
 
 The LM head is quantized with the other linears (measured: it is the largest single
 matmul, 49152 x 576 for SmolLM2); embeddings stay in the float dtype (a lookup reads one
@@ -34,7 +42,11 @@ row per token; nothing to gain). A tied head gets its own quantized copy.
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
 import warnings
 
 import torch
@@ -75,7 +87,8 @@ def resolve_quant(name: str, device: torch.device) -> str:
 
 
 class RowInt8Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` with W in int8 (per output channel) and x quantized per row.
+    """``y = x @ W.T (+ b)`` with W in int8 (per output channel) and x quantized per row; the
+    bias ``b`` stays float32 and is added after the per-row rescale.
 
     Built from one ``nn.Linear`` or from several that read the same input (q/k/v, gate/up:
     their weights stacked, one kernel call; see ``SharedInputPart``). Integer products are
@@ -98,11 +111,15 @@ class RowInt8Linear(nn.Module):
             warnings.simplefilter("ignore")
             w_q = torch.quantize_per_channel(w_OI2, scale_O, torch.zeros_like(scale_O, dtype=torch.long), 0,
                                              torch.qint8)
+        # the bias stays out of the prepacked weight: fbgemm would add it to the product of
+        # the *scaled* rows, and the per-row rescale would multiply it by the row's maximum.
+        # It is added in float32 after the rescale (one elementwise op per row: rows stay
+        # independent).
         biases = [lin.bias for lin in linears]
-        bias = None if all(b is None for b in biases) else torch.cat(
+        self._bias_O = None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else w_OI.new_zeros(lin.out_features)
-             for b, lin in zip(biases, linears)])
-        self._packed = torch.ops.quantized.linear_prepack(w_q, bias)
+             for b, lin in zip(biases, linears)]).contiguous()
+        self._packed = torch.ops.quantized.linear_prepack(w_q, None)
         # the input buffer: [rows, I] scaled activations, then the two pinning columns +C, -C
         self._buf = torch.cat([torch.zeros(1, self.in_features), torch.tensor([[_C, -_C]])], dim=1)
         # SharedInputPart: [the last shared input, its product, the parts served] in a plain
@@ -124,6 +141,8 @@ class RowInt8Linear(nn.Module):
         torch.mul(x_MI, torch.reciprocal(amax_M1), out=buf_MI2[:, : self.in_features])  # rows scaled to _C
         y_MO = torch.ops.quantized.linear_dynamic(buf_MI2, self._packed, _REDUCE_RANGE)
         y_MO.mul_(amax_M1)
+        if self._bias_O is not None:
+            y_MO.add_(self._bias_O)
         if dtype != torch.float32:
             y_MO = y_MO.to(dtype)
         return y_MO.reshape(*x.shape[:-1], self.out_features)
@@ -203,6 +222,71 @@ def _swap_linears(model: nn.Module, make) -> int:
 # torchao (int4 everywhere, int8 on CUDA)
 
 
+_HF_TORCHAO = "transformers.quantizers.quantizer_torchao"  # imports torchao at its top when it can
+
+
+class _TorchaoHiddenLoader(importlib.abc.Loader):
+    """Executes a module with ``sys.modules["torchao"] = None``: ``importlib.util.find_spec``
+    then reports torchao missing (transformers' ``is_torchao_available()`` says no) and the
+    module skips its torchao imports. Everything else is the wrapped loader's."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):  # get_source, get_filename, ...: tracebacks, inspect
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        hide = "torchao" not in sys.modules
+        if hide:
+            sys.modules["torchao"] = None
+        try:
+            self.loader.exec_module(module)
+        finally:
+            if hide and "torchao" in sys.modules and sys.modules["torchao"] is None:
+                del sys.modules["torchao"]
+            _clear_torchao_check()
+        module._lp_torchao_hidden = hide
+
+
+class _DeferTorchaoFinder(importlib.abc.MetaPathFinder):
+    """Finds ``_HF_TORCHAO`` as the path finder does, to be loaded with torchao hidden
+    (once: inert afterwards)."""
+
+    done = False
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _HF_TORCHAO or self.done or "torchao" in sys.modules:
+            return None
+        self.done = True
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _TorchaoHiddenLoader(spec.loader)
+        return spec
+
+
+def _clear_torchao_check() -> None:
+    """transformers caches ``is_torchao_available()``: drop what was cached while hidden."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    check = getattr(utils, "is_torchao_available", None)
+    if check is not None and hasattr(check, "cache_clear"):
+        check.cache_clear()
+
+
+def defer_torchao() -> None:
+    """Keep torchao out of processes that do not quantize with it: transformers' torchao
+    quantizer module (imported with every model class) loads as if torchao were missing.
+    Does nothing if that module or torchao is imported already. ``_torchao()`` reloads the
+    module once torchao is in, so transformers' own torchao support is whole again."""
+    if _HF_TORCHAO in sys.modules or "torchao" in sys.modules:
+        return
+    if not any(isinstance(f, _DeferTorchaoFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DeferTorchaoFinder())
+
+
 def _torchao():
     import os
 
@@ -216,6 +300,14 @@ def _torchao():
             from torchao import quantization
         except ImportError as e:
             raise ValueError("model.quant=int4 (and int8 on CUDA) needs torchao: pip install --no-deps torchao") from e
+        hf = sys.modules.get(_HF_TORCHAO)
+        if getattr(hf, "_lp_torchao_hidden", False):  # loaded without torchao (defer_torchao): now with it
+            _clear_torchao_check()
+            try:
+                importlib.reload(hf)
+                hf._lp_torchao_hidden = False
+            except Exception as e:  # transformers' own torchao path only; lp's quantize_ does not use it
+                log.warning("could not reload %s with torchao: %s", _HF_TORCHAO, e)
     return quantization
 
 
@@ -250,19 +342,33 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
         exact_attention.register()
         model.set_attn_implementation(exact_attention.ROWEXACT)
     else:
-        q = _torchao()
-        if scheme == "int8":
-            config = q.Int8WeightOnlyConfig()
-        elif device.type == "cuda":
-            model.to(torch.bfloat16)
-            config = q.Int4WeightOnlyConfig(group_size=32, int4_packing_format="tile_packed_to_4d")
-        else:
-            from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
-
-            model.to(torch.bfloat16)
-            config = PrototypeInt4WeightOnlyConfig(group_size=32)
-        n = sum(1 for m in model.modules() if isinstance(m, nn.Linear))
-        q.quantize_(model, config)
+        # torchao's modules register Enums with torch's pytree as they import, and torch logs a
+        # deprecation for each (KernelPreference, ScaleCalculationMode, ...): not the user's concern
+        pytree_log = logging.getLogger("torch.utils._pytree")
+        pytree_level = pytree_log.level
+        pytree_log.setLevel(logging.ERROR)
+        try:
+            n = _quantize_torchao(model, scheme, device)
+        finally:
+            pytree_log.setLevel(pytree_level)
     model._lp_quant = scheme
     log.info("model.quant=%s: %d linear layers quantized", scheme, n)
     return scheme
+
+
+def _quantize_torchao(model, scheme: str, device: torch.device) -> int:
+    """int4 (and int8 on CUDA) through torchao; returns the number of linears quantized."""
+    q = _torchao()
+    if scheme == "int8":
+        config = q.Int8WeightOnlyConfig()
+    elif device.type == "cuda":
+        model.to(torch.bfloat16)
+        config = q.Int4WeightOnlyConfig(group_size=32, int4_packing_format="tile_packed_to_4d")
+    else:
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+        model.to(torch.bfloat16)
+        config = PrototypeInt4WeightOnlyConfig(group_size=32)
+    n = sum(1 for m in model.modules() if isinstance(m, nn.Linear))
+    q.quantize_(model, config)
+    return n
