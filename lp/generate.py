@@ -81,7 +81,8 @@ def run(cfg: GenerateConfig) -> dict | None:
 
     from lp.engine.decoder import LookaheadDecoder
     from lp.model.runner import ModelRunner
-    from lp.model.loader import resolve_model_path
+    from lp.model.loader import load_tokenizer, resolve_dtype, resolve_model_path
+    from lp.parallel.memory import decode_rows, plan_memory
     from lp.parallel.tp import check_tp_path, load_for
 
     cfg.validate()
@@ -96,9 +97,20 @@ def run(cfg: GenerateConfig) -> dict | None:
     try:
         path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
         check_tp_path(path, cfg.parallel.tp, cfg.model.quant)  # heads vs parallel.tp, before any weights load
-        # the whole replica, or under parallel.tp > 1 only this rank's shards of it
-        model, tokenizer = load_for(path, cfg.model.dtype, str(device), cfg.model.quant, group)
+        tokenizer = load_tokenizer(path)
+        if tokenizer is None:
+            raise ValueError(f"lp.generate needs a tokenizer in the model folder {path}")
         prompt_ids = build_prompt_ids(tokenizer, cfg)
+        # what this rank will hold, printed and checked before any weights load
+        plan = plan_memory(path, resolve_dtype(cfg.model.dtype, device), device, cfg.parallel.tp,
+                           max_len=len(prompt_ids) + cfg.decoding.max_new_tokens + decode_rows(cfg.decoding),
+                           step_rows=max(len(prompt_ids), decode_rows(cfg.decoding)),
+                           cuda_graphs=cfg.model.cuda_graphs, quant=cfg.model.quant)
+        if lead:
+            print("\n".join("[lp] " + line for line in plan.lines()), file=sys.stderr, flush=True)
+        plan.check()
+        # the whole replica, or under parallel.tp > 1 only this rank's shards of it
+        model, _ = load_for(path, cfg.model.dtype, str(device), cfg.model.quant, group, tokenizer=False)
         eos = eos_ids(model, tokenizer)
         streamer = TextStreamer(tokenizer, skip_prompt=True) if (lead and cfg.stream) else None
         dcfg = cfg.decoding

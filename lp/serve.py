@@ -70,6 +70,11 @@ def run(cfg: ServeConfig) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
     check_tp_path(path, cfg.parallel.tp, cfg.model.quant)  # heads vs parallel.tp, before any weights load
+    memory = _memory_plan(cfg, path, device)
+    if rank == 0:
+        for line in memory.lines():
+            log.info("[lp.serve] %s", line)
+    memory.check()  # before any weights load
     # the whole replica, or under parallel.tp > 1 only this rank's shards of it
     model, tokenizer = load_for(path, cfg.model.dtype, str(device), cfg.model.quant, group)
     if tokenizer is None:
@@ -92,7 +97,23 @@ def run(cfg: ServeConfig) -> int:
         os._exit(3)
     if rank != 0:
         return _serve_worker(cfg, runner, tokenizer, eos, group)
-    return _serve_http(cfg, runner, tokenizer, eos, group, model)
+    return _serve_http(cfg, runner, tokenizer, eos, group, model, memory)
+
+
+def _memory_plan(cfg: ServeConfig, path, device):
+    """This rank's memory plan: weights, the paged pool (server.kv_tokens; with
+    server.kv_memory_fraction the pool is sized after loading, and one longest request is
+    planned instead), the largest batched step (a prefill chunk beside every sequence's decode
+    rows)."""
+    from lp.model.loader import resolve_dtype
+    from lp.parallel.memory import decode_rows, plan_memory
+
+    s = cfg.server
+    pool = None if s.kv_memory_fraction is not None else s.kv_tokens
+    rows = s.max_prefill_tokens + s.max_batch * decode_rows(cfg.decoding)
+    return plan_memory(path, resolve_dtype(cfg.model.dtype, device), device, cfg.parallel.tp,
+                       max_len=min(s.kv_tokens, s.max_tokens + s.max_prefill_tokens), step_rows=rows,
+                       kv_tokens=pool, cuda_graphs=cfg.model.cuda_graphs, quant=cfg.model.quant)
 
 
 def _batch_engine(cfg: ServeConfig, runner, group):
@@ -143,7 +164,7 @@ def _draft_store(cfg: ServeConfig):
     return DraftStore(cfg.decoding.draft_store_tokens) if cfg.server.draft_store else None
 
 
-def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
+def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=None) -> int:
     import uvicorn
 
     from lp.server.app import create_app
@@ -164,7 +185,7 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model) -> int:
         os._exit(3)
     metrics.kv_blocks_total.set(engine.batch.cache.blocks.num_blocks)
     ctx = ServingContext(model_id_of(cfg), tokenizer, runner.vocab_size, runner.max_positions, cfg.decoding, s,
-                         workers=world)
+                         workers=world, memory=memory.as_dict() if memory is not None else None)
     app = create_app(engine, ctx, metrics, s.retry_after_s, api_key=s.api_key or os.environ.get("LP_API_KEY"))
 
     class _Server(uvicorn.Server):

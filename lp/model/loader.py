@@ -110,7 +110,7 @@ def resolve_model_path(name: str, path: str | None, cache_dir: str | None = None
     raise ValueError(f"model.name must be 'smollm2' or model.path must be set, got name={name!r}")
 
 
-def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str = "none"):
+def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str = "none", tokenizer: bool = True):
     """Load (model, tokenizer or None) from a transformers folder with the sdpa attention;
     ``quant`` != none quantizes its linears (lp.model.quant; int4 casts the model to bf16)."""
     from transformers import AutoModelForCausalLM
@@ -123,7 +123,7 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str 
         from lp.model.quant import quantize
 
         quantize(model, quant, dev)
-    return model, load_tokenizer(path)
+    return model, (load_tokenizer(path) if tokenizer else None)
 
 
 def load_tokenizer(path: Path):

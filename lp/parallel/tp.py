@@ -123,7 +123,7 @@ def _finish(model, tp_mesh) -> None:
     model.forward = _collective_failures(model.forward)
 
 
-def load_sharded(path, dtype: str, device: str, tp_mesh):
+def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True):
     """(model, tokenizer or None) holding only this rank's shards, read from the checkpoint.
 
     The model is built with its parameters on the meta device (accelerate's
@@ -134,8 +134,10 @@ def load_sharded(path, dtype: str, device: str, tp_mesh):
     ``DtensorShardOperation``: the other ranks' bytes are never read), a replicated one
     whole, each cast to the model dtype on the way (a bf16 checkpoint read as bf16 is never
     widened). Tied parameters (SmolLM2's embedding and LM head) are replicated, read once
-    and tied again. Peak memory per rank: the replicated parameters + weights / tp + the
-    runtime."""
+    and tied again. Every slice is copied out of the file's memory map into this rank's own
+    memory (a view would keep the map, and every page a column slice touched, resident), one
+    map per tensor closed right after. Peak memory per rank: the replicated parameters +
+    weights / tp + the runtime (bench/results/tp_memory measures it)."""
     from pathlib import Path
 
     from accelerate import init_empty_weights
@@ -200,7 +202,7 @@ def load_sharded(path, dtype: str, device: str, tp_mesh):
     assert not meta, f"parameters left unloaded: {meta[:5]}"
     _finish(model, tp_mesh)
     model._lp_sharded_load = True
-    return model, load_tokenizer(path)
+    return model, (load_tokenizer(path) if tokenizer else None)
 
 
 def _owned(view: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -223,15 +225,15 @@ def _weight_files(path) -> list:
     return files
 
 
-def load_for(path, dtype: str, device: str, quant: str, group):
+def load_for(path, dtype: str, device: str, quant: str, group, tokenizer: bool = True):
     """This rank's model: the whole replica without TP (lp.model.loader.load_model), only its
-    shards with it (``load_sharded``)."""
+    shards with it (``load_sharded``); ``tokenizer=False``: (model, None)."""
     from lp.model.loader import load_model
 
     if group is None or group.tp_size == 1:
-        return load_model(path, dtype, device, quant)
+        return load_model(path, dtype, device, quant, tokenizer)
     check_tp_path(path, group.tp_size, quant)
-    return load_sharded(path, dtype, device, group.tp_mesh)
+    return load_sharded(path, dtype, device, group.tp_mesh, tokenizer)
 
 
 def local_shapes(model) -> dict[str, list[int]]:

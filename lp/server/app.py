@@ -5,7 +5,7 @@ itself (decoding happens in the engine's thread). Routes:
 
     POST /v1/chat/completions, POST /v1/completions   stream true (SSE, ends ``data: [DONE]``) or false
     GET  /v1/models     the served model's id
-    GET  /health        200 {"status": "ok"} while the engine serves, else 503
+    GET  /health        200 {"status": "ok", ..., "memory": rank 0's memory plan} while the engine serves, else 503
     GET  /metrics       Prometheus text
 
 Request bodies are read raw and validated by ``lp.server.protocol`` (so invalid JSON and
@@ -80,7 +80,7 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
     async def health():
         if engine.ready:
             return {"status": "ok", "model": ctx.model_id, "workers": engine.workers,
-                    "queue_depth": engine.queue_depth()}
+                    "queue_depth": engine.queue_depth(), "memory": ctx.memory}
         return JSONResponse({"status": "unavailable", "reason": engine.failed or "stopping"}, status_code=503)
 
     @app.get("/metrics")

@@ -230,6 +230,7 @@ class ServingContext:
     base: DecodingConfig  # the server's decoding group: every request's defaults
     limits: ServerConfig
     workers: int = 1  # LP workers behind the server
+    memory: dict | None = None  # rank 0's memory plan (lp.parallel.memory), shown on /health
 
 
 @dataclass

@@ -1,0 +1,187 @@
+"""The memory plan of one rank, made before any weights load.
+
+Contract: ``plan_memory(path, ...)`` reads the checkpoint's config and its safetensors
+headers (shapes only, no tensor data) and returns a ``MemoryPlan``: this rank's weights
+(tensor-parallel ones divided by ``parallel.tp`` as lp.parallel.tp shards them, the rest
+replicated; tied embeddings replicated), the K/V one longest request needs and the pool a
+server reserves (keys and values of this rank's heads), the working set of the step's
+largest packed rows (its float32 logits, hidden states and mask), the CUDA-graph buffers
+(one more such working set), against what the device has free: ``torch.cuda.mem_get_info``
+on a GPU, the host's MemAvailable divided among the processes torchrun started on it on
+the CPU. ``plan.check()`` raises ValueError naming the setting to change when the weights,
+or the weights plus the K/V of one longest request (the pool, for a server), cannot fit;
+``plan.lines()`` is what lp.generate and lp.serve print at start-up and lp.serve shows on
+/health. A checkpoint without safetensors is planned from nothing (``weights`` None) and
+never refused.
+
+The estimates are upper-bound-ish and simple; measured peaks (bench/results/tp_memory) are
+what to trust.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+GiB = 1024**3
+# what the plan leaves for the allocator, the framework and everything it does not count
+HEADROOM = 0.9
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    tp: int
+    dtype: str
+    weights: int | None  # bytes on this rank
+    replicated: int | None  # of which replicated on every tp rank
+    kv_per_token: int  # bytes of one K/V slot on this rank (all layers, keys and values)
+    kv_request: int  # one longest request (max_len slots)
+    kv_pool: int | None  # a server's paged pool (server.kv_tokens slots), None offline
+    step_rows: int
+    step: int  # working set of the largest packed step
+    graphs: int  # CUDA-graph static buffers
+    free: int | None  # device memory this rank may use (None: unknown)
+    max_len: int
+    source: str  # where `free` comes from
+
+    @property
+    def needed(self) -> int:
+        kv = self.kv_pool if self.kv_pool is not None else self.kv_request
+        return (self.weights or 0) + kv + self.step + self.graphs
+
+    def lines(self) -> list[str]:
+        def gb(b):
+            return "?" if b is None else f"{b / GiB:.2f} GiB"
+
+        out = [f"memory plan per rank ({self.device}, tp={self.tp}, {self.dtype}): weights {gb(self.weights)}"
+               f" ({gb(self.replicated)} replicated)",
+               f"  K/V {self.kv_per_token / 1024:.1f} KiB/token: one {self.max_len}-token request {gb(self.kv_request)}"
+               + (f", pool {gb(self.kv_pool)}" if self.kv_pool is not None else ""),
+               f"  largest step {self.step_rows} rows ~{gb(self.step)}, CUDA-graph buffers {gb(self.graphs)}",
+               f"  total ~{gb(self.needed)} of {gb(self.free)} free ({self.source})"]
+        return out
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), needed=self.needed)
+
+    def check(self) -> None:
+        """ValueError naming the setting to change when this plan cannot fit."""
+        if self.free is None or self.weights is None:
+            return
+        room = HEADROOM * self.free
+        if self.weights > room:
+            raise ValueError(
+                f"the model's weights need {self.weights / GiB:.2f} GiB per rank at parallel.tp={self.tp} "
+                f"({self.dtype}) but this rank has {self.free / GiB:.2f} GiB free ({self.source}): raise parallel.tp, "
+                "or lower model.dtype (bfloat16) or use model.quant=int8")
+        if self.kv_pool is not None and self.needed > room:
+            raise ValueError(
+                f"server.kv_tokens reserves {self.kv_pool / GiB:.2f} GiB of K/V per rank; with the weights "
+                f"({self.weights / GiB:.2f} GiB) and the step ({self.step / GiB:.2f} GiB) that is "
+                f"{self.needed / GiB:.2f} GiB of {self.free / GiB:.2f} GiB free: lower server.kv_tokens "
+                f"(at most ~{max(int((room - self.weights - self.step - self.graphs) / self.kv_per_token), 0)} "
+                "here) or raise parallel.tp")
+        if self.kv_pool is None and self.needed > room:
+            raise ValueError(
+                f"one {self.max_len}-token request needs {self.kv_request / GiB:.2f} GiB of K/V per rank beside the "
+                f"weights ({self.weights / GiB:.2f} GiB): {self.needed / GiB:.2f} GiB of {self.free / GiB:.2f} GiB "
+                "free: lower decoding.max_new_tokens (or the prompt), or raise parallel.tp")
+
+
+def _free_bytes(device: torch.device) -> tuple[int | None, str]:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"{torch.cuda.get_device_name(device)} free now"
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    except (OSError, ValueError, IndexError):
+        return None, "unknown"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return info["MemAvailable"] // local, f"host MemAvailable / {local} process(es) on it"
+
+
+def _tensor_shapes(path: Path) -> dict[str, list[int]] | None:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                shapes[k] = list(st.get_slice(k).get_shape())
+    return shapes
+
+
+def sharded_names(config) -> set[str]:
+    """The parameters lp.parallel.tp shards for this config: its own plan (``tp_plan`` +
+    ``_expand``) over the model built on the meta device (no memory), so the plan and the
+    loading can never disagree."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from lp.parallel.tp import _expand, tp_plan
+
+    with init_empty_weights(include_buffers=True):
+        model = AutoModelForCausalLM.from_config(config)
+    params = {n for n, _ in model.named_parameters()}
+    return {n for n in _expand(model, tp_plan(model)) if n in params}
+
+
+def weight_bytes(path: Path, config, tp: int, element: int) -> tuple[int | None, int | None]:
+    """(this rank's weight bytes, of which replicated) from the safetensors headers."""
+    shapes = _tensor_shapes(path)
+    if shapes is None:
+        return None, None
+    sharded = sharded_names(config) if tp > 1 else set()
+    total = replicated = 0
+    for name, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        if name in sharded:
+            total += n * element // tp
+        else:
+            total += n * element
+            replicated += n * element
+    return total, replicated
+
+
+def plan_memory(path, dtype: torch.dtype, device: torch.device, tp: int = 1, *, max_len: int, step_rows: int,
+                kv_tokens: int | None = None, cuda_graphs: bool = False, quant: str = "none") -> MemoryPlan:
+    """The plan for one rank (see the module docstring); nothing is loaded."""
+    from transformers import AutoConfig
+
+    from lp.model.paged import kv_slot_bytes
+
+    config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    element = torch.empty((), dtype=dtype).element_size()
+    if quant in ("int8", "int4"):  # int8 linears: 1 byte a weight; int4: half a byte, embeddings bf16: ~1 on average
+        element = 1
+    weights, replicated = weight_bytes(Path(path), config, tp, element)
+    kv_per_token = kv_slot_bytes(config, dtype) // tp  # this rank's key/value heads
+    hidden, vocab = int(text.hidden_size), int(text.vocab_size)
+    act = torch.empty((), dtype=dtype).element_size()
+    # float32 logits of the kept rows + a dozen hidden-sized activations per row + the mask row
+    step = step_rows * (vocab * 4 + 12 * hidden * act + 4 * (max_len + step_rows))
+    free, source = _free_bytes(device)
+    return MemoryPlan(device=str(device), tp=tp, dtype=str(dtype).replace("torch.", ""), weights=weights,
+                      replicated=replicated, kv_per_token=kv_per_token, kv_request=kv_per_token * max_len,
+                      kv_pool=None if kv_tokens is None else kv_per_token * kv_tokens, step_rows=step_rows, step=step,
+                      graphs=step if (cuda_graphs and device.type == "cuda") else 0, free=free, max_len=max_len,
+                      source=source)
+
+
+def decode_rows(d) -> int:
+    """An upper bound on one sequence's rows in a decode step (window, pool candidates, draft
+    tree, re-fed tokens) for a validated DecodingConfig."""
+    W, N, G = d.W or 1, max(d.N or 2, 2), d.G or 0
+    drafts = 64 if d.max_draft_rows is None else d.max_draft_rows  # None: the hardware cap, at most this
+    return 2 + (W + N) * (N - 1) + G * (N - 1) + drafts + N

@@ -1,0 +1,106 @@
+"""The memory plan per rank (lp.parallel.memory): read from the checkpoint's headers before any
+weights load, split as lp.parallel.tp shards, and a configuration that cannot fit refused with
+a ValueError naming the setting to change (lp.generate refuses before loading)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lp.parallel import memory
+from lp.parallel.memory import GiB, MemoryPlan, plan_memory, weight_bytes
+from tests.helpers import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    untied = tmp_path_factory.mktemp("plan_untied")
+    tied = tmp_path_factory.mktemp("plan_tied")
+    make_tiny_model(tie_word_embeddings=False).save_pretrained(untied)
+    make_tiny_model(tie_word_embeddings=True).save_pretrained(tied)
+    return untied, tied
+
+
+def _tensors(model) -> dict[str, int]:
+    return {n: p.numel() for n, p in model.named_parameters()}
+
+
+def test_weights_per_rank_follow_the_tp_plan(ckpts):
+    """TP 1: every tensor's bytes; TP 2: q/k/v/o/gate/up/down (and an untied embedding and
+    head) halved, norms replicated; tied: the embedding replicated, the head not stored."""
+    from transformers import AutoConfig
+
+    untied, tied = ckpts
+    model = make_tiny_model(tie_word_embeddings=False)
+    sizes = _tensors(model)
+    total = 4 * sum(sizes.values())
+    sharded = 4 * sum(n for k, n in sizes.items() if "proj" in k or "embed" in k or "lm_head" in k)
+    cfg = AutoConfig.from_pretrained(untied)
+    assert weight_bytes(untied, cfg, 1, 4) == (total, total)
+    w2, rep2 = weight_bytes(untied, cfg, 2, 4)
+    assert w2 == total - sharded // 2 and rep2 == total - sharded
+    tcfg = AutoConfig.from_pretrained(tied)
+    embed = 4 * sizes["model.embed_tokens.weight"]
+    wt, rept = weight_bytes(tied, tcfg, 2, 4)
+    assert wt == total - embed - (sharded - 2 * embed) // 2  # one stored embedding, whole on every rank
+    assert rept == total - embed - (sharded - 2 * embed)
+
+
+def test_plan_counts_kv_and_the_step(ckpts):
+    untied, _ = ckpts
+    plan = plan_memory(untied, torch.float32, torch.device("cpu"), 2, max_len=100, step_rows=10, kv_tokens=1000)
+    # 2 layers x (keys + values) x 2 KV heads x 16 dims x 4 bytes, 1 KV head per rank at tp 2
+    assert plan.kv_per_token == 2 * 2 * 1 * 16 * 4
+    assert plan.kv_request == 100 * plan.kv_per_token and plan.kv_pool == 1000 * plan.kv_per_token
+    assert plan.step >= 10 * 128 * 4  # at least the float32 logits of the rows
+    assert plan.free and plan.free > 0 and "MemAvailable" in plan.source
+    assert plan.needed == plan.weights + plan.kv_pool + plan.step
+    assert any("memory plan per rank" in line for line in plan.lines())
+
+
+def _plan(**kw) -> MemoryPlan:
+    base = dict(device="cuda:0", tp=1, dtype="bfloat16", weights=10 * GiB, replicated=1 * GiB, kv_per_token=100_000,
+                kv_request=1 * GiB, kv_pool=None, step_rows=64, step=GiB // 10, graphs=0, free=80 * GiB, max_len=8192,
+                source="test")
+    base.update(kw)
+    return MemoryPlan(**base)
+
+
+def test_plans_that_cannot_fit_name_the_setting():
+    _plan().check()  # fits
+    with pytest.raises(ValueError, match=r"weights need 140.00 GiB per rank at parallel.tp=1.*raise parallel.tp"):
+        _plan(weights=140 * GiB, free=139 * GiB).check()
+    with pytest.raises(ValueError, match=r"lower server.kv_tokens \(at most ~\d+ here\)"):
+        _plan(kv_pool=75 * GiB).check()
+    with pytest.raises(ValueError, match=r"one 8192-token request.*lower decoding.max_new_tokens"):
+        _plan(kv_request=75 * GiB).check()
+    _plan(free=None).check()  # unknown free memory: nothing refused
+    _plan(weights=None, free=GiB).check()  # no safetensors: nothing to plan from
+
+
+def test_generate_refuses_before_any_weights_load(ckpts, tmp_path, monkeypatch):
+    """lp.generate with a model that cannot fit: the ValueError comes from the plan, and the
+    loader is never called."""
+    from lp.config import DecodingConfig, GenerateConfig, ModelConfig
+    from lp.generate import run
+    from lp.model.loader import resolve_model_path
+    from lp.parallel import tp
+
+    folder = tmp_path / "tok"
+    shutil.copytree(ckpts[0], folder)
+    src = resolve_model_path("smollm2", None)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, folder / f)
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were loaded before the plan refused")
+
+    monkeypatch.setattr(tp, "load_for", no_load)
+    monkeypatch.setattr(memory, "_free_bytes", lambda device: (1000, "a tiny device"))
+    cfg = GenerateConfig(model=ModelConfig(path=str(folder), dtype="float32"),
+                         decoding=DecodingConfig(max_new_tokens=4), prompt="hi", stream=False)
+    with pytest.raises(ValueError, match=r"weights need .* GiB per rank at parallel.tp=1"):
+        run(cfg)
