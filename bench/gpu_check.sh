@@ -5,7 +5,8 @@
 # generate on 10 HumanEval prompts, the overhead benchmark on the GPU, and LP over NCCL when
 # more than one GPU is present, then the (lp, tp) mesh over NCCL (SmolLM2 on tp=3 when the GPU
 # count divides by 3, else a tiny random Llama with SmolLM2's tokenizer on tp=2), its greedy
-# output compared with transformers generate, then bf16 vs int4 weight-only (torchao,
+# output compared with transformers generate, the memory plan vs the device memory a bf16 load took (and the
+# sharded load of a ~480M checkpoint over every GPU), then bf16 vs int4 weight-only (torchao,
 # bench/gpu_quant.py; never fatal, needs torchao installed). Each section's failure is recorded
 # and the next one runs.
 set -uo pipefail
@@ -49,6 +50,21 @@ print('mesh', r['workers'], 'x tp', r['tp'], 'equals generate:', r['output_ids']
     || echo "LP x TP mesh over NCCL failed (see lp_mesh.log)" >> "$OUT/gpu_check.log"
 else
   echo "one GPU: LP over NCCL not run" >> "$OUT/gpu_check.log"
+fi
+# sharded loading (issue 24): the memory plan against what loading really took on the device (SmolLM2, bf16), then
+# with more than one GPU a ~480M checkpoint on LP 1 x TP k (k = every GPU) over NCCL, bf16, device memory per rank
+timeout 120 python -c "
+import json, sys, torch; from lp.model.loader import resolve_dtype, resolve_model_path; from lp.parallel.memory import plan_memory
+from lp.parallel.tp import load_for
+path = resolve_model_path('smollm2', None); dev = torch.device('cuda')
+plan = plan_memory(path, resolve_dtype('bfloat16', dev), dev, 1, max_len=4096, step_rows=64)
+m, _ = load_for(path, 'bfloat16', 'cuda', 'none', None, tokenizer=False)
+print('memory plan weights', plan.weights / 2**20, 'MB; allocated after load', torch.cuda.memory_allocated() / 2**20, 'MB;',
+      'dtypes', sorted({str(p.dtype) for p in m.parameters()}))
+" >> "$OUT/gpu_check.log" 2>&1 || echo "memory plan check failed" >> "$OUT/gpu_check.log"
+if [ "${NGPU:-0}" -gt 1 ]; then
+  timeout 240 python -m bench.tp_memory --device cuda --dtype bfloat16 --tps "1,$NGPU" --rounds 1 --ckpt /tmp/ckpt_480m \
+    --out "$OUT/tp_memory" > "$OUT/tp_memory.log" 2>&1 || echo "sharded load over NCCL failed (see tp_memory.log)" >> "$OUT/gpu_check.log"
 fi
 timeout 240 python -m bench.gpu_quant --out "$OUT/gpu" > "$OUT/gpu_quant.log" 2>&1 \
   || echo "int4 section failed or timed out (see gpu_quant.log)" >> "$OUT/gpu_check.log"
