@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -66,6 +67,17 @@ def test_cli_composes_parallel_tp_and_refuses_a_one_process_mesh():
     assert (cfg.parallel.tp, cfg.parallel.workers) == (2, 2)
     with pytest.raises(ValueError, match=r"parallel.workers=2 x parallel.tp=2 = 4 processes .*WORLD_SIZE=1"):
         run(cfg)  # before any model loads
+
+
+def test_quantized_weights_with_tp_are_refused_before_loading(tmp_path):
+    from lp.parallel.tp import check_tp_path
+
+    make_tiny_model().save_pretrained(tmp_path)
+    for quant in ("int8", "int4"):
+        with pytest.raises(ValueError, match=rf"model.quant={quant} cannot be combined with parallel.tp=2"):
+            check_tp_path(tmp_path, 2, quant)
+    check_tp_path(tmp_path, 2, "none")
+    check_tp_path(tmp_path, 1, "int8")
 
 
 def test_tp_must_divide_the_heads():
@@ -310,6 +322,22 @@ def test_serve_lp2_tp2_answers_openai_with_greedy_text(tiny_tok_dir, tmp_path):
         assert la["output_ids"] == ref and la["workers"] == 2
         assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
         assert r.usage.completion_tokens == len(ref)
+        # concurrent requests on the mesh: batched together, each still its own greedy text
+        import concurrent.futures
+
+        texts = ["Name two sorting algorithms.", "What is a mutex?", "Say hello in French."]
+        refs = [hf_greedy(model, _chat_ids(tok, t), 12, eos_token_id=eos_ids(model, tok)) for t in texts]
+
+        def ask(t):
+            return server.client().chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": t}], max_tokens=12, temperature=0,
+                extra_body={"lookahead": {"return_token_ids": True}}).model_extra["lookahead"]["output_ids"]
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(ask, texts))
+        assert got == refs, "concurrent requests on LP 2 x TP 2 differ from generate"
+        health = httpx.get(server.url + "/health", timeout=10).json()
+        assert health["memory"]["tp"] == 2 and health["memory"]["weights"] > 0  # rank 0's memory plan
         # a clean shutdown of the mesh: SIGTERM reaches rank 0 (the others wait for its SHUTDOWN)
         for pid in workers:
             os.kill(pid, signal.SIGTERM)
