@@ -6,7 +6,7 @@ the row-exact one in ``exact_attention``), small-row matmuls (``kernels``), int8
 (``quant``), the static packed K/V cache (``kv``) and the paged pool (``paged``), CUDA-graph
 stepping (``graphs``), the measured t(Q) curve (``calibrate``), and transformers
 ``generate``'s processors for the same logits settings (``hf_generate``).
-Imports: lp.lookahead (layouts), lp.drafts (nothing yet), lp.config. Never imports
+Imports: lp.lookahead (layouts; lp.drafts and lp.config are allowed, unused today). Never imports
 torch.distributed, lp.parallel, lp.engine or lp.server: parallelism is applied to a model
 from outside (lp.parallel.tp), and a collective the calibration needs is handed in by it.
 """
