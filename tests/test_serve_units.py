@@ -125,6 +125,22 @@ def test_prepare_rejects(tok, body, param):
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("body,kind", [({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "chat"),
+                                       ({"prompt": "a", "logprobs": 2}, "completions")])
+def test_logprobs_refused_under_lp(tok, body, kind):
+    """Logprobs need every verifying row in one process: with 2 LP workers a request asking for
+    them is a 400 naming logprobs; with one process it is served with them."""
+    cls = ChatRequest if kind == "chat" else CompletionRequest
+    raw = json.dumps(body).encode()
+    assert prepare(parse(cls, raw), _ctx(tok)).decoding.logprobs is True
+    with pytest.raises(ApiError) as e:
+        prepare(parse(cls, raw), dataclasses.replace(_ctx(tok), workers=2))
+    assert e.value.status == 400 and e.value.param == "logprobs" and "LP workers" in str(e.value)
+    no = dict(body, logprobs=False if kind == "chat" else None)
+    assert prepare(parse(cls, json.dumps(no).encode()), dataclasses.replace(_ctx(tok), workers=2)).decoding.logprobs \
+        is False
+
+
 def test_server_config_validation():
     ServerConfig().validate()
     for kw, field in [(dict(port=70000), "server.port"), (dict(max_queue=-1), "server.max_queue"),
