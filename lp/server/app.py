@@ -20,6 +20,7 @@ polled) cancels its job at the next decoding step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 
@@ -64,17 +65,7 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
     app = FastAPI(title="lp.serve", docs_url=None, redoc_url=None)
 
     if api_key:
-        import hmac
-
-        @app.middleware("http")
-        async def check_key(request: Request, call_next):
-            # like vLLM's --api-key: the OpenAI routes need the key, /health and /metrics do not
-            if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                    return _error(ApiError("Invalid or missing API key (Authorization: Bearer <key>).",
-                                           status=401, code="invalid_api_key"))
-            return await call_next(request)
+        app.add_middleware(_ApiKey, key=api_key)
 
     @app.get("/health")
     async def health():
@@ -103,6 +94,25 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
         return await routes.complete(request, "completions", CompletionRequest)
 
     return app
+
+
+class _ApiKey:
+    """Like vLLM's --api-key: the OpenAI routes need ``Authorization: Bearer <key>``, /health
+    and /metrics do not. A plain ASGI middleware: Starlette's BaseHTTPMiddleware
+    (``@app.middleware``) hides a client's disconnect from ``request.is_disconnected()``, so a
+    non-streaming request whose client went away would decode to the end."""
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.want):
+                resp = _error(ApiError("Invalid or missing API key (Authorization: Bearer <key>).", status=401,
+                                       code="invalid_api_key"))
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 _CANCELLED = dict(status=503, type="server_error", code="cancelled")  # a generation cut by the server's shutdown
