@@ -141,6 +141,40 @@ def test_logprobs_refused_under_lp(tok, body, kind):
         is False
 
 
+def test_non_streaming_disconnect_is_polled_while_tokens_arrive():
+    """lp.server.app: a non-streaming handler notices that its client went away
+    (request.is_disconnected) within about KEEPALIVE_S even while the job's tokens arrive
+    far more often than that (a fast step); it cancels the job and answers 499."""
+    import asyncio
+    import types
+
+    from lp.server.app import KEEPALIVE_S, _Completions
+    from lp.server.engine import Job
+
+    class GoneRequest:
+        async def is_disconnected(self):
+            return True
+
+    async def scenario():
+        job = Job("chat", [1], DecodingConfig(), loop=asyncio.get_running_loop(), events=asyncio.Queue())
+
+        async def produce():  # a token every 20 ms for 3 KEEPALIVE_S
+            for _ in range(int(3 * KEEPALIVE_S / 0.02)):
+                job.events.put_nowait(("tokens", [5]))
+                await asyncio.sleep(0.02)
+
+        producer = asyncio.create_task(produce())
+        resp = await _Completions(None, None, None, 1)._whole(GoneRequest(), job, "chat", "id",
+                                                               types.SimpleNamespace(ids=[]), None)
+        still_producing = not producer.done()
+        producer.cancel()
+        return resp, still_producing, job.cancelled
+
+    resp, still_producing, cancelled = asyncio.run(scenario())
+    assert resp.status_code == 499 and cancelled
+    assert still_producing, "the disconnect was noticed only once the tokens stopped"
+
+
 def test_server_config_validation():
     ServerConfig().validate()
     for kw, field in [(dict(port=70000), "server.port"), (dict(max_queue=-1), "server.max_queue"),

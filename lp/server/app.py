@@ -14,7 +14,7 @@ with Retry-After; a request that can never fit the K/V pool a 400. With an API k
 (``server.api_key`` or env ``LP_API_KEY``) the /v1 routes need ``Authorization: Bearer
 <key>`` (401 otherwise). Only verified tokens are streamed; a client that disconnects (streaming:
 a failed write, noticed within ~1 s thanks to SSE keep-alive comments; non-streaming:
-polled) cancels its job at the next decoding step.
+polled every ~1 s, tokens arriving or not) cancels its job at the next decoding step.
 """
 
 from __future__ import annotations
@@ -186,16 +186,22 @@ class _Completions:
 
     async def _whole(self, request, job, kind, rid, detok, prep):
         lps = []
+        clock = asyncio.get_running_loop().time
+        poll_at = clock() + KEEPALIVE_S
         try:
             while True:
                 try:
                     ev, data = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
                 except asyncio.TimeoutError:
+                    ev, data = None, None
+                if ev is None or clock() >= poll_at:  # every ~KEEPALIVE_S, however often tokens arrive
+                    poll_at = clock() + KEEPALIVE_S
                     if await request.is_disconnected():
                         log.info("client of %s went away; cancelling", rid)
                         job.cancel()
                         return Response(status_code=499)
-                    continue
+                    if ev is None:
+                        continue
                 if ev == "tokens":
                     detok.ids.extend(data)
                 elif ev == "logprobs":
