@@ -118,6 +118,27 @@ def step_spans(result) -> list[tuple[int, int]]:
     return spans
 
 
+# ---------------------------------------------------------------------------
+# The paged K/V pool's block table (lp.model.paged.BlockTable)
+
+
+def assert_block_invariants(blocks) -> None:
+    """What must hold after every step of a batch: the sequences' reserved runs are
+    pairwise disjoint and disjoint from the free list, free + reserved == all blocks (none
+    leaked, none invented), and each table is a prefix of its sequence's run covering its
+    committed rows."""
+    owned = [b for run in blocks.owned.values() for b in run]
+    assert len(owned) == len(set(owned)), f"a block is reserved twice: {blocks.owned}"
+    assert not set(owned) & blocks.free, f"reserved blocks on the free list: {sorted(set(owned) & blocks.free)}"
+    assert len(blocks.free) + len(owned) == blocks.num_blocks, \
+        f"free {len(blocks.free)} + reserved {len(owned)} != {blocks.num_blocks} blocks"
+    assert blocks.free <= set(range(blocks.num_blocks)), sorted(blocks.free)
+    assert set(blocks.tables) == set(blocks.owned) == set(blocks.lengths)
+    for seq, table in blocks.tables.items():
+        assert table == blocks.owned[seq][: len(table)], (seq, table, blocks.owned[seq])
+        assert blocks.lengths[seq] <= len(table) * blocks.block_size, (seq, blocks.lengths[seq], table)
+
+
 
 
 # ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ keeps the distribution (and the very draws of a one-sequence run with the same s
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lp.engine.batch import BatchEngine, generate_batch
 from lp.drafts.budget import AcceptanceModel
@@ -30,14 +31,19 @@ TREE = dict(drafts="suffix", draft_budget="all", W=2, N=3, G=3, window_policy="a
 
 
 def _drain(engine, outs: dict, schedule: dict, until: int = 500):
-    """Step the engine; ``schedule[step]`` is a callable run before that step (joins, aborts)."""
+    """Step the engine; ``schedule[step]`` is a callable run before that step (joins, aborts);
+    the block table's invariants after every step."""
+    from tests.helpers import assert_block_invariants
+
     for step in range(until):
         if step in schedule:
             schedule.pop(step)()
+            assert_block_invariants(engine.cache.blocks)
         if not engine.has_work and not schedule:
             return step
         for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.new_tokens)
+        assert_block_invariants(engine.cache.blocks)
     raise AssertionError("engine did not drain")
 
 
@@ -47,7 +53,8 @@ def _drain(engine, outs: dict, schedule: dict, until: int = 500):
 def test_joins_and_leaves_equal_generate(tiny_factory, monkeypatch, family, attention):
     """A literal schedule: A, B start; C joins at step 2 (prefill in chunks of 16 rows beside
     A and B's decode rows); B leaves at step 4 (abort); D joins at step 5; A, C, D finish
-    at different lengths. Every complete output == generate; B's tokens are generate's prefix.
+    at different lengths. Every complete output == generate; B's tokens are generate's prefix;
+    B's freed blocks are filled with NaN; the block table holds after every step.
     ``sdpa-fragmented``: every sequence's blocks treated as scattered, so the attention
     gathers its keys by slot instead of slicing the pool."""
     if attention == "sdpa-fragmented":
@@ -56,6 +63,7 @@ def test_joins_and_leaves_equal_generate(tiny_factory, monkeypatch, family, atte
     model = tiny_factory(family)
     runner = ModelRunner(model, attention=attention)
     engine = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=4, max_prefill_tokens=16)
+    engine.cache.poison_released()  # B's blocks hold NaN once it leaves: D must never read them
     lens = {"A": 30, "B": 40, "C": 20, "D": 25}
     prompts = {"A": PROMPTS[0], "B": PROMPTS[1], "C": PROMPTS[3], "D": PROMPTS[4]}
     cfgs = {"A": DecodingConfig(max_new_tokens=30, **TREE),
@@ -105,37 +113,63 @@ def test_mixed_settings_and_sampling_in_one_batch(tiny_factory):
     assert results[3].output_ids != results[4].output_ids
 
 
+def distinct_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """``n`` different prompts of random token ids (5 to 30 tokens): a row that read another
+    sequence's block, or a stale block of a finished one, would see other K/V."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = set()
+    while len(prompts) < n:
+        prompts.add(tuple(rng.randrange(1, 128) for _ in range(rng.randrange(5, 31))))
+    return [list(p) for p in sorted(prompts)]
+
+
+MIXED = [dict(max_new_tokens=20, **TREE), dict(max_new_tokens=16, W=3, N=3, G=3),  # tree drafts; the paper's pool
+         dict(max_new_tokens=12, W=1, N=2, G=0), dict(max_new_tokens=18, W=4, N=4, G=4)]  # plain steps; a wider pool
+
+
 @pytest.mark.parametrize("requests,room", [(6, 2), (64, 8)])
 def test_kv_bound_makes_requests_wait(tiny_factory, requests, room):
-    """K/V room for ``room`` worst-case requests, ``requests`` queued (max_batch twice the room,
-    so the pool binds): all complete exactly, none lost, reservations never exceed the pool and
-    the pool never grows, every block is back at the end; a request that can never fit is
-    refused at once."""
+    """K/V room for ``room`` worst-case requests, ``requests`` queued with distinct prompts and
+    mixed settings (max_batch twice the room, so the pool binds): all complete exactly, none
+    lost; after every step the block table holds (reserved runs pairwise disjoint and off
+    the free list, free + reserved == every block) and the pool never grows; every block
+    freed is filled with NaN (PagedCache.poison_released), so a step that read a stale or
+    foreign block would not equal generate; every block is back at the end; a request that
+    can never fit is refused at once."""
+    from tests.helpers import assert_block_invariants
+
     model = tiny_factory("llama")
     runner = ModelRunner(model)
-    cfg = DecodingConfig(max_new_tokens=20, **TREE)
-    need = max(len(p) for p in PROMPTS) + 20 + LookaheadDecoder(runner, cfg).max_step_rows()
+    prompts = distinct_prompts(requests)
+    cfgs = [DecodingConfig(**MIXED[i % len(MIXED)]) for i in range(requests)]
+    need = max(len(p) + c.max_new_tokens + LookaheadDecoder(runner, c).max_step_rows() for p, c in zip(prompts, cfgs))
     engine = BatchEngine(runner, kv_tokens=room * (need + 8), block_size=8, max_batch=2 * room)
-    ids = [engine.add(PROMPTS[i % len(PROMPTS)], cfg) for i in range(requests)]
-    outs, most = {}, 0
+    engine.cache.poison_released()
+    ids = [engine.add(p, c) for p, c in zip(prompts, cfgs)]
+    outs, most, released = {}, 0, 0  # released: requests finished (their blocks freed)
     while engine.has_work:
         for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.new_tokens)
+            released += o.finished
         most = max(most, len(engine.running))
-        assert sum(engine.cache.blocks.reserved.values()) <= engine.cache.blocks.num_blocks
+        assert_block_invariants(engine.cache.blocks)
         assert all(k.shape[1] == engine.cache.kv_tokens for k in engine.cache.keys + engine.cache.values)
-    # the pool, not max_batch, bounds the batch: room for the longest prompt's worst case
-    # `room` times (shorter prompts fit a few more)
+    # the pool, not max_batch, bounds the batch: room for the largest worst case `room`
+    # times (smaller ones fit a few more)
     assert room <= most < 2 * room
-    refs = [hf_greedy(model, p, 20) for p in PROMPTS]
     assert sorted(outs) == sorted(ids)
-    for i, rid in enumerate(ids):
-        assert outs[rid] == refs[i % len(PROMPTS)], i
-        assert engine.result(rid).output_ids == outs[rid]
+    for rid, p, c in zip(ids, prompts, cfgs):
+        ref = hf_greedy(model, p, c.max_new_tokens)
+        assert outs[rid] == ref, rid
+        assert engine.result(rid).output_ids == ref
     assert engine.blocks_in_use == 0 and not engine.cache.blocks.reserved
+    assert_block_invariants(engine.cache.blocks)
+    assert torch.isnan(engine.cache.keys[0]).any() and released == requests  # the freed blocks hold NaN
     if engine.cache.kv_tokens < 297:  # a prompt within the tiny model's 512 positions that can never fit
         with pytest.raises(ValueError, match="kv_tokens"):
-            engine.add(list(range(1, 100)) * 3, cfg)
+            engine.add(list(range(1, 100)) * 3, cfgs[0])
 
 
 def test_block_table_literal():
@@ -198,24 +232,29 @@ def test_smollm2_four_prompts_in_one_batch(smollm2, smollm2_runner):
 
 
 def test_sampling_in_a_batch_of_four_matches_generate():
-    """Sampled requests in batches of 4 (seeds i) draw every token with its exact probability
-    (the conditionals of tests.helpers.exact_next_probs, transformers' own warpers)."""
+    """Sampled requests in batches of 4 with 4 different prompts of one length (seeds i)
+    draw every token with its exact probability given its own prompt (the conditionals of
+    tests.helpers.exact_next_probs, transformers' own warpers): a row that read another
+    sequence's keys would draw from that prompt's distribution."""
     from tests.helpers import conditional_fit, exact_next_probs, fit_verdict, make_tiny_model
 
     model = make_tiny_model("llama", vocab=12, initializer_range=0.2)
-    prompt = [1, 2, 3, 4, 5] + hf_greedy(model, [1, 2, 3, 4, 5], 20)
+    heads = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 3, 7, 2, 9], [4, 4, 8, 1, 6]]
+    prompts = [h + hf_greedy(model, h, 20) for h in heads]  # repetitive: drafts get accepted
     runner = ModelRunner(model)
     n, kw = 1000, dict(temperature=0.9)
     dec = LookaheadDecoder(runner, DecodingConfig(W=3, N=4, G=5, max_new_tokens=3, do_sample=True))
-    draws, multi = [], 0
+    draws, multi = {i: [] for i in range(4)}, 0
     for start in range(0, n, 4):
         cfgs = [DecodingConfig(W=3, N=4, G=5, max_new_tokens=3, do_sample=True, seed=s, **kw)
                 for s in range(start, start + 4)]
-        for res in generate_batch(dec, [prompt] * 4, configs=cfgs):
-            draws.append(res.output_ids)
+        order = [(start // 4 + j) % 4 for j in range(4)]  # each prompt in every slot of the batch
+        for i, res in zip(order, generate_batch(dec, [prompts[i] for i in order], configs=cfgs)):
+            draws[i].append(res.output_ids)
             multi += sum(res.stats.accept_hist[2:])
     assert multi > 0.1 * n, "the verifier accepted multi-token runs"
-    ok, report = fit_verdict(conditional_fit(draws, exact_next_probs(model, prompt, 3, **kw)))
+    rows = [row for i, p in enumerate(prompts) for row in conditional_fit(draws[i], exact_next_probs(model, p, 3, **kw))]
+    ok, report = fit_verdict(rows)
     assert ok, report
 
 

@@ -1,11 +1,15 @@
 """Lookahead Parallelism with batches: lp.engine.batch.BatchEngine on 2 gloo workers under torchrun.
 
 A literal schedule of joins and aborts (tests.lp_batch_worker) with tree drafts
-(drafts=suffix), the paper's window and pool (W5 N4 G5), a prompt prefilled in chunks beside
-the others' decode rows, a request that waits for room (max_batch) and a sampled pair: every
-request's tokens under 2 workers equal the one-process batch's, token for token, and the
-greedy ones equal transformers ``generate``. Also: the step message rank 0 sends (joins,
-aborts, admissions) survives its int64 packing.
+(drafts=suffix), the paper's window and pool (W5 N4 G5), prompts prefilled in chunks beside
+the others' decode rows, requests that wait for room (max_batch), an abort while running,
+one while waiting and one in the middle of a chunked prefill, and a sampled pair with
+different prompts: every request's tokens under 2 workers equal the one-process batch's,
+token for token, and the greedy ones equal transformers ``generate``. Under K/V pressure
+(room for about two worst cases) with rank 0's admissions replayed by the other rank as
+lp.serve does (RequestChannel, worker_loop): the same. The block table's invariants hold
+after every step on every rank, freed blocks filled with NaN. Also: the step message rank 0
+sends (joins, aborts, admissions) survives its int64 packing.
 """
 
 from __future__ import annotations
@@ -36,15 +40,21 @@ REQUESTS = {
     "C": {"prompt": list(range(10, 40)), "decoding": dict(max_new_tokens=20, **TREE)},
     "D": {"prompt": [9, 8, 7, 9, 8, 7, 9, 8, 100, 101, 9, 8], "decoding": dict(max_new_tokens=25, **POOL)},
     "E": {"prompt": [50, 51, 52, 53, 50, 51, 52], "decoding": dict(max_new_tokens=20, seed=7, **SAMPLED)},
-    "F": {"prompt": [50, 51, 52, 53, 50, 51, 52], "decoding": dict(max_new_tokens=20, seed=8, **SAMPLED)},
+    "F": {"prompt": [60, 61, 62, 63, 60, 61, 62], "decoding": dict(max_new_tokens=20, seed=8, **SAMPLED)},
+    "G": {"prompt": [70, 71, 72, 70, 71, 72], "decoding": dict(max_new_tokens=20, **TREE)},
+    "H": {"prompt": [(7 * i) % 120 + 1 for i in range(48)], "decoding": dict(max_new_tokens=20, **POOL)},
 }
-# A, B, E start; C joins at step 2 (its 30-token prompt in 16-row chunks beside the decode
-# rows); F joins at 3 and waits (max_batch=4) until B is aborted at 4; D joins at 5 and waits
-# for the first to finish. Rank 0 decides every admission, the other rank replays it.
-SCHEDULE = {0: [["join", "A"], ["join", "B"], ["join", "E"]], 2: [["join", "C"]], 3: [["join", "F"]],
-            4: [["abort", "B"]], 5: [["join", "D"]]}
+# A, B, E start; H joins at step 1 (its 48-token prompt fed in 16-row chunks beside the
+# others' rows) and C at 2 (30 tokens, chunked after H's); F and G join at 3 and wait
+# (max_batch=5); B is aborted at 4, F takes its slot, and G is aborted while still waiting;
+# H is aborted at 5 in the middle of its prefill, and D joins into the slot it left. Every
+# rank makes the same calls and decides alike (PRESSURE below: rank 0 decides, the other
+# replays).
+SCHEDULE = {0: [["join", "A"], ["join", "B"], ["join", "E"]], 1: [["join", "H"]], 2: [["join", "C"]],
+            3: [["join", "F"], ["join", "G"]], 4: [["abort", "B"], ["abort", "G"]],
+            5: [["abort", "H"], ["join", "D"]]}
 SPEC = {"model": {"family": "llama"}, "requests": REQUESTS, "schedule": SCHEDULE,
-        "engine": {"kv_tokens": 1024, "block_size": 8, "max_batch": 4, "max_prefill_tokens": 16},
+        "engine": {"kv_tokens": 1024, "block_size": 8, "max_batch": 5, "max_prefill_tokens": 16},
         "tq_curve": [[1, 0.01], [16, 0.012], [64, 0.03]], "timeout_s": 120}
 
 
@@ -59,26 +69,86 @@ def torchrun(nproc: int, spec: dict, tmp_path: Path) -> dict:
     return json.loads(out_file.read_text())
 
 
-@pytest.mark.slow
-def test_lp_batch_schedule_equals_one_process_and_generate(tiny_factory, tmp_path):
-    model = tiny_factory("llama")
-    one = run_schedule(ModelRunner(model), SPEC)
-    lp2 = torchrun(2, SPEC, tmp_path)
-    for name in REQUESTS:
+def check_schedule(model, one: dict, lp2: dict, requests: dict) -> None:
+    """Every request's tokens under 2 workers == the one-process batch's; greedy ones that
+    ran to the end == generate; nothing left in the pool."""
+    for name in requests:
         got, want = lp2["requests"][name], one["requests"][name]
-        assert got["streamed"] == want["streamed"] == want["output_ids"] == got["output_ids"], name
-        assert got["finish"] == want["finish"], name
-        assert got["workers"] == 2 and want["workers"] == 1
-    for name in "ACD":
-        r = REQUESTS[name]
-        assert one["requests"][name]["output_ids"] == hf_greedy(model, r["prompt"], r["decoding"]["max_new_tokens"])
-        assert lp2["requests"][name]["steps"] < r["decoding"]["max_new_tokens"], f"{name}: no draft accepted"
-    b = one["requests"]["B"]
-    assert b["finish"] == "cancelled" and 0 < len(b["output_ids"]) < 40
-    assert b["output_ids"] == hf_greedy(model, REQUESTS["B"]["prompt"], 40)[: len(b["output_ids"])]
-    assert one["requests"]["E"]["output_ids"] != one["requests"]["F"]["output_ids"]
+        for key in ("streamed", "output_ids", "finish", "aborted_in"):
+            assert got[key] == want[key], (name, key)
+        assert got["streamed"] == got["output_ids"] or got["output_ids"] is None, name
+        assert (got["workers"], want["workers"]) in ((2, 1), (None, None)), name
+        r = requests[name]
+        if want["finish"] == "length" and not r["decoding"].get("do_sample"):
+            assert want["output_ids"] == hf_greedy(model, r["prompt"], r["decoding"]["max_new_tokens"]), name
     assert lp2["blocks_in_use"] == one["blocks_in_use"] == 0
     assert lp2["steps"] == one["steps"]
+
+
+@pytest.fixture(scope="module")
+def lp2_schedules(tmp_path_factory):
+    """SCHEDULE and PRESSURE (below) played under 2 workers, in one torchrun."""
+    return torchrun(2, dict(SPEC, runs=[{}, PRESSURE]), tmp_path_factory.mktemp("lp_batch"))
+
+
+@pytest.mark.slow
+def test_lp_batch_schedule_equals_one_process_and_generate(tiny_factory, lp2_schedules):
+    model = tiny_factory("llama")
+    one = run_schedule(ModelRunner(model), SPEC)
+    lp2 = lp2_schedules[0]
+    check_schedule(model, one, lp2, REQUESTS)
+    req = one["requests"]
+    for name in "ACD":
+        assert req[name]["finish"] == "length", name
+        assert lp2["requests"][name]["steps"] < REQUESTS[name]["decoding"]["max_new_tokens"], f"{name}: no draft accepted"
+    b = req["B"]
+    assert b["finish"] == "cancelled" and b["aborted_in"] == ["decoding"] and 0 < len(b["output_ids"]) < 40
+    assert b["output_ids"] == hf_greedy(model, REQUESTS["B"]["prompt"], 40)[: len(b["output_ids"])]
+    # G was aborted before it started: no result, nothing streamed
+    assert req["G"]["aborted_in"] == ["waiting"] and req["G"]["output_ids"] is None and req["G"]["streamed"] == []
+    # H in the middle of its chunked prefill: some of its prompt fed, no token
+    h = req["H"]
+    assert h["aborted_in"][0] == "prefill" and 0 < h["aborted_in"][1] < len(REQUESTS["H"]["prompt"]), h
+    assert (h["finish"], h["output_ids"], h["streamed"]) == ("cancelled", [], [])
+    assert req["E"]["finish"] == req["F"]["finish"] == "length"
+
+
+def _pressure_requests() -> dict:
+    import random
+
+    rng = random.Random(1)
+    shapes = [dict(W=5, N=4, G=5), dict(W=3, N=3, G=3), dict(W=1, N=2, G=0), dict(W=4, N=4, G=4)]
+    out = {}
+    for i in range(8):
+        d = dict(max_new_tokens=rng.randrange(12, 25), **shapes[i % 4])
+        if i % 3 == 2:
+            d.update(do_sample=True, temperature=0.8, top_k=20, seed=i)
+        out[f"R{i}"] = {"prompt": [rng.randrange(1, 128) for _ in range(rng.randrange(6, 25))], "decoding": d}
+    return out
+
+
+# K/V room for about two worst cases (max_batch 4 never binds): rank 0 decides each
+# admission when the pool has room and sends it with the step (the server's RequestChannel);
+# the other rank replays it in lp.server.batched.worker_loop. R7 is aborted while it waits.
+PRESSURE = dict(SPEC, requests=_pressure_requests(), channel=True,
+                schedule={0: [["join", f"R{i}"] for i in range(6)], 2: [["join", "R6"], ["join", "R7"]],
+                          3: [["abort", "R7"]]},
+                engine={"kv_tokens": 200, "block_size": 8, "max_batch": 4, "max_prefill_tokens": 16})
+
+
+@pytest.mark.slow
+def test_lp_batch_under_kv_pressure_replays_rank0(tiny_factory, lp2_schedules):
+    """Requests wait for K/V room, not for max_batch: under 2 workers, with rank 0's
+    admissions replayed by the other rank as lp.serve does, every request's tokens equal the
+    one-process batch's and the greedy ones equal generate; the block table holds after
+    every step on every rank (the workers check it; freed blocks are filled with NaN)."""
+    model = tiny_factory("llama")
+    one = run_schedule(ModelRunner(model), PRESSURE)
+    lp2 = lp2_schedules[1]
+    check_schedule(model, one, lp2, PRESSURE["requests"])
+    assert 2 <= one["most_running"] < PRESSURE["engine"]["max_batch"], one["most_running"]  # the pool binds
+    assert one["requests"]["R7"]["aborted_in"] == ["waiting"] and one["requests"]["R7"]["output_ids"] is None
+    assert all(r["finish"] == "length" for name, r in one["requests"].items() if name != "R7")
 
 
 @pytest.mark.slow

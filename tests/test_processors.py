@@ -99,29 +99,56 @@ CASES = {
     "top_k": dict(top_k=5),
     "all": dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, logit_bias={17: -3.0, 9: 1.5}),
 }
+PENALIZED = ("repetition", "frequency_presence", "all")  # the cases that read a row's history
 SHAPES = {
     "window": dict(W=5, N=4, G=5),  # the paper's window + pooled n-grams
-    "tree": dict(drafts="suffix", draft_budget="all", window_policy="off", max_draft_rows=24),
+    "tree": dict(drafts="suffix", draft_budget="all", window_policy="always", W=3, N=4, G=3,
+                 max_draft_rows=24),  # suffix drafts + the window's n-grams in one token tree
 }
+# A prompt (found once by a search over repeated random n-grams) on which every case accepts
+# multi-token steps in both shapes AND, under each penalty, some verdict depends on a row's
+# trie ancestors: scored without them the greedy output differs (the negative control below).
+# On REPETITIVE_PROMPT no case catches that bug: the drafts it accepts repeat prompt tokens.
+PENALTY_PROMPT = [25, 16, 78] * 5
+
+
+def drop_ancestors(monkeypatch) -> None:
+    """Plant: every row scored with the committed history only (its trie ancestors and its
+    own token dropped from lp.lookahead.processors.row_extras, where the decoders call it)."""
+    import lp.lookahead.processors
+
+    def no_extras(layout):
+        return [[] for _ in layout.skeleton.keep]
+
+    monkeypatch.setattr(lp.lookahead.processors, "row_extras", no_extras)
+    monkeypatch.setattr("lp.engine.decoder.row_extras", no_extras)
+    monkeypatch.setattr("lp.engine.batch.row_extras", no_extras)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_greedy_with_processors_equals_generate(tiny_factory, case, shape):
+def test_greedy_with_processors_equals_generate(tiny_factory, case, shape, monkeypatch):
+    """Greedy with each processor == generate with transformers' processors, with drafts
+    verified and accepted (a multi-token step); under a penalty, scoring rows without their
+    trie ancestors must change the output."""
     model = tiny_factory("llama")
     runner = ModelRunner(model)
+    prompt = PENALTY_PROMPT
     settings = CASES[case]
     if settings == "ban":
-        settings = dict(logit_bias={hf_greedy(model, REPETITIVE_PROMPT, 1)[0]: -100.0})
+        settings = dict(logit_bias={hf_greedy(model, prompt, 1)[0]: -100.0})
     cfg = DecodingConfig(max_new_tokens=MAX_NEW, **settings).validate()
-    kw, custom = hf_processors(cfg, len(REPETITIVE_PROMPT))
-    ref = hf_greedy(model, REPETITIVE_PROMPT, MAX_NEW, logits_processor=custom, **kw)
-    res = lookahead(runner, REPETITIVE_PROMPT, max_new_tokens=MAX_NEW, **settings, **SHAPES[shape])
+    kw, custom = hf_processors(cfg, len(prompt))
+    ref = hf_greedy(model, prompt, MAX_NEW, logits_processor=custom, **kw)
+    res = lookahead(runner, prompt, max_new_tokens=MAX_NEW, **settings, **SHAPES[shape])
     assert res.output_ids == ref
     if case == "ban_first":
-        assert ref[0] != hf_greedy(model, REPETITIVE_PROMPT, 1)[0]
-    if case in ("ban_first", "top_k", "repetition"):  # drafts were verified and accepted, not just plain steps
-        assert max(r.emitted for r in res.stats.records) >= 2, res.stats.accept_hist
+        assert ref[0] != hf_greedy(model, prompt, 1)[0]
+    assert max(r.emitted for r in res.stats.records) >= 2, res.stats.accept_hist  # drafts accepted
+    if case in PENALIZED:
+        drop_ancestors(monkeypatch)
+        bad = lookahead(runner, prompt, max_new_tokens=MAX_NEW, **settings, **SHAPES[shape])
+        assert bad.output_ids != ref, "rows scored without their trie ancestors went unnoticed"
 
 
 @pytest.mark.slow
@@ -149,27 +176,47 @@ def test_smollm2_processors_equal_generate(smollm2, smollm2_runner):
 # logprobs
 
 
-def test_logprobs_equal_generate_logits(tiny_factory):
+def hf_greedy_raw_logprobs(model, prompt, n, cfg: DecodingConfig):
+    """transformers greedy ``generate`` with cfg's processors: (its tokens, the log-softmax
+    of its raw logits [n, V], i.e. before any processor: what lp's logprobs report)."""
+    kw, custom = hf_processors(cfg, len(prompt))
+    ids = torch.tensor([list(prompt)])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             output_logits=True, return_dict_in_generate=True, logits_processor=custom, **kw)
+    return out.sequences[0, ids.shape[1]:].tolist(), torch.stack([torch.log_softmax(x[0].float(), -1)
+                                                                 for x in out.logits])
+
+
+def assert_logprobs_equal(logprobs, ref, ref_lp, top: int) -> None:
+    """lp's TokenLogprobs == generate's: the tokens, their log-probabilities and the top ones."""
+    assert [t.token for t in logprobs] == ref
+    for i, t in enumerate(logprobs):
+        assert t.logprob == pytest.approx(ref_lp[i, t.token].item(), abs=1e-4), i
+        vals, top_ids = ref_lp[i].topk(top)
+        assert [k for k, _ in t.top] == top_ids.tolist(), i
+        assert [v for _, v in t.top] == pytest.approx(vals.tolist(), abs=1e-4), i
+
+
+@pytest.mark.parametrize("case", ["plain", "all"])
+def test_logprobs_equal_generate_logits(tiny_factory, case):
+    """Logprobs (top 3) == the log-softmax of generate's raw logits, token by token, read from
+    draft rows too; with bias and penalties ("all") they stay the raw ones while the tokens
+    are the processed greedy's."""
     model = tiny_factory("llama")
     runner = ModelRunner(model)
-    ids = torch.tensor([REPETITIVE_PROMPT])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                             output_logits=True, return_dict_in_generate=True)
-    ref = out.sequences[0, ids.shape[1]:].tolist()
-    ref_lp = torch.stack([torch.log_softmax(x[0].float(), -1) for x in out.logits])
+    settings = {} if case == "plain" else CASES["all"]
+    prompt = REPETITIVE_PROMPT if case == "plain" else PENALTY_PROMPT
+    ref, ref_lp = hf_greedy_raw_logprobs(model, prompt, MAX_NEW, DecodingConfig(**settings))
+    if settings:
+        assert ref != hf_greedy(model, prompt, MAX_NEW)  # the processors changed the tokens
     for shape in SHAPES.values():
-        res = lookahead(runner, REPETITIVE_PROMPT, max_new_tokens=MAX_NEW, logprobs=True, top_logprobs=3, **shape)
+        res = lookahead(runner, prompt, max_new_tokens=MAX_NEW, logprobs=True, top_logprobs=3, **settings, **shape)
         assert res.output_ids == ref
         assert max(r.emitted for r in res.stats.records) >= 2  # logprobs read from candidate rows too
-        assert [t.token for t in res.logprobs] == ref
-        for i, t in enumerate(res.logprobs):
-            assert t.logprob == pytest.approx(ref_lp[i, t.token].item(), abs=1e-4)
-            vals, top_ids = ref_lp[i].topk(3)
-            assert [k for k, _ in t.top] == top_ids.tolist()
-            assert [v for _, v in t.top] == pytest.approx(vals.tolist(), abs=1e-4)
-            assert t.top[0][1] >= t.top[1][1] >= t.top[2][1]
-    assert lookahead(runner, REPETITIVE_PROMPT, max_new_tokens=4).logprobs is None
+        assert_logprobs_equal(res.logprobs, ref, ref_lp, 3)
+        assert all(t.top[0][1] >= t.top[1][1] >= t.top[2][1] for t in res.logprobs)
+    assert lookahead(runner, prompt, max_new_tokens=4).logprobs is None
 
 
 # ---------------------------------------------------------------------------
@@ -203,7 +250,6 @@ def test_sampled_with_processors_has_exact_conditionals(small_vocab, kw, monkeyp
     """Exact conditionals of the first tokens with transformers' own processors on each
     prefix's ids (tests.helpers.exact_next_probs); lp's draws with tree drafts fit them. A
     planted bug that drops the trie ancestors from the rows' histories is rejected."""
-    import lp.lookahead.processors
     from tests.helpers import conditional_fit, exact_next_probs, fit_verdict
     from tests.test_sampling_dist import DRAWS, NEW, TREE, lookahead_draws
 
@@ -223,11 +269,14 @@ def test_sampled_with_processors_has_exact_conditionals(small_vocab, kw, monkeyp
     ok, report = fit_verdict(conditional_fit(draws, exact))
     assert ok, report
     if "frequency_penalty" not in kw:
-        return  # repetition counts the prompt, which holds every token of this 12-token vocabulary:
-        # dropping the ancestors changes nothing there, so only the output-count penalties can tell
+        return  # repetition: a row's ancestors matter only when one is a token the prompt and the
+        # output do not hold yet (9 of the 12 are in this prompt). Within the first 3 tokens every
+        # accepted draft repeats prompt tokens (the suffix drafts and the prompt pool copy them; the
+        # window yields no n-gram before it is warm, N - 1 steps): the planted bug below changed
+        # none of 300 seeded draws on any of 12 few-token prompts x 3 shapes x 2 penalties, so
+        # only the output-count penalties can tell here. The greedy test catches it for repetition.
     # negative control: rows scored without their trie ancestors' tokens
-    monkeypatch.setattr(lp.lookahead.processors, "row_extras", lambda layout: [[] for _ in layout.skeleton.keep])
-    monkeypatch.setattr("lp.engine.decoder.row_extras", lambda layout: [[] for _ in layout.skeleton.keep])
+    drop_ancestors(monkeypatch)
     bad, _ = lookahead_draws(runner, prompt, DRAWS, TREE, **kw)
     ok, report = fit_verdict(conditional_fit(bad, exact))
     assert not ok, f"ancestors dropped from the histories went unnoticed: {report}"
@@ -268,26 +317,27 @@ def test_lp_two_workers_with_processors_equal_generate(smollm2, tmp_path):
 
 def test_batched_processors_and_logprobs_equal_generate(tiny_factory):
     """Sequences with different processors and logprobs settings in one batch: each equals
-    transformers generate with its own processors; logprobs equal the one-sequence run's."""
+    transformers generate with its own processors, with multi-token steps; logprobs equal
+    the log-softmax of that generate's raw logits."""
     from lp.engine.batch import generate_batch
     from lp.engine.decoder import LookaheadDecoder
 
     model = tiny_factory("llama")
     runner = ModelRunner(model)
-    prompts = [REPETITIVE_PROMPT, REPETITIVE_PROMPT[3:], [7, 8, 9, 7, 8, 9, 7, 8]]
+    prompts = [PENALTY_PROMPT, REPETITIVE_PROMPT[3:], [7, 8, 9, 7, 8, 9, 7, 8], PENALTY_PROMPT[1:]]
     settings = [dict(repetition_penalty=1.3, logprobs=True, top_logprobs=2),
                 dict(frequency_penalty=0.8, presence_penalty=0.5, W=5, N=4, G=5),
-                dict(logit_bias={hf_greedy(model, prompts[2], 1)[0]: -100.0}, logprobs=True)]
+                dict(logit_bias={hf_greedy(model, prompts[2], 1)[0]: -100.0}, logprobs=True),
+                dict(CASES["all"], logprobs=True, top_logprobs=3, **SHAPES["tree"])]
     cfgs = [DecodingConfig(max_new_tokens=MAX_NEW, **s).validate() for s in settings]
     decoder = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=MAX_NEW))
     results = generate_batch(decoder, prompts, configs=cfgs)
     for p, cfg, res in zip(prompts, cfgs, results):
-        kw, custom = hf_processors(cfg, len(p))
-        assert res.output_ids == hf_greedy(model, p, MAX_NEW, logits_processor=custom, **kw)
-        one = LookaheadDecoder(runner, cfg).generate(p)
+        ref, ref_lp = hf_greedy_raw_logprobs(model, p, MAX_NEW, cfg)
+        assert res.output_ids == ref
         if cfg.logprobs:
-            assert [t.token for t in res.logprobs] == res.output_ids
-            for a, b in zip(res.logprobs, one.logprobs):
-                assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and len(a.top) == cfg.top_logprobs
+            assert_logprobs_equal(res.logprobs, ref, ref_lp, cfg.top_logprobs)
         else:
             assert res.logprobs is None
+    assert sum(sum(r.stats.accept_hist[2:]) for r in results) > 0, "drafts were accepted in the batch"
+    assert any(sum(r.stats.accept_hist[2:]) for r, c in zip(results, cfgs) if c.logprobs)

@@ -110,7 +110,7 @@ class Server:
         return out
 
 
-def start(tmp_path_factory, name: str, workers: int, extra: list[str]) -> Server:
+def start(tmp_path_factory, name: str, workers: int, extra: list[str], torchrun_args: tuple = ()) -> Server:
     port = free_port()
     workdir = tmp_path_factory.mktemp(name)
     env = dict(os.environ, OMP_NUM_THREADS="1" if workers > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
@@ -120,7 +120,7 @@ def start(tmp_path_factory, name: str, workers: int, extra: list[str]) -> Server
         cmd = [sys.executable, "-m", "lp.serve", "model.threads=2", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
-               "-m", "lp.serve", f"parallel.workers={workers}", "model.threads=1", *args]
+               *torchrun_args, "-m", "lp.serve", f"parallel.workers={workers}", "model.threads=1", *args]
     server = Server(cmd, port, workdir, env)
     try:
         server.wait_healthy()
@@ -139,9 +139,15 @@ def one(tmp_path_factory):
     server.stop()
 
 
+LP_TIMEOUT_S = 20  # parallel.timeout_s of the LP server
+
+
 @pytest.fixture(scope="module")
 def lp2(tmp_path_factory):
-    server = start(tmp_path_factory, "serve_lp2", 2, ["parallel.timeout_s=20", "server.heartbeat_s=2"])
+    # torchrun polls its workers every 5 s (not 0.1 s): when a worker dies, rank 0's own
+    # detection (a failed collective) must end the server, not torchrun's SIGTERM
+    server = start(tmp_path_factory, "serve_lp2", 2, [f"parallel.timeout_s={LP_TIMEOUT_S}", "server.heartbeat_s=2"],
+                   torchrun_args=("--monitor-interval=5",))
     yield server
     server.stop()
 
@@ -415,10 +421,28 @@ def test_client_disconnect_cancels_generation(one, refs):
     while one.metrics().get('lp_requests_total{endpoint="chat",outcome="cancelled"}', 0.0) < before + 1:
         assert time.monotonic() - t < 30, "the generation was not cancelled"
         time.sleep(0.2)
-    assert one.metrics()["lp_running_requests"] == 0
+    m = one.metrics()
+    assert m["lp_running_requests"] == 0 and m["lp_kv_blocks_in_use"] == 0  # its blocks are free
     # the next request starts and matches the reference
     _, new, text, _ = expected(refs, CHAT[1])
     assert chat_create(one, CHAT[1]).choices[0].message.content == text
+
+
+def test_non_streaming_client_disconnect_cancels_generation(one):
+    """A non-streaming client that goes away (its read timeout) cancels its generation within
+    seconds, not after max_tokens; its K/V blocks are free."""
+    key = 'lp_requests_total{endpoint="chat",outcome="cancelled"}'
+    before = one.metrics().get(key, 0.0)
+    body = _chat_body(messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+                      max_tokens=2000, temperature=0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(one.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=httpx.Timeout(30, read=3))
+    t = time.monotonic()
+    while one.metrics().get(key, 0.0) < before + 1:
+        assert time.monotonic() - t < 20, "the generation of a client that went away was not cancelled"
+        time.sleep(0.2)
+    m = one.metrics()
+    assert m["lp_running_requests"] == 0 and m["lp_kv_blocks_in_use"] == 0
 
 
 def test_full_queue_is_429_with_retry_after(one, smollm2):
@@ -460,6 +484,11 @@ def test_full_queue_is_429_with_retry_after(one, smollm2):
     th.join(120)
     assert not th.is_alive() and queued["r"].choices[0].message.content == want
     assert httpx.get(one.url + "/health", timeout=10).json()["queue_depth"] == 0
+    t = time.monotonic()  # the gauges move at the step boundary after the last answer
+    while (m := one.metrics())["lp_batch_running"] > 0:
+        assert time.monotonic() - t < 30, "the batch did not drain"
+        time.sleep(0.2)
+    assert m["lp_kv_blocks_in_use"] == 0  # the 3 cancelled streams and the queued request left no block
 
 
 def test_concurrent_requests_equal_generate(one, refs):
@@ -479,6 +508,7 @@ def test_concurrent_requests_equal_generate(one, refs):
         return one.client().completions.create(model="smollm2", prompt=RAW, max_tokens=M, temperature=0,
                                                extra_body={"lookahead": {"return_token_ids": True}})
 
+    before = one.metrics()
     with ThreadPoolExecutor(4) as pool:
         futs = [pool.submit(chat, CHAT[0]), pool.submit(chat, CHAT[1]), pool.submit(completion),
                 pool.submit(stream_chat, one, CHAT[1])]
@@ -489,8 +519,14 @@ def test_concurrent_requests_equal_generate(one, refs):
     _, new, content, _ = expected(refs, RAW)
     assert got[2].model_extra["lookahead"]["output_ids"] == new and got[2].choices[0].text == content
     assert got[3][0] == expected(refs, CHAT[1])[2]
-    m = one.metrics()
-    assert m["lp_step_rows_count"] > 0 and m["lp_kv_blocks_total"] == 8192 // 16
+    t = time.monotonic()  # the gauges move right after the step that answered the last one
+    while (m := one.metrics())["lp_batch_running"] > 0 or m["lp_kv_blocks_in_use"] > 0:
+        assert time.monotonic() - t < 30, "the batch did not drain"
+        time.sleep(0.2)
+    assert m["lp_kv_blocks_total"] == 8192 // 16
+    steps = m["lp_step_rows_count"] - before.get("lp_step_rows_count", 0)  # batched steps the engine ran
+    per_request = m["lp_decode_steps_total"] - before.get("lp_decode_steps_total", 0)  # each request's steps
+    assert 0 < steps < per_request, (steps, per_request)  # the requests shared steps
 
 
 def test_api_key_and_kv_bound(one):
@@ -500,6 +536,9 @@ def test_api_key_and_kv_bound(one):
 
     r = httpx.post(one.url + "/v1/chat/completions", json=_chat_body(), timeout=30)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for path, body in (("/v1/chat/completions", _chat_body()), ("/v1/completions", {"prompt": "hi", "max_tokens": 2})):
+        r = httpx.post(one.url + path, json=body, headers={"authorization": f"Bearer {KEY}x"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=one.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(one.url + "/health", timeout=10).status_code == 200
@@ -531,10 +570,29 @@ def test_metrics_count_this_tests_requests(one):
     assert httpx.get(one.url + "/health", timeout=10).status_code == 200
 
 
-def test_shutdown_is_clean(one):
+def test_sigterm_during_a_long_stream_is_clean(one):
+    """SIGTERM while a long generation streams: the stream gets the server's 503 error event
+    (type server_error) and [DONE] instead of hanging or a torn connection, and the server
+    exits 0."""
+    body = _chat_body(messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+                      max_tokens=2000, temperature=0, stream=True)
+    events, rc = [], None
+    with httpx.stream("POST", one.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: "):])
+            if len(events) == 4:  # streaming: role chunk, then content
+                os.kill(one.proc.pid, signal.SIGTERM)
     rc = one.stop(signal.SIGTERM, timeout=60)
     assert rc == 0, one.log()[-3000:]
     assert "[lp.serve] stopped" in one.log()
+    assert events[-1] == "[DONE]", events[-3:]
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "server_error" and err["code"] in ("unavailable", "cancelled"), err
+    assert "shutting down" in err["message"], err
+    assert any(json.loads(e).get("choices", [{}])[0].get("delta", {}).get("content") for e in events[:-2])
 
 
 # ---------------------------------------------------------------------------
@@ -564,6 +622,9 @@ def test_lp_completion_stop_and_bad_input(lp2, refs):
     assert r.choices[0].text == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
     bad = httpx.post(lp2.url + "/v1/completions", json={"prompt": "x", "top_p": 0}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
+    for path, body in (("/v1/completions", {"prompt": "x", "logprobs": 1}), ("/v1/chat/completions", _chat_body(logprobs=True))):
+        bad = httpx.post(lp2.url + path, json=body, timeout=30)  # the verifying rows live on both workers
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs", bad.text
     # sampled requests carry temperature/top_p/seed to every rank: the tokens one process draws
     # (the offline CLI) for the same seed, and another seed draws others
     la = {"lookahead": dict(SAMPLED_SHAPE, return_token_ids=True)}
@@ -653,18 +714,71 @@ def test_lp_shutdown_is_clean(tmp_path_factory):
     assert "[lp.serve] stopped" in server.log() and "shutdown from rank 0" in server.log()
 
 
+def test_lp_idle_past_the_timeout_then_a_request(lp2, refs):
+    """Idle for 1.5 x parallel.timeout_s: rank 0's heartbeats keep the waiting worker from
+    timing out; the next request is served by both workers, == generate."""
+    t = time.monotonic()
+    while (m := lp2.metrics())["lp_batch_running"] > 0 or m["lp_queue_depth"] > 0:
+        assert time.monotonic() - t < 60, "the batch did not drain"
+        time.sleep(0.2)
+    time.sleep(1.5 * LP_TIMEOUT_S)
+    assert lp2.proc.poll() is None, lp2.log()[-3000:]
+    ids, new, text, _ = expected(refs, CHAT[1])
+    r = chat_create(lp2, CHAT[1], extra_body={"lookahead": {"return_token_ids": True}})
+    assert r.model_extra["lookahead"]["output_ids"] == new and r.model_extra["lookahead"]["workers"] == 2
+    assert "worker failure" not in lp2.log()
+
+
 def test_lp_killed_worker_ends_the_server(lp2):
+    """A worker killed while a request decodes: rank 0's own detection (not torchrun's, which
+    polls every 5 s here) fails the request with a 503, /health never says ok again, and the
+    whole server exits non-zero within parallel.timeout_s."""
     ranks = rank_pids(lp2)
     pids = list(ranks.values())
+    answer, health, stop = {}, [], threading.Event()
+
+    def long_request():
+        body = _chat_body(messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+                          max_tokens=2000, temperature=0)
+        answer["r"] = httpx.post(lp2.url + "/v1/chat/completions", json=body, timeout=120)
+
+    def poll_health():
+        while not stop.is_set():
+            try:
+                health.append(httpx.get(lp2.url + "/health", timeout=5).status_code)
+            except httpx.HTTPError:
+                health.append(None)  # the server is gone
+            time.sleep(0.02)
+
+    th = threading.Thread(target=long_request)
+    th.start()
     t = time.monotonic()
+    while lp2.metrics()["lp_running_requests"] < 1:  # decoding on both workers
+        assert time.monotonic() - t < 60, "the request did not start"
+        time.sleep(0.1)
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    while not health:
+        time.sleep(0.05)
     os.kill(ranks[1], signal.SIGKILL)
     try:
-        lp2.proc.wait(20 + 30)  # parallel.timeout_s=20, plus torchrun's own shutdown
+        lp2.proc.wait(LP_TIMEOUT_S + 30)  # rank 0's timeout at worst, plus torchrun's own shutdown
     except subprocess.TimeoutExpired:
         pytest.fail("the server did not stop after a worker died:\n" + lp2.log()[-3000:])
-    assert time.monotonic() - t < 50
+    finally:
+        stop.set()
+        poller.join(30)
+        th.join(60)
     assert lp2.proc.returncode != 0
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     log = lp2.log()
-    assert "[lp.serve]" in log and ("worker failure" in log or "signal 15" in log), log[-3000:]
+    assert "[lp.serve] worker failure" in log, log[-3000:]  # rank 0 found it, not torchrun's SIGTERM
+    r = answer["r"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
+    assert "worker failure" in r.json()["error"]["message"], r.text
+    # /health: ok until the failure; from its first other answer on never ok again: 503 while
+    # the engine is failed, then no answer once the process is gone
+    codes = health
+    first_bad = next(i for i, c in enumerate(codes) if c != 200)
+    assert 0 < first_bad and set(codes[first_bad:]) <= {503, None} and codes[-1] is None, codes

@@ -4,8 +4,9 @@ The schema walk takes every field of the ``openai`` package's typed request para
 and completions: each is in lp's FIELD_POLICY; a refused field with a real value gets a 400
 naming it, with its no-op value it is served; an unknown field gets OpenAI's 400. Honored
 fields do what they ask: penalties, logit_bias and top_k give transformers ``generate``'s
-output with the same processors, logprobs equal generate's log-softmax to 1e-4 (streamed and
-not), echo returns the prompt first.
+whole output with the same processors, top_k caps sampled tokens, logprobs (chat streamed
+and not, legacy completions) equal generate's log-softmax to 1e-4, echo returns the prompt
+first.
 """
 
 from __future__ import annotations
@@ -90,26 +91,61 @@ def test_schema_walk_every_field_honored_or_refused(server, kind):
     assert post(server, kind, user="alice").status_code == 200
 
 
+@pytest.fixture(scope="module")
+def eos(smollm2):
+    from lp.generate import eos_ids
+
+    model, tok = smollm2
+    return eos_ids(model, tok)
+
+
 @pytest.mark.parametrize("settings", [
     dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.5), "ban_first", dict(top_k=5)])
-def test_penalties_and_bias_equal_generate(server, smollm2, prompt_ids, settings):
+def test_penalties_and_bias_equal_generate(server, smollm2, prompt_ids, eos, settings):
+    """The whole answer (to max_tokens or eos) == generate with the same processors."""
     model, tok = smollm2
-    greedy = hf_greedy(model, prompt_ids, M)
+    greedy = hf_greedy(model, prompt_ids, M, eos_token_id=eos)
     if settings == "ban_first":
         settings = {"logit_bias": {greedy[0]: -100.0}}
     from lp.config import DecodingConfig
 
     kw, custom = hf_processors(DecodingConfig(**settings), len(prompt_ids))
-    ref = hf_greedy(model, prompt_ids, M, logits_processor=custom, **kw)
+    ref = hf_greedy(model, prompt_ids, M, eos_token_id=eos, logits_processor=custom, **kw)
     body = dict(settings, temperature=0, max_tokens=M, lookahead={"return_token_ids": True})
     if "logit_bias" in body:
         body["logit_bias"] = {str(k): v for k, v in body["logit_bias"].items()}
         assert ref[0] != greedy[0]
     r = post(server, "chat", **body)
     assert r.status_code == 200, r.text
-    assert r.json()["lookahead"]["output_ids"] == ref[: len(r.json()["lookahead"]["output_ids"])]
+    choice = r.json()["choices"][0]
+    assert r.json()["lookahead"]["output_ids"] == ref and len(ref) >= 8
+    assert choice["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
+    assert choice["finish_reason"] == ("stop" if ref[-1] in eos else "length")
     if settings != dict(top_k=5):
         assert ref != greedy  # the setting changed the output: it was honored, not ignored
+
+
+def top_k_ranks(model, prompt_ids, out) -> list[int]:
+    """Rank of each output token in the model's next-token distribution (0: the most likely)."""
+    ids = torch.tensor([list(prompt_ids) + list(out)])
+    with torch.inference_mode():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(out)].float()
+    return [int((row > row[t]).sum()) for row, t in zip(logits, out)]
+
+
+def test_top_k_under_sampling(server, smollm2, prompt_ids):
+    """top_k while sampling: every drawn token is among the k most likely; the same seed
+    without top_k draws outside them (so the test would see top_k ignored)."""
+    model, _ = smollm2
+
+    def sample(**kw):
+        r = post(server, "chat", temperature=1.2, seed=5, max_tokens=M, lookahead={"return_token_ids": True}, **kw)
+        assert r.status_code == 200, r.text
+        return r.json()["lookahead"]["output_ids"]
+
+    capped, free = sample(top_k=2), sample()
+    assert len(capped) >= 8 and max(top_k_ranks(model, prompt_ids, capped)) <= 1, top_k_ranks(model, prompt_ids, capped)
+    assert max(top_k_ranks(model, prompt_ids, free)) >= 2
 
 
 def test_logprobs_equal_generate_streamed_and_not(server, smollm2, prompt_ids):
@@ -137,12 +173,25 @@ def test_logprobs_equal_generate_streamed_and_not(server, smollm2, prompt_ids):
         assert [t.token for t in e.top_logprobs] == [tok.decode([t]) for t in top.tolist()]
         assert [t.logprob for t in e.top_logprobs] == pytest.approx(vals.tolist(), abs=1e-4)
         assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
-    # completions: the legacy shape
+    # completions: the legacy shape, by value
+    raw = tok("def add(a, b):")["input_ids"]
+    ids = torch.tensor([raw])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                             output_logits=True, return_dict_in_generate=True)
+    ref = out.sequences[0, len(raw):].tolist()
+    ref_lp = torch.stack([torch.log_softmax(x[0].float(), -1) for x in out.logits])
     c = client.completions.create(model="smollm2", prompt="def add(a, b):", max_tokens=6, temperature=0, logprobs=2)
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0
-    assert all(len(d) == 2 for d in lp.top_logprobs)
+    assert lp.tokens == [tok.decode([t]) for t in ref]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for i, t in enumerate(ref):
+        assert lp.token_logprobs[i] == pytest.approx(ref_lp[i, t].item(), abs=1e-4), i
+        vals, top = ref_lp[i].topk(2)
+        assert list(lp.top_logprobs[i]) == [tok.decode([k]) for k in top.tolist()], i
+        assert list(lp.top_logprobs[i].values()) == pytest.approx(vals.tolist(), abs=1e-4), i
 
 
 def test_echo_and_bad_values(server):

@@ -125,6 +125,56 @@ def test_prepare_rejects(tok, body, param):
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("body,kind", [({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "chat"),
+                                       ({"prompt": "a", "logprobs": 2}, "completions")])
+def test_logprobs_refused_under_lp(tok, body, kind):
+    """Logprobs need every verifying row in one process: with 2 LP workers a request asking for
+    them is a 400 naming logprobs; with one process it is served with them."""
+    cls = ChatRequest if kind == "chat" else CompletionRequest
+    raw = json.dumps(body).encode()
+    assert prepare(parse(cls, raw), _ctx(tok)).decoding.logprobs is True
+    with pytest.raises(ApiError) as e:
+        prepare(parse(cls, raw), dataclasses.replace(_ctx(tok), workers=2))
+    assert e.value.status == 400 and e.value.param == "logprobs" and "LP workers" in str(e.value)
+    no = dict(body, logprobs=False if kind == "chat" else None)
+    assert prepare(parse(cls, json.dumps(no).encode()), dataclasses.replace(_ctx(tok), workers=2)).decoding.logprobs \
+        is False
+
+
+def test_non_streaming_disconnect_is_polled_while_tokens_arrive():
+    """lp.server.app: a non-streaming handler notices that its client went away
+    (request.is_disconnected) within about KEEPALIVE_S even while the job's tokens arrive
+    far more often than that (a fast step); it cancels the job and answers 499."""
+    import asyncio
+    import types
+
+    from lp.server.app import KEEPALIVE_S, _Completions
+    from lp.server.engine import Job
+
+    class GoneRequest:
+        async def is_disconnected(self):
+            return True
+
+    async def scenario():
+        job = Job("chat", [1], DecodingConfig(), loop=asyncio.get_running_loop(), events=asyncio.Queue())
+
+        async def produce():  # a token every 20 ms for 3 KEEPALIVE_S
+            for _ in range(int(3 * KEEPALIVE_S / 0.02)):
+                job.events.put_nowait(("tokens", [5]))
+                await asyncio.sleep(0.02)
+
+        producer = asyncio.create_task(produce())
+        resp = await _Completions(None, None, None, 1)._whole(GoneRequest(), job, "chat", "id",
+                                                               types.SimpleNamespace(ids=[]), None)
+        still_producing = not producer.done()
+        producer.cancel()
+        return resp, still_producing, job.cancelled
+
+    resp, still_producing, cancelled = asyncio.run(scenario())
+    assert resp.status_code == 499 and cancelled
+    assert still_producing, "the disconnect was noticed only once the tokens stopped"
+
+
 def test_server_config_validation():
     ServerConfig().validate()
     for kw, field in [(dict(port=70000), "server.port"), (dict(max_queue=-1), "server.max_queue"),

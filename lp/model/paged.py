@@ -11,6 +11,9 @@ when the free list has one, else any free blocks -- so a running sequence never 
 the pool empty; its table is the prefix of those blocks its rows use. ``can_reserve``
 says whether a waiting one fits now; a request larger than the whole pool is refused by
 the caller up front. Everything a sequence owned returns to the free list when it leaves.
+Tests can have freed blocks filled with NaN (``PagedCache.poison_released``: the
+``BlockTable.on_release`` hook, None by default), so a step reading a block it does not
+own (stale or foreign) shows.
 
 ``PagedCache`` is a ``transformers.Cache``: before a forward the caller ``plan``s the
 step (which sequences, how many new rows each); the model's public forward then calls
@@ -44,7 +47,12 @@ class BlockTable:
     ``reserve`` hands a sequence all the blocks it may ever use (its worst case), as one
     contiguous run of block ids when the free list has one (first fit), else the lowest
     free ids; its table is the prefix of that run its rows use now. A contiguous run lets
-    attention read the sequence's K/V as a view of the pool, with no gather."""
+    attention read the sequence's K/V as a view of the pool, with no gather.
+
+    ``on_release``: a test hook, None by default (off, one ``is None`` test per release):
+    called with a leaving sequence's blocks before they return to the free list."""
+
+    on_release = None
 
     def __init__(self, num_blocks: int, block_size: int):
         assert num_blocks >= 1 and block_size >= 1
@@ -87,7 +95,10 @@ class BlockTable:
 
     def release(self, seq: int) -> None:
         """The sequence leaves: every block it owned back to the free list."""
-        self.free.update(self.owned.pop(seq))
+        run = self.owned.pop(seq)
+        if self.on_release is not None:
+            self.on_release(run)
+        self.free.update(run)
         del self.tables[seq], self.lengths[seq]
 
     # -- rows ----------------------------------------------------------------------
@@ -137,6 +148,22 @@ class PagedCache(Cache):
         self._write = None  # [Q] slots the step's rows go to
         self._read = None  # [K] slots the step's rows read, sequence after sequence
         super().__init__(layers=[])
+
+    def poison_released(self, value: float = float("nan")) -> None:
+        """Test hook: from now on the slots of every block a leaving sequence owned are filled
+        with ``value`` (NaN) in every layer's keys and values, so a later step that reads a
+        block it does not own (a stale or a foreign one) gets NaN in its attention."""
+        def fill(run: list[int]) -> None:
+            if not self.keys:
+                return
+            bs = self.blocks.block_size
+            slots = torch.tensor([b * bs + i for b in run for i in range(bs)], dtype=torch.long,
+                                 device=self.keys[0].device)
+            with torch.inference_mode():  # the pool is an inference tensor
+                for t in self.keys + self.values:
+                    t.index_fill_(1, slots, value)
+
+        self.blocks.on_release = fill
 
     # -- the step ----------------------------------------------------------------------
 

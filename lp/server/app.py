@@ -14,12 +14,13 @@ with Retry-After; a request that can never fit the K/V pool a 400. With an API k
 (``server.api_key`` or env ``LP_API_KEY``) the /v1 routes need ``Authorization: Bearer
 <key>`` (401 otherwise). Only verified tokens are streamed; a client that disconnects (streaming:
 a failed write, noticed within ~1 s thanks to SSE keep-alive comments; non-streaming:
-polled) cancels its job at the next decoding step.
+polled every ~1 s, tokens arriving or not) cancels its job at the next decoding step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 
@@ -64,17 +65,7 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
     app = FastAPI(title="lp.serve", docs_url=None, redoc_url=None)
 
     if api_key:
-        import hmac
-
-        @app.middleware("http")
-        async def check_key(request: Request, call_next):
-            # like vLLM's --api-key: the OpenAI routes need the key, /health and /metrics do not
-            if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                    return _error(ApiError("Invalid or missing API key (Authorization: Bearer <key>).",
-                                           status=401, code="invalid_api_key"))
-            return await call_next(request)
+        app.add_middleware(_ApiKey, key=api_key)
 
     @app.get("/health")
     async def health():
@@ -103,6 +94,25 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
         return await routes.complete(request, "completions", CompletionRequest)
 
     return app
+
+
+class _ApiKey:
+    """Like vLLM's --api-key: the OpenAI routes need ``Authorization: Bearer <key>``, /health
+    and /metrics do not. A plain ASGI middleware: Starlette's BaseHTTPMiddleware
+    (``@app.middleware``) hides a client's disconnect from ``request.is_disconnected()``, so a
+    non-streaming request whose client went away would decode to the end."""
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.want):
+                resp = _error(ApiError("Invalid or missing API key (Authorization: Bearer <key>).", status=401,
+                                       code="invalid_api_key"))
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 _CANCELLED = dict(status=503, type="server_error", code="cancelled")  # a generation cut by the server's shutdown
@@ -176,16 +186,22 @@ class _Completions:
 
     async def _whole(self, request, job, kind, rid, detok, prep):
         lps = []
+        clock = asyncio.get_running_loop().time
+        poll_at = clock() + KEEPALIVE_S
         try:
             while True:
                 try:
                     ev, data = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
                 except asyncio.TimeoutError:
+                    ev, data = None, None
+                if ev is None or clock() >= poll_at:  # every ~KEEPALIVE_S, however often tokens arrive
+                    poll_at = clock() + KEEPALIVE_S
                     if await request.is_disconnected():
                         log.info("client of %s went away; cancelling", rid)
                         job.cancel()
                         return Response(status_code=499)
-                    continue
+                    if ev is None:
+                        continue
                 if ev == "tokens":
                     detok.ids.extend(data)
                 elif ev == "logprobs":
