@@ -13,7 +13,10 @@ index, window and pool, acceptance model, stop rules, sampling seed) and its own
 publish, collect). What is shared is the step:
 
     admit     FIFO; a request waits until its worst case (prompt + max_new_tokens + its
-              largest step) can be reserved in the paged cache (lp.model.paged)
+              largest step) can be reserved in the paged cache (lp.model.paged); with
+              ``prefix_cache`` the longest cached block-aligned prefix of its prompt is
+              reused (those rows start committed, only the rest is fed) and only the
+              blocks past it are booked
     propose   each sequence's drafts; ONE draft budget over all of them
               (lp.drafts.select.select_trees on the measured t(Q), Q = every row of the step;
               a batch of one uses the decoder's own budget, today's step)
@@ -124,11 +127,13 @@ class BatchEngine:
     ``draft_policy``: ``budget`` (one draft budget for the batch, the default), or the
     baselines it is measured against: ``static`` (vLLM's / TensorRT-LLM's kind of rule:
     each sequence drafts as if alone while at most ``static_batch`` decode, none above),
-    ``none`` (plain batched decoding); ``group``: the LP worker group (None: one process)."""
+    ``none`` (plain batched decoding); ``group``: the LP worker group (None: one process);
+    ``prefix_cache``: automatic prefix caching over the paged pool (lp.model.paged; one
+    process only, a ValueError with a group)."""
 
     def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = 16, max_batch: int = 8,
                  max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None, draft_policy: str = "budget",
-                 static_batch: int = 4, group=None):
+                 static_batch: int = 4, group=None, prefix_cache: bool = False):
         if runner.attention == "flash" or runner._static is not None:
             raise ValueError("batched steps need model.attention=sdpa, eager or flex (no cascade kernel, no "
                              "static shapes / CUDA graphs)")
@@ -147,7 +152,10 @@ class BatchEngine:
             from lp.model import attention
 
             attention.register()
-        self.cache = PagedCache(kv_tokens, block_size)
+        if prefix_cache and group is not None:
+            raise ValueError("server.prefix_cache is not supported with Lookahead Parallelism (parallel.lp > 1) yet: "
+                             "set server.prefix_cache=false")
+        self.cache = PagedCache(kv_tokens, block_size, prefix_cache)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.tq = tq_curve
@@ -246,10 +254,12 @@ class BatchEngine:
         """Ids of the waiting requests the next step admits (FIFO while ``max_batch`` and the
         K/V reservation allow); no state changes. Under LP rank 0 decides, the others replay."""
         blocks, ids = self.cache.blocks, []
-        free = len(blocks.free)
+        free, claimed = blocks.available, set()
         for req in self.waiting:
-            need = blocks_for(req.need, blocks.block_size)
-            if len(self.running) + len(ids) >= self.max_batch or need > free:
+            if len(self.running) + len(ids) >= self.max_batch:
+                break
+            need = blocks.cost(req.need, req.prompt, claimed)  # new blocks, less the cached prefix's
+            if need > free:
                 break
             free -= need
             ids.append(req.id)
@@ -283,6 +293,10 @@ class BatchEngine:
             if out is not None:
                 outputs.append(out)
         self.cache.commit(edits)
+        if self.cache.blocks.prefix_cache:
+            for it in items:
+                if not it.req.run.done:
+                    self.cache.blocks.register(it.req.id, it.req.run.tokens)
         t3 = time.perf_counter()
         rows = sum(it.layout.num_rows for it in items)
         self.last_rows, self.steps = rows, self.steps + 1
@@ -297,12 +311,13 @@ class BatchEngine:
 
     def _admit(self, ids: Sequence[int]) -> None:
         blocks = self.cache.blocks
-        for rid in ids:
-            req = next(r for r in self.waiting if r.id == rid)
-            assert len(self.running) < self.max_batch and blocks.can_reserve(req.need), rid
+        reqs = [next(r for r in self.waiting if r.id == rid) for rid in ids]
+        assert len(self.running) + len(reqs) <= self.max_batch, ids
+        for req, cached in zip(reqs, blocks.reserve_round([(r.id, r.need, r.prompt) for r in reqs])):
             self.waiting.remove(req)
-            blocks.reserve(req.id, req.need)
             req.run = req.decoder._start(req.prompt, req.eos, cache=SeqView(self.cache, req.id))
+            req.run.pending = req.prompt[cached:]  # the cached rows are committed already
+            req.stats.cached_tokens = cached
             req.t_start = time.perf_counter()
             self.running.append(req)
 

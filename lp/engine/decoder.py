@@ -82,6 +82,7 @@ class GenerationStats:
     mean_rows_per_rank: list[float] = field(default_factory=list)
     workers: int = 1
     records: list[StepRecord] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt rows reused from lp.engine.batch's prefix cache (not computed)
 
     @property
     def compression_ratio(self) -> float:
