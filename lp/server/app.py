@@ -108,6 +108,15 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
 _CANCELLED = dict(status=503, type="server_error", code="cancelled")  # a generation cut by the server's shutdown
 
 
+def _usage(ctx, prep, res) -> dict:
+    """OpenAI's usage; with server.prefix_cache also prompt_tokens_details.cached_tokens (the
+    prompt rows whose K/V came from the prefix cache)."""
+    use = usage(len(prep.prompt_ids), len(res.output_ids))
+    if getattr(ctx.limits, "prefix_cache", False):
+        use["prompt_tokens_details"] = {"cached_tokens": res.stats.cached_tokens}
+    return use
+
+
 class _Completions:
     """The two OpenAI completion routes: parse and check the request, submit its job to
     the engine, answer whole or as a stream of server-sent events."""
@@ -201,7 +210,7 @@ class _Completions:
                     if prep.echo_text is not None:
                         text = prep.echo_text + text
                     return JSONResponse(full_response(kind, rid, self.ctx.model_id, text, res.finish_reason,
-                                                      usage(len(prep.prompt_ids), len(res.output_ids)),
+                                                      _usage(self.ctx, prep, res),
                                                       self._info(data, prep), logprobs))
         finally:
             job.cancel()  # no-op once done; stops the decode if this handler is torn down
@@ -258,5 +267,5 @@ class _Completions:
         yield _sse(chunk(kind, rid, model_id, None if kind == "chat" else "", res.finish_reason,
                          lookahead=self._info(out, prep)))
         if prep.include_usage:
-            yield _sse(usage_chunk(kind, rid, model_id, usage(len(prep.prompt_ids), len(res.output_ids))))
+            yield _sse(usage_chunk(kind, rid, model_id, _usage(self.ctx, prep, res)))
         yield "data: [DONE]\n\n"

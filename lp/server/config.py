@@ -45,6 +45,11 @@ class ServerConfig:
     # loading (the smallest across LP ranks); refused on the CPU
     kv_memory_fraction: float | None = None
     max_prefill_tokens: int = 512
+    # automatic prefix caching: a request reuses the K/V blocks of the longest block-aligned
+    # prefix of its prompt that an earlier request committed (a chat's system prompt and
+    # earlier turns); cached blocks no request holds are evicted LRU when the pool is full.
+    # usage.prompt_tokens_details.cached_tokens says how many were reused. One process only.
+    prefix_cache: bool = False
     # when set (or env LP_API_KEY), /v1 routes need "Authorization: Bearer <key>", else 401
     api_key: str | None = None
 
@@ -76,6 +81,7 @@ class ServerConfig:
              "kv_memory_fraction", "a number in (0, 1] or null", frac)
         need(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1, "max_prefill_tokens",
              "an integer >= 1", self.max_prefill_tokens)
+        need(isinstance(self.prefix_cache, bool), "prefix_cache", "true or false", self.prefix_cache)
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api_key",
              "a non-empty string or null", self.api_key)
         return self
@@ -93,6 +99,9 @@ class ServeConfig:
         self.decoding.validate()
         self.parallel.validate()
         self.server.validate()
+        if self.server.prefix_cache and ((self.parallel.workers or 1) > 1 or self.parallel.tp > 1):
+            raise ValueError("server.prefix_cache is not supported with LP workers or tensor parallelism yet "
+                             "(parallel.workers / parallel.tp > 1): set server.prefix_cache=false")
         if self.decoding.mode != "lookahead":
             raise ValueError(f"lp.serve decodes with lookahead only; decoding.mode must be 'lookahead', got {self.decoding.mode!r}")
         return self

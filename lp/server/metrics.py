@@ -36,6 +36,10 @@ class ServerMetrics:
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.kv_blocks = Gauge("lp_kv_blocks_in_use", "Blocks of the paged K/V cache in use", registry=r)
         self.kv_blocks_total = Gauge("lp_kv_blocks_total", "Blocks of the paged K/V cache", registry=r)
+        self.prefix_hit_tokens = Counter("lp_prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the "
+                                         "prefix cache (server.prefix_cache)", registry=r)
+        self.prefix_cached_blocks = Gauge("lp_prefix_cache_blocks", "Registered blocks of the prefix cache "
+                                          "(held by a running request or evictable)", registry=r)
         self.workers = Gauge("lp_workers", "LP workers decoding each request", registry=r)
         self.workers.set(workers)
 
@@ -43,6 +47,7 @@ class ServerMetrics:
         st = result.stats
         self.requests.labels(endpoint, result.finish_reason).inc()
         self.prompt_tokens.inc(prompt_len)
+        self.prefix_hit_tokens.inc(getattr(st, "cached_tokens", 0))
         self.completion_tokens.inc(len(result.output_ids))
         self.steps.inc(st.steps)
         if st.steps:

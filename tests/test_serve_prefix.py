@@ -1,0 +1,84 @@
+"""lp.serve with ``server.prefix_cache=true``, driven by the real ``openai`` client.
+
+A three-turn chat with a long system prompt, sent to a warm server (prefix caching on)
+and a cold one (off): every reply equals the cold server's and transformers' greedy
+``generate`` on the same chat-templated ids; from the second turn on,
+``usage.prompt_tokens_details.cached_tokens`` covers at least the whole previous turn's
+prompt (block-aligned) and the hit counter of /metrics moves by as much. The option is
+validated like every other (400-free: a config error at start) and refused under LP.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lp.server.config import ServeConfig, ServerConfig
+from lp.config import ParallelConfig
+from tests.helpers import hf_greedy
+
+M = 24
+SYSTEM = ("You are a careful assistant for a small bakery. The bakery opens at seven in the morning and "
+          "closes at six in the evening, every day except Monday. It sells sourdough, rye, baguettes, "
+          "croissants, cinnamon rolls and three kinds of seasonal pie. Orders for cakes need two days' notice. "
+          "Always answer in one or two short sentences, politely, and never invent products that are not "
+          "on this list. If you do not know, say so and suggest calling the shop. ") * 2
+TURNS = ["When do you open on Tuesday?", "Do you sell rye bread?", "Can I order a cake for tomorrow?"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    from tests.test_serve import start
+
+    warm = start(tmp_path_factory, "prefix_warm", 1, ["server.prefix_cache=true", "server.kv_tokens=4096"])
+    try:
+        cold = start(tmp_path_factory, "prefix_cold", 1, ["server.kv_tokens=4096"])
+    except BaseException:
+        warm.stop()
+        raise
+    yield warm, cold
+    warm.stop()
+    cold.stop()
+
+
+@pytest.mark.slow
+def test_chat_turns_warm_equal_cold_and_generate(servers, smollm2):
+    from lp.generate import eos_ids
+
+    warm, cold = servers
+    model, tok = smollm2
+    eos = eos_ids(model, tok)
+    messages = [{"role": "system", "content": SYSTEM}]
+    before = warm.metrics().get("lp_prefix_cache_hit_tokens_total", 0)
+    prev_len, hits = 0, 0
+    for turn, text in enumerate(TURNS):
+        messages.append({"role": "user", "content": text})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ref = tok.decode(hf_greedy(model, ids, M, eos_token_id=eos), skip_special_tokens=True)
+        w, c = (s.client().chat.completions.create(model="smollm2", messages=messages, max_tokens=M, temperature=0)
+                for s in (warm, cold))
+        assert w.choices[0].message.content == ref, f"turn {turn}: warm server vs generate"
+        assert c.choices[0].message.content == ref, f"turn {turn}: cold server vs generate"
+        assert w.usage.prompt_tokens == len(ids) == c.usage.prompt_tokens
+        cached = w.usage.prompt_tokens_details.cached_tokens
+        if turn == 0:
+            assert cached == 0
+        else:
+            assert cached >= prev_len // 16 * 16, (turn, cached, prev_len)
+        assert cached < len(ids) and cached % 16 == 0
+        assert c.usage.prompt_tokens_details is None or not c.usage.prompt_tokens_details.cached_tokens
+        hits += cached
+        prev_len = len(ids)
+        messages.append({"role": "assistant", "content": w.choices[0].message.content})
+    assert hits > 0
+    assert warm.metrics()["lp_prefix_cache_hit_tokens_total"] - before == hits
+
+
+def test_prefix_cache_config_checked_and_refused_under_lp():
+    with pytest.raises(ValueError, match="server.prefix_cache"):
+        ServerConfig(prefix_cache="yes").validate()
+    with pytest.raises(ValueError, match="server.prefix_cache is not supported with LP"):
+        ServeConfig(server=ServerConfig(prefix_cache=True), parallel=ParallelConfig(workers=2)).validate()
+    with pytest.raises(ValueError, match="server.prefix_cache is not supported with LP"):
+        ServeConfig(server=ServerConfig(prefix_cache=True), parallel=ParallelConfig(tp=2)).validate()
+    ServeConfig(server=ServerConfig(prefix_cache=True)).validate()
