@@ -124,6 +124,8 @@ class GenerationResult:
     # "cancelled": the caller's ``cancel()`` returned True (rank 0's decides under LP)
     finish_reason: str = "length"
     logprobs: list[TokenLogprob] | None = None  # one per output token when cfg.logprobs
+    # lp.engine.batch's prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 # ---------------------------------------------------------------------------
