@@ -82,3 +82,71 @@ def test_prefix_cache_config_checked_and_refused_under_lp():
     with pytest.raises(ValueError, match="server.prefix_cache is not supported with LP"):
         ServeConfig(server=ServerConfig(prefix_cache=True), parallel=ParallelConfig(tp=2)).validate()
     ServeConfig(server=ServerConfig(prefix_cache=True)).validate()
+
+
+# -- prompt logprobs on /v1/completions (echo + logprobs, max_tokens 0) ---------------------
+
+SCORED = "The capital of France is Paris. The capital of Italy is Rome."
+
+
+def _reference_logprobs(model, ids):
+    import torch
+
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    return lp
+
+
+@pytest.mark.slow
+def test_echo_logprobs_score_the_prompt(servers, smollm2):
+    """max_tokens 0 + echo + logprobs (what lm-eval's loglikelihood sends): the prompt's own
+    logprobs == one plain forward's log_softmax, the first null; with max_tokens 3 the
+    completion follows, greedy, with its own logprobs; the warm server computes the prompt
+    even when it is cached (cached_tokens 0)."""
+    model, tok = smollm2
+    warm, _ = servers
+    ids = tok(SCORED)["input_ids"]
+    lp = _reference_logprobs(model, ids)
+    client = warm.client()
+    for attempt in range(2):  # the second time its blocks are in the prefix cache
+        r = client.completions.create(model="smollm2", prompt=SCORED, max_tokens=0, echo=True, logprobs=2,
+                                      temperature=0)
+        c = r.choices[0]
+        assert c.text == SCORED and c.finish_reason == "length" and r.usage.completion_tokens == 0
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        got = c.logprobs.token_logprobs
+        assert len(got) == len(ids) and got[0] is None and c.logprobs.top_logprobs[0] is None
+        want = [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        assert got[1:] == pytest.approx(want, abs=1e-3), attempt
+        assert c.logprobs.tokens == [tok.decode([t]) for t in ids]
+        for i in range(1, len(ids)):
+            top = c.logprobs.top_logprobs[i]
+            best = lp[i - 1].topk(2)
+            assert list(top) == [tok.decode([t]) for t in best.indices.tolist()] or len(set(top)) < 2
+            assert sorted(top.values(), reverse=True) == pytest.approx(best.values.tolist(), abs=1e-3)
+        assert c.logprobs.text_offset[0] == 0 and c.logprobs.text_offset[-1] == len(SCORED) - len(c.logprobs.tokens[-1])
+    r = client.completions.create(model="smollm2", prompt=ids, max_tokens=3, echo=True, logprobs=0, temperature=0)
+    c = r.choices[0]
+    new = hf_greedy(model, ids, 3)
+    assert c.text == tok.decode(ids) + tok.decode(new)
+    got = c.logprobs.token_logprobs
+    assert len(got) == len(ids) + 3 and got[0] is None
+    assert got[1 : len(ids)] == pytest.approx([lp[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=1e-3)
+    lp2 = _reference_logprobs(model, ids + new)
+    assert got[len(ids):] == pytest.approx([lp2[len(ids) - 1 + k, new[k]].item() for k in range(3)], abs=1e-3)
+
+
+@pytest.mark.slow
+def test_echo_bad_combinations_are_400(servers):
+    import openai
+
+    warm, _ = servers
+    client = warm.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, echo=True, logprobs=1, stream=True)
+    assert e.value.body["param"] == "echo"
+    r = client.completions.create(model="smollm2", prompt="Hi there", max_tokens=0, echo=True)
+    assert r.choices[0].text == "Hi there" and r.choices[0].logprobs is None

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lp.server.detok import Detokenizer
 from lp.server.engine import Job, QueueFull, Unavailable
 from lp.server.metrics import ServerMetrics
+from lp.engine.decoder import TokenLogprob
 from lp.server.protocol import (
     ApiError,
     ChatRequest,
@@ -108,6 +109,17 @@ def create_app(engine, ctx: ServingContext, metrics: ServerMetrics, retry_after_
 _CANCELLED = dict(status=503, type="server_error", code="cancelled")  # a generation cut by the server's shutdown
 
 
+def _echo_logprobs(tok, prep, res, lps) -> dict:
+    """Completions with echo + logprobs: the prompt's tokens first (the first one's logprob
+    and top_logprobs null, as OpenAI's), then the completion's, offsets over the echoed text."""
+    first, *rest = res.prompt_logprobs
+    head = completion_logprobs(tok, [TokenLogprob(prep.prompt_ids[0], None)], 0)
+    head["top_logprobs"] = [None]
+    offset = len(tok.decode([prep.prompt_ids[0]]))
+    body = completion_logprobs(tok, [*rest, *lps], offset)
+    return {k: head[k] + body[k] for k in head}
+
+
 def _usage(ctx, prep, res) -> dict:
     """OpenAI's usage; with server.prefix_cache also prompt_tokens_details.cached_tokens (the
     prompt rows whose K/V came from the prefix cache)."""
@@ -140,7 +152,8 @@ class _Completions:
             self.metrics.requests.labels(endpoint, "invalid").inc()
             log.warning("400 %s: %s: %s", endpoint, type(e).__name__, e)
             return _error(ApiError(f"The input could not be processed: {type(e).__name__}: {e}", code="invalid_value"))
-        job = Job(endpoint, prep.prompt_ids, prep.decoding, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        job = Job(endpoint, prep.prompt_ids, prep.decoding, loop=asyncio.get_running_loop(), events=asyncio.Queue(),
+                  prompt_logprobs=prep.prompt_logprobs, prompt_only=prep.prompt_only)
         refused = self._submit(job, endpoint)
         if refused is not None:
             return refused
@@ -208,6 +221,8 @@ class _Completions:
                     text = detok.content()
                     logprobs = self._logprobs(kind, lps[: len(res.output_ids)], 0) if prep.decoding.logprobs else None
                     if prep.echo_text is not None:
+                        if res.prompt_logprobs is not None:
+                            logprobs = _echo_logprobs(self.ctx.tokenizer, prep, res, lps[: len(res.output_ids)])
                         text = prep.echo_text + text
                     return JSONResponse(full_response(kind, rid, self.ctx.model_id, text, res.finish_reason,
                                                       _usage(self.ctx, prep, res),

@@ -175,7 +175,8 @@ class BatchedEngine:
             job.emit("error", ApiError("cancelled", status=499, type="cancelled"))
             return
         try:
-            rid = self.batch.add(job.prompt_ids, job.decoding, self.eos, self.tokenizer)
+            rid = self.batch.add(job.prompt_ids, job.decoding, self.eos, self.tokenizer,
+                                 prompt_logprobs=job.prompt_logprobs, prompt_only=job.prompt_only)
         except ValueError as e:
             job.emit("error", ApiError(str(e), code="invalid_value"))
             return

@@ -242,6 +242,8 @@ class Prepared:
     return_token_ids: bool = False
     echo_text: str | None = None  # completions with echo: the prompt text, returned before the completion
     user: str | None = None  # user / safety_identifier, for the request log
+    prompt_logprobs: int | None = None  # completions with echo + logprobs: the prompt's own logprobs (top k)
+    prompt_only: bool = False  # completions with echo and max_tokens 0: the prompt only, no new token
 
 
 def prepare(req: _Common, ctx: ServingContext) -> Prepared:
@@ -252,18 +254,32 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
         raise ApiError(f"Invalid value for 'n': only n=1 is supported (got {req.n}).", param="n", code="invalid_value")
     _refuse_unsupported(req)
     prompt_ids, prompt_param = _prompt_ids(req, ctx)
-    d = _decoding(req, ctx, len(prompt_ids), prompt_param)
+    prompt_only = _echo_only(req)
+    d = _decoding(req.model_copy(update={"max_tokens": 1}) if prompt_only else req, ctx, len(prompt_ids), prompt_param)
     stream = bool(req.stream)
-    echo_text = None
+    echo_text, prompt_logprobs = None, None
     if isinstance(req, CompletionRequest) and req.echo:
+        if d.logprobs and stream:
+            raise ApiError("Invalid value for 'echo': echo with logprobs (prompt logprobs) is not supported when "
+                           "streaming; set stream to false.", param="echo", code="unsupported_parameter")
         if d.logprobs:
-            raise ApiError("Invalid value for 'echo': echo with logprobs (prompt logprobs) is not supported.",
-                           param="echo", code="unsupported_parameter")
+            prompt_logprobs = d.top_logprobs
         p = req.prompt
         echo_text = p if isinstance(p, str) else p[0] if p and isinstance(p[0], str) else ctx.tokenizer.decode(p)
     user = req.user or getattr(req, "safety_identifier", None)
     return Prepared(prompt_ids, d, stream, bool(stream and req.stream_options and req.stream_options.include_usage),
-                    bool(req.lookahead and req.lookahead.return_token_ids), echo_text, user)
+                    bool(req.lookahead and req.lookahead.return_token_ids), echo_text, user, prompt_logprobs,
+                    prompt_only)
+
+
+def _echo_only(req: _Common) -> bool:
+    """Completions ``max_tokens: 0`` with ``echo``: score the prompt, generate nothing (what
+    lm-eval's loglikelihood sends); 0 without echo stays an error."""
+    if not isinstance(req, CompletionRequest) or req.max_tokens != 0 or req.max_completion_tokens is not None:
+        return False
+    if not req.echo:
+        raise _bad("max_tokens", "expected an integer >= 1 (0 only with echo)", req.max_tokens)
+    return True
 
 
 def _refuse_unsupported(req: _Common) -> None:
