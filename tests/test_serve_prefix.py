@@ -150,3 +150,29 @@ def test_echo_bad_combinations_are_400(servers):
     assert e.value.body["param"] == "echo"
     r = client.completions.create(model="smollm2", prompt="Hi there", max_tokens=0, echo=True)
     assert r.choices[0].text == "Hi there" and r.choices[0].logprobs is None
+
+
+@pytest.mark.slow
+def test_lm_eval_loglikelihood_equals_hf(servers, smollm2):
+    """lm-eval's ``local-completions`` model (echo + logprobs over token ids, what its
+    loglikelihood tasks send) against this server == lm-eval's own HF model on the same
+    requests: the log-likelihood of each continuation and whether it is greedy."""
+    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("tenacity")  # lm-eval[api]: its API models need it
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    model, tok = smollm2
+    warm, _ = servers
+    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " a small village"),
+             ("def add(a, b):\n    return", " a + b"), ("One, two, three,", " four")]
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
+    served = LocalCompletionsAPI(base_url=warm.url + "/v1/completions", model="smollm2", tokenizer=tok.name_or_path,
+                                 tokenizer_backend="huggingface", tokenized_requests=True, batch_size=1,
+                                 max_retries=1)
+    got = served.loglikelihood(reqs, disable_tqdm=True)
+    ref = HFLM(pretrained=model, tokenizer=tok, batch_size=1).loglikelihood(reqs, disable_tqdm=True)
+    assert [g for _, g in got] == [g for _, g in ref], (got, ref)
+    assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in ref], abs=2e-3), (got, ref)
+    assert lm_eval.__version__ and any(g for _, g in ref)  # " Paris" / " four" are greedy

@@ -131,7 +131,7 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # a list of prompts: one (lm-eval sends [[ids]])
     logprobs: int | None = None  # top logprobs per token, 0..20 (0: the chosen token's only)
     echo: bool | None = None
     best_of: Any = None  # refused unless 1
@@ -265,7 +265,7 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
         if d.logprobs:
             prompt_logprobs = d.top_logprobs
         p = req.prompt
-        echo_text = p if isinstance(p, str) else p[0] if p and isinstance(p[0], str) else ctx.tokenizer.decode(p)
+        echo_text = p if isinstance(p, str) else p[0] if p and isinstance(p[0], str) else ctx.tokenizer.decode(prompt_ids)
     user = req.user or getattr(req, "safety_identifier", None)
     return Prepared(prompt_ids, d, stream, bool(stream and req.stream_options and req.stream_options.include_usage),
                     bool(req.lookahead and req.lookahead.return_token_ids), echo_text, user, prompt_logprobs,
@@ -314,7 +314,7 @@ def _prompt_ids(req: _Common, ctx: ServingContext) -> tuple[list[int], str]:
             ids = ids["input_ids"]
         return [int(t) for t in ids], "messages"
     p = req.prompt
-    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
         if len(p) != 1:
             raise ApiError("Invalid value for 'prompt': only one prompt per request is supported.",
                            param="prompt", code="invalid_value")
