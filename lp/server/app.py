@@ -20,6 +20,7 @@ polled) cancels its job at the next decoding step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 
@@ -152,8 +153,9 @@ class _Completions:
             self.metrics.requests.labels(endpoint, "invalid").inc()
             log.warning("400 %s: %s: %s", endpoint, type(e).__name__, e)
             return _error(ApiError(f"The input could not be processed: {type(e).__name__}: {e}", code="invalid_value"))
-        job = Job(endpoint, prep.prompt_ids, prep.decoding, loop=asyncio.get_running_loop(), events=asyncio.Queue(),
-                  prompt_logprobs=prep.prompt_logprobs, prompt_only=prep.prompt_only)
+        if prep.n > 1:
+            return await self._choices(request, kind, endpoint, prep)
+        job = self._job(endpoint, prep, prep.decoding)
         refused = self._submit(job, endpoint)
         if refused is not None:
             return refused
@@ -165,6 +167,40 @@ class _Completions:
             return StreamingResponse(self._stream(job, kind, rid, detok, prep), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._whole(request, job, kind, rid, detok, prep)
+
+    def _job(self, endpoint: str, prep, decoding) -> Job:
+        return Job(endpoint, prep.prompt_ids, decoding, loop=asyncio.get_running_loop(), events=asyncio.Queue(),
+                   prompt_logprobs=prep.prompt_logprobs, prompt_only=prep.prompt_only)
+
+    async def _choices(self, request, kind, endpoint, prep):
+        """``n`` > 1 (not streamed): one job per choice (choice i sampled with seed + i; greedy
+        ones are alike), answered together: choices in order, usage counting the prompt once."""
+        jobs = [self._job(endpoint, prep, dataclasses.replace(prep.decoding, seed=prep.decoding.seed + i)
+                          if prep.decoding.do_sample else prep.decoding) for i in range(prep.n)]
+        for k, job in enumerate(jobs):
+            refused = self._submit(job, endpoint)
+            if refused is not None:
+                for j in jobs[:k]:
+                    j.cancel()
+                return refused
+        rid = new_id(kind)
+        try:
+            answers = await asyncio.gather(*(self._whole(request, job, kind, rid, Detokenizer(
+                self.ctx.tokenizer, prep.decoding.stop_strings), prep) for job in jobs))
+        finally:
+            for job in jobs:
+                job.cancel()
+        bad = next((a for a in answers if a.status_code != 200), None)
+        if bad is not None:
+            return bad
+        bodies = [json.loads(a.body) for a in answers]
+        out = bodies[0]
+        out["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+        use = out["usage"]
+        use["completion_tokens"] = sum(b["usage"]["completion_tokens"] for b in bodies)
+        use["total_tokens"] = use["prompt_tokens"] + use["completion_tokens"]
+        out["lookahead"] = {**out["lookahead"], "choices": [b["lookahead"] for b in bodies]}
+        return JSONResponse(out)
 
     def _submit(self, job: Job, endpoint: str):
         """Queue the job; None, or the error response when the engine refuses it."""

@@ -27,6 +27,7 @@ class ServerConfig:
     max_N: int = 8
     max_G: int = 32
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
+    max_n: int = 8  # choices per request (n), each decoded as its own sequence
     # LP: rank 0 sends an idle header this often when no request is queued (kept below
     # parallel.timeout_s / 3, so the other ranks' bounded wait doubles as a liveness check)
     heartbeat_s: float = 5.0
@@ -65,6 +66,7 @@ class ServerConfig:
         need(_is_int(self.max_N) and self.max_N >= 2, "max_N", "an integer >= 2", self.max_N)
         need(_is_int(self.max_G) and self.max_G >= 0, "max_G", "an integer >= 0", self.max_G)
         need(_is_int(self.max_stop) and self.max_stop >= 0, "max_stop", "an integer >= 0", self.max_stop)
+        need(_is_int(self.max_n) and self.max_n >= 1, "max_n", "an integer >= 1", self.max_n)
         need(self.heartbeat_s > 0, "heartbeat_s", "> 0", self.heartbeat_s)
         need(
             self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),

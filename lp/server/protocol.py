@@ -244,14 +244,14 @@ class Prepared:
     user: str | None = None  # user / safety_identifier, for the request log
     prompt_logprobs: int | None = None  # completions with echo + logprobs: the prompt's own logprobs (top k)
     prompt_only: bool = False  # completions with echo and max_tokens 0: the prompt only, no new token
+    n: int = 1  # choices (each its own sequence)
 
 
 def prepare(req: _Common, ctx: ServingContext) -> Prepared:
     if req.model is not None and req.model != ctx.model_id:
         raise ApiError(f"The model '{req.model}' does not exist; this server serves '{ctx.model_id}'.",
                        param="model", code="model_not_found")
-    if req.n is not None and req.n != 1:
-        raise ApiError(f"Invalid value for 'n': only n=1 is supported (got {req.n}).", param="n", code="invalid_value")
+    n = _choices(req, ctx.limits)
     _refuse_unsupported(req)
     prompt_ids, prompt_param = _prompt_ids(req, ctx)
     prompt_only = _echo_only(req)
@@ -269,7 +269,19 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
     user = req.user or getattr(req, "safety_identifier", None)
     return Prepared(prompt_ids, d, stream, bool(stream and req.stream_options and req.stream_options.include_usage),
                     bool(req.lookahead and req.lookahead.return_token_ids), echo_text, user, prompt_logprobs,
-                    prompt_only)
+                    prompt_only, n)
+
+
+def _choices(req: _Common, lim) -> int:
+    """``n``: choices per request, each decoded as its own sequence (sampled ones with seeds
+    seed, seed + 1, ...), at most server.max_n; not streamed yet."""
+    n = 1 if req.n is None else req.n
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= getattr(lim, "max_n", 1):
+        raise _bad("n", f"expected an integer in [1, {getattr(lim, 'max_n', 1)}]", req.n)
+    if n > 1 and req.stream:
+        raise ApiError("Invalid value for 'n': n > 1 is not supported when streaming yet; set stream to false.",
+                       param="n", code="unsupported_parameter")
+    return n
 
 
 def _echo_only(req: _Common) -> bool:
