@@ -203,7 +203,8 @@ class BatchEngine:
         computed whole: no prefix-cache hit); ``prompt_only``: finish once the prompt is in
         the cache, with no new token (finish_reason "length")."""
         if (prompt_logprobs is not None or prompt_only) and self.group is not None:
-            raise ValueError("prompt logprobs are not supported with LP workers; run one process")
+            raise ValueError("prompt logprobs and prompt-only requests (echo with logprobs or max_tokens 0) are not "
+                             "supported with LP workers; run one process")
         if prompt_logprobs is not None and not (isinstance(prompt_logprobs, int) and 0 <= prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {prompt_logprobs!r}")
         prompt = [int(t) for t in prompt_ids]
