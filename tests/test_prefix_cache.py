@@ -169,3 +169,12 @@ def test_prefix_cache_refused_under_lp(tiny_factory):
     runner = ModelRunner(tiny_factory("llama"))
     with pytest.raises(ValueError, match="server.prefix_cache"):
         BatchEngine(runner, kv_tokens=256, prefix_cache=True, group=object())
+
+
+def test_eviction_metric_moves_by_the_pool_count():
+    from lp.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    for total in (0, 3, 3, 5):
+        m.observe_evictions(total)
+    assert m.prefix_evictions._value.get() == 5

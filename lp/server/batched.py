@@ -241,6 +241,7 @@ class BatchedEngine:
             m.batch_running.set(len(self.batch.running))
             m.kv_blocks.set(self.batch.blocks_in_use)
             m.prefix_cached_blocks.set(len(self.batch.cache.blocks.digest_of))
+            m.observe_evictions(self.batch.cache.blocks.evictions)
 
     def _done(self, rid: int, job, res) -> None:
         ttft = None if job.first_token is None else job.first_token - job.arrived

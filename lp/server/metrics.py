@@ -40,6 +40,9 @@ class ServerMetrics:
                                          "prefix cache (server.prefix_cache)", registry=r)
         self.prefix_cached_blocks = Gauge("lp_prefix_cache_blocks", "Registered blocks of the prefix cache "
                                           "(held by a running request or evictable)", registry=r)
+        self.prefix_evictions = Counter("lp_prefix_cache_evicted_blocks", "Cached blocks evicted to make room "
+                                        "(server.prefix_cache)", registry=r)
+        self._evicted = 0
         self.workers = Gauge("lp_workers", "LP workers decoding each request", registry=r)
         self.workers.set(workers)
 
@@ -57,6 +60,12 @@ class ServerMetrics:
         self.decode_time.observe(st.decode_time_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
+
+    def observe_evictions(self, total: int) -> None:
+        """The pool's running count of evicted cached blocks (the counter moves by the difference)."""
+        if total > self._evicted:
+            self.prefix_evictions.inc(total - self._evicted)
+            self._evicted = total
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
