@@ -14,7 +14,10 @@ with Retry-After; a request that can never fit the K/V pool a 400. With an API k
 (``server.api_key`` or env ``LP_API_KEY``) the /v1 routes need ``Authorization: Bearer
 <key>`` (401 otherwise). Only verified tokens are streamed; a client that disconnects (streaming:
 a failed write, noticed within ~1 s thanks to SSE keep-alive comments; non-streaming:
-polled) cancels its job at the next decoding step.
+polled) cancels its job at the next decoding step. ``n`` > 1 (not streamed) submits one job
+per choice and answers them together. Completions with ``echo`` and ``logprobs`` carry the
+prompt's own logprobs first (the engine's prompt logprobs); with ``server.prefix_cache``
+usage carries ``prompt_tokens_details.cached_tokens``.
 """
 
 from __future__ import annotations
