@@ -179,7 +179,7 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=N
     try:  # continuous batching (lp.engine.batch), under LP too: every rank holds the same batch
         engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, kv_tokens(cfg, runner, group),
                                s.max_prefill_tokens, metrics, draft_store=_draft_store(cfg), group=group,
-                               heartbeat_s=heartbeat)
+                               heartbeat_s=heartbeat, prefix_cache=s.prefix_cache)
     except WorkerFailure as e:
         log.error("[lp.serve] rank 0: worker failure: %s; stopping", e)
         os._exit(3)

@@ -13,13 +13,19 @@ index, window and pool, acceptance model, stop rules, sampling seed) and its own
 publish, collect). What is shared is the step:
 
     admit     FIFO; a request waits until its worst case (prompt + max_new_tokens + its
-              largest step) can be reserved in the paged cache (lp.model.paged)
+              largest step) can be reserved in the paged cache (lp.model.paged); with
+              ``prefix_cache`` the longest cached block-aligned prefix of its prompt is
+              reused (those rows start committed, only the rest is fed) and only the
+              blocks past it are booked
     propose   each sequence's drafts; ONE draft budget over all of them
               (lp.drafts.select.select_trees on the measured t(Q), Q = every row of the step;
               a batch of one uses the decoder's own budget, today's step)
     lay out   each sequence's rows (lp.lookahead.layout), concatenated; a joining sequence's
               prompt is fed in chunks of at most ``max_prefill_tokens`` rows per step,
-              in the same forward as the others' decode rows
+              in the same forward as the others' decode rows; a request asking for
+              prompt logprobs also keeps the logits of its prompt rows (read before its
+              verdict's rows), and a ``prompt_only`` one finishes when its prompt is in
+              the cache, with no new token
     forward   one packed forward: the paged cache writes the rows into their slots and
               gathers each sequence's used slots; the mask lets a row see its own
               sequence's prefix and its own ancestors only, at its own positions
@@ -62,6 +68,7 @@ from lp.engine.decoder import (
     GenerationStats,
     LookaheadDecoder,
     StepRecord,
+    TokenLogprob,
     _finish_stats,
     _logprobs,
     _record,
@@ -97,6 +104,9 @@ class _Request:
     run: object = None  # lp.engine.decoder._Run once admitted
     stats: GenerationStats = field(default_factory=GenerationStats)
     t_start: float = 0.0
+    prompt_logprobs: int | None = None  # top count when the prompt's own logprobs are asked for
+    prompt_only: bool = False  # prefill the prompt and finish with no new token (echo, max_tokens 0)
+    prompt_lps: list = field(default_factory=list)
 
 
 @dataclass
@@ -109,6 +119,7 @@ class _Item:
     prop: object = None
     layout: object = None
     raw: object = None  # this sequence's raw logits [kept rows, V] (for logprobs)
+    prompt_rows: int = 0  # leading rows whose logits give prompt logprobs (kept before the layout's own)
     new_tokens: list[int] = field(default_factory=list)
 
 
@@ -124,11 +135,13 @@ class BatchEngine:
     ``draft_policy``: ``budget`` (one draft budget for the batch, the default), or the
     baselines it is measured against: ``static`` (vLLM's / TensorRT-LLM's kind of rule:
     each sequence drafts as if alone while at most ``static_batch`` decode, none above),
-    ``none`` (plain batched decoding); ``group``: the LP worker group (None: one process)."""
+    ``none`` (plain batched decoding); ``group``: the LP worker group (None: one process);
+    ``prefix_cache``: automatic prefix caching over the paged pool (lp.model.paged; one
+    process only, a ValueError with a group)."""
 
     def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = 16, max_batch: int = 8,
                  max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None, draft_policy: str = "budget",
-                 static_batch: int = 4, group=None):
+                 static_batch: int = 4, group=None, prefix_cache: bool = False):
         if runner.attention == "flash" or runner._static is not None:
             raise ValueError("batched steps need model.attention=sdpa, eager or flex (no cascade kernel, no "
                              "static shapes / CUDA graphs)")
@@ -147,7 +160,10 @@ class BatchEngine:
             from lp.model import attention
 
             attention.register()
-        self.cache = PagedCache(kv_tokens, block_size)
+        if prefix_cache and group is not None:
+            raise ValueError("server.prefix_cache is not supported with Lookahead Parallelism (parallel.lp > 1) yet: "
+                             "set server.prefix_cache=false")
+        self.cache = PagedCache(kv_tokens, block_size, prefix_cache)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.tq = tq_curve
@@ -177,10 +193,20 @@ class BatchEngine:
     # -- requests -----------------------------------------------------------------
 
     def add(self, prompt_ids: Sequence[int], cfg: DecodingConfig, eos_token_ids: Sequence[int] | int | None = None,
-            tokenizer=None, request_id: int | None = None) -> int:
+            tokenizer=None, request_id: int | None = None, prompt_logprobs: int | None = None,
+            prompt_only: bool = False) -> int:
         """Queue a request; returns its id. ValueError for a bad request or one whose worst
         case (prompt + max_new_tokens + its largest step) exceeds the whole K/V pool.
-        ``request_id``: the id rank 0 gave it (a worker rank replaying rank 0's joins)."""
+        ``request_id``: the id rank 0 gave it (a worker rank replaying rank 0's joins).
+        ``prompt_logprobs`` (k >= 0): the result's ``prompt_logprobs``, the raw log-softmax
+        of each prompt token given the ones before it and the top k there (the prompt is
+        computed whole: no prefix-cache hit); ``prompt_only``: finish once the prompt is in
+        the cache, with no new token (finish_reason "length")."""
+        if (prompt_logprobs is not None or prompt_only) and self.group is not None:
+            raise ValueError("prompt logprobs and prompt-only requests (echo with logprobs or max_tokens 0) are not "
+                             "supported with LP workers; run one process")
+        if prompt_logprobs is not None and not (isinstance(prompt_logprobs, int) and 0 <= prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {prompt_logprobs!r}")
         prompt = [int(t) for t in prompt_ids]
         dec, need = self.check(prompt, cfg, tokenizer)
         if dec.cfg.drafts == "suffix" and dec.cfg.draft_budget == "auto" and self.tq is None:
@@ -193,7 +219,9 @@ class BatchEngine:
         rid = self._next_id if request_id is None else request_id
         assert all(r.id != rid for r in [*self.waiting, *self.running]), rid
         self._next_id = max(self._next_id, rid + 1)
-        self.waiting.append(_Request(rid, dec, prompt, set(eos_token_ids or []), tokenizer, need))
+        self.waiting.append(_Request(rid, dec, prompt, set(eos_token_ids or []), tokenizer, need,
+                                     prompt_logprobs=prompt_logprobs, prompt_only=prompt_only,
+                                     prompt_lps=[None] if prompt_logprobs is not None else []))
         return rid
 
     def check(self, prompt: list[int], cfg: DecodingConfig, tokenizer=None) -> tuple[LookaheadDecoder, int]:
@@ -246,10 +274,12 @@ class BatchEngine:
         """Ids of the waiting requests the next step admits (FIFO while ``max_batch`` and the
         K/V reservation allow); no state changes. Under LP rank 0 decides, the others replay."""
         blocks, ids = self.cache.blocks, []
-        free = len(blocks.free)
+        free, claimed = blocks.available, set()
         for req in self.waiting:
-            need = blocks_for(req.need, blocks.block_size)
-            if len(self.running) + len(ids) >= self.max_batch or need > free:
+            if len(self.running) + len(ids) >= self.max_batch:
+                break
+            need = blocks.cost(req.need, self._lookup_ids(req), claimed)  # new blocks, less the cached prefix's
+            if need > free:
                 break
             free -= need
             ids.append(req.id)
@@ -271,6 +301,8 @@ class BatchEngine:
                 it.layout = build_tree_layout(run.pending[: it.chunk], [], range(0), [])
             else:
                 it.layout = it.req.decoder.lay_out(run, it.prop)
+            if it.req.prompt_logprobs is not None and run.step == 0:  # rows predicting a prompt token
+                it.prompt_rows = min(it.chunk or len(run.pending), len(run.pending) - 1)
         t1 = time.perf_counter()
         logits_KV = self.forward(items)
         verdicts = self._verify(items, logits_KV)
@@ -283,6 +315,10 @@ class BatchEngine:
             if out is not None:
                 outputs.append(out)
         self.cache.commit(edits)
+        if self.cache.blocks.prefix_cache:
+            for it in items:
+                if not it.req.run.done:
+                    self.cache.blocks.register(it.req.id, it.req.run.tokens)
         t3 = time.perf_counter()
         rows = sum(it.layout.num_rows for it in items)
         self.last_rows, self.steps = rows, self.steps + 1
@@ -297,14 +333,21 @@ class BatchEngine:
 
     def _admit(self, ids: Sequence[int]) -> None:
         blocks = self.cache.blocks
-        for rid in ids:
-            req = next(r for r in self.waiting if r.id == rid)
-            assert len(self.running) < self.max_batch and blocks.can_reserve(req.need), rid
+        reqs = [next(r for r in self.waiting if r.id == rid) for rid in ids]
+        assert len(self.running) + len(reqs) <= self.max_batch, ids
+        for req, cached in zip(reqs, blocks.reserve_round([(r.id, r.need, self._lookup_ids(r)) for r in reqs])):
             self.waiting.remove(req)
-            blocks.reserve(req.id, req.need)
             req.run = req.decoder._start(req.prompt, req.eos, cache=SeqView(self.cache, req.id))
+            req.run.pending = req.prompt[cached:]  # the cached rows are committed already
+            req.stats.cached_tokens = cached
             req.t_start = time.perf_counter()
             self.running.append(req)
+
+    @staticmethod
+    def _lookup_ids(req: _Request) -> list[int]:
+        """What the prefix cache is searched with: the prompt, or nothing when the request
+        needs the logits of every prompt row (prompt logprobs)."""
+        return [] if req.prompt_logprobs is not None else req.prompt
 
     def _schedule(self) -> list[_Item]:
         """Who runs this step: every decoding sequence, and prompts within the prefill budget
@@ -313,7 +356,12 @@ class BatchEngine:
         items, budget = [], self.max_prefill_tokens
         for req in self.running:
             pending = len(req.run.pending)
-            if budget is None or pending == 1 or req.run.step > 0:
+            if req.prompt_only:  # the prompt in chunks to its end, nothing decoded
+                chunk = pending if budget is None else min(pending, budget)
+                if chunk:
+                    items.append(_Item(req, chunk=chunk))
+                    budget = None if budget is None else budget - chunk
+            elif budget is None or pending == 1 or req.run.step > 0:
                 items.append(_Item(req))
             elif pending <= budget:
                 budget -= pending
@@ -368,6 +416,8 @@ class BatchEngine:
         keep, pos, qo = [], [], 0
         for it in items:
             depths_Q, keep_t, _, _ = runner._tensors(it.layout.skeleton)
+            if it.prompt_rows:
+                keep.append(torch.arange(it.prompt_rows, device=keep_t.device) + qo)
             keep.append(keep_t + qo)
             qo += it.layout.num_rows
         if runner.attention == "sdpa":
@@ -466,6 +516,9 @@ class BatchEngine:
         argmax = logits_KV.argmax(-1).tolist() if greedy else None
         verdicts, ko = [], 0
         for it in items:
+            if it.prompt_rows:
+                self._prompt_logprobs(it, logits_KV[ko : ko + it.prompt_rows])
+                ko += it.prompt_rows
             n = len(it.layout.skeleton.keep)
             if not it.chunk:
                 dec, run = it.req.decoder, it.req.run
@@ -478,6 +531,20 @@ class BatchEngine:
                 verdicts.append(None)
             ko += n
         return verdicts
+
+    @staticmethod
+    def _prompt_logprobs(it: _Item, logits_PV: torch.Tensor) -> None:
+        """Raw logprobs of the prompt tokens these rows predict (row j: pending[j + 1])."""
+        req = it.req
+        targets = req.run.pending[1 : it.prompt_rows + 1]
+        lp_PV = torch.log_softmax(logits_PV.float(), dim=-1)
+        chosen = lp_PV.gather(1, torch.tensor(targets, device=lp_PV.device)[:, None])[:, 0].tolist()
+        if req.prompt_logprobs:
+            vals, ids = lp_PV.topk(req.prompt_logprobs, dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        else:
+            tops = [()] * len(targets)
+        req.prompt_lps += [TokenLogprob(t, c, tp) for t, c, tp in zip(targets, chosen, tops)]
 
     def _merge(self, items: list[_Item], verdicts: list) -> list:
         """Each decoding sequence's (path over all its candidates, z of every column): its own
@@ -506,6 +573,9 @@ class BatchEngine:
         if it.chunk:
             edits.append((req.id, cache_len + it.chunk, []))
             run.pending = run.pending[it.chunk :]
+            if req.prompt_only and not run.pending:  # echo with max_tokens 0: the prompt is all
+                run.done, run.finish = True, "length"
+                return StepOutput(req.id, [], True, "length")
             return None
         dec = req.decoder
         path, z_all = merged
@@ -536,7 +606,8 @@ class BatchEngine:
         if stats.records:
             _finish_stats(stats, len(req.run.out), self.workers)
         self._results[req.id] = GenerationResult(list(req.run.out), stats, req.run.finish,
-                                                 list(req.run.logprobs) if req.decoder.cfg.logprobs else None)
+                                                 list(req.run.logprobs) if req.decoder.cfg.logprobs else None,
+                                                 list(req.prompt_lps) if req.prompt_logprobs is not None else None)
 
 
 def generate_batch(decoder: LookaheadDecoder, prompts: Sequence[Sequence[int]], eos_token_ids=None, tokenizer=None,

@@ -82,6 +82,7 @@ class GenerationStats:
     mean_rows_per_rank: list[float] = field(default_factory=list)
     workers: int = 1
     records: list[StepRecord] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt rows reused from lp.engine.batch's prefix cache (not computed)
 
     @property
     def compression_ratio(self) -> float:
@@ -123,6 +124,8 @@ class GenerationResult:
     # "cancelled": the caller's ``cancel()`` returned True (rank 0's decides under LP)
     finish_reason: str = "length"
     logprobs: list[TokenLogprob] | None = None  # one per output token when cfg.logprobs
+    # lp.engine.batch's prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 # ---------------------------------------------------------------------------

@@ -28,10 +28,27 @@ never (step rows) x (all slots).
 After verification, ``commit`` keeps a prefix of each sequence and moves its accepted
 rows next to it (one gather/scatter per layer for the whole batch).
 
+Automatic prefix caching (``prefix_cache=True``, one process): a full block whose rows are
+all committed is immutable from then on, so it is registered under a chain digest of the
+token ids of every row up to its end (sha256 over the parent block's digest and its own
+ids: equal digests mean the same tokens at the same positions, hence the same K/V).
+``reserve(seq, tokens, prompt)`` first takes the longest run of registered blocks that
+covers a prefix of ``prompt`` (at most ``len(prompt) - 1`` rows: the last prompt token is
+always fed, its logits start the decoding) and books only the rest; the sequence starts
+with that many rows committed. A registered block is shared (a reference count); once no
+sequence holds it, it stays registered but evictable (LRU), and is evicted only when a
+reservation finds no free block -- so ``can_reserve`` counts free + evictable blocks. A
+sequence never writes a shared block: its writes go past its committed rows, and a
+shared block lies wholly before them.
+
 Legend: H_kv key/value heads, D head size, Q rows of the step, K gathered key rows.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from collections import OrderedDict
 
 import torch
 from transformers.cache_utils import Cache
@@ -54,7 +71,7 @@ class BlockTable:
 
     on_release = None
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False):
         assert num_blocks >= 1 and block_size >= 1
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -62,6 +79,16 @@ class BlockTable:
         self.owned: dict[int, list[int]] = {}  # the blocks reserved for each sequence, in order
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        # automatic prefix caching (module doc); all empty when off
+        self.prefix_cache = prefix_cache
+        self.by_digest: dict[bytes, int] = {}  # registered full blocks
+        self.digest_of: dict[int, bytes] = {}
+        self.refs: dict[int, int] = {}  # sequences holding each registered block
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, held by none, LRU first
+        self.digests: dict[int, list[bytes]] = {}  # per sequence: the chain digest of each full committed block
+        self._claimed: dict[int, list[int]] = {}  # per sequence: hit blocks pinned before its reservation
+        self.hit_blocks = 0  # blocks reused so far (metrics)
+        self.evictions = 0
 
     @property
     def reserved(self) -> dict[int, int]:
@@ -70,17 +97,98 @@ class BlockTable:
 
     # -- admission ---------------------------------------------------------------
 
-    def can_reserve(self, tokens: int) -> bool:
-        return blocks_for(tokens, self.block_size) <= len(self.free)
+    @property
+    def available(self) -> int:
+        """Blocks a reservation may take: free ones and evictable registered ones."""
+        return len(self.free) + len(self.evictable)
 
-    def reserve(self, seq: int, tokens: int) -> None:
-        assert seq not in self.tables and self.can_reserve(tokens)
-        n = blocks_for(tokens, self.block_size)
+    def can_reserve(self, tokens: int, prompt: Sequence[int] = ()) -> bool:
+        return self.cost(tokens, prompt, set()) <= self.available
+
+    def cost(self, tokens: int, prompt: Sequence[int], claimed: set[int]) -> int:
+        """Available blocks a reservation of ``tokens`` rows with ``prompt`` takes: its new
+        blocks plus the evictable ones it hits (they stop being evictable); ``claimed``
+        (updated): evictable hits already counted for earlier reservations of the same round."""
+        hits = self.lookup(prompt)
+        fresh = [b for b in hits if b in self.evictable and b not in claimed]
+        claimed.update(fresh)
+        return blocks_for(tokens, self.block_size) - len(hits) + len(fresh)
+
+    def lookup(self, prompt: Sequence[int]) -> list[int]:
+        """The registered blocks holding the longest block-aligned prefix of ``prompt`` of at
+        most ``len(prompt) - 1`` rows (none when prefix caching is off)."""
+        if not self.prefix_cache or not self.by_digest:
+            return []
+        bs, hits, parent = self.block_size, [], b""
+        for i in range((len(prompt) - 1) // bs):
+            parent = _digest(parent, prompt[i * bs : (i + 1) * bs])
+            block = self.by_digest.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def claim(self, seq: int, prompt: Sequence[int]) -> None:
+        """Pin the blocks ``prompt`` hits for ``seq``'s coming ``reserve`` (so another
+        reservation of the same round cannot evict them)."""
+        assert seq not in self._claimed and seq not in self.tables, seq
+        hits = self.lookup(prompt)
+        for b in hits:
+            self.evictable.pop(b, None)
+            self.refs[b] = self.refs.get(b, 0) + 1
+        self._claimed[seq] = hits
+
+    def reserve(self, seq: int, tokens: int, prompt: Sequence[int] = ()) -> int:
+        """Book ``seq``'s worst case of ``tokens`` rows, reusing the registered blocks its
+        ``prompt`` hits; returns the rows already committed (hit blocks x block size)."""
+        assert seq not in self.tables, seq
+        if seq not in self._claimed:
+            self.claim(seq, prompt)
+        hits = self._claimed.pop(seq)
+        n = blocks_for(tokens, self.block_size) - len(hits)
+        assert n <= self.available, (seq, n, self.available)
+        if n > len(self.free):
+            self._evict(n - len(self.free))
         run = self._first_fit(n)
         if run is None:  # fragmented: any n free blocks (attention gathers this sequence's rows)
             run = sorted(self.free)[:n]
         self.free.difference_update(run)
-        self.owned[seq], self.tables[seq], self.lengths[seq] = run, [], 0
+        self.owned[seq], self.tables[seq], self.lengths[seq] = hits + run, list(hits), len(hits) * self.block_size
+        if self.prefix_cache:
+            self.digests[seq] = [self.digest_of[b] for b in hits]
+        self.hit_blocks += len(hits)
+        return len(hits) * self.block_size
+
+    def reserve_round(self, round_: Sequence[tuple[int, int, Sequence[int]]]) -> list[int]:
+        """One admission round [(seq, tokens, prompt)]: every cached prefix is pinned first,
+        then each reserved, so one's new blocks never evict another's hits; the rows each
+        starts with committed."""
+        for seq, _, prompt in round_:
+            self.claim(seq, prompt)
+        return [self.reserve(seq, tokens, prompt) for seq, tokens, prompt in round_]
+
+    def _evict(self, n: int) -> None:
+        """The ``n`` least recently released registered blocks become free (unregistered)."""
+        for _ in range(n):
+            block, _ = self.evictable.popitem(last=False)
+            del self.by_digest[self.digest_of.pop(block)], self.refs[block]
+            self.free.add(block)
+            self.evictions += 1
+
+    def register(self, seq: int, tokens: Sequence[int]) -> None:
+        """After a commit: register ``seq``'s full blocks whose rows are all committed
+        (``tokens``: the sequence's ids, at least its committed rows). A block whose digest
+        is already registered (another sequence computed the same rows) stays private."""
+        if not self.prefix_cache:
+            return
+        bs, chain, length = self.block_size, self.digests[seq], self.lengths[seq]
+        assert length <= len(tokens), (seq, length, len(tokens))
+        for i in range(len(chain), length // bs):
+            d = _digest(chain[-1] if chain else b"", tokens[i * bs : (i + 1) * bs])
+            chain.append(d)
+            block = self.tables[seq][i]
+            if d not in self.by_digest and block not in self.digest_of:
+                self.by_digest[d], self.digest_of[block], self.refs[block] = block, d, 1
 
     def _first_fit(self, n: int) -> list[int] | None:
         start, size = None, 0
@@ -94,12 +202,23 @@ class BlockTable:
         return None
 
     def release(self, seq: int) -> None:
-        """The sequence leaves: every block it owned back to the free list."""
-        run = self.owned.pop(seq)
+        """The sequence leaves: every block it owned back to the free list, except registered
+        ones (prefix cache): one reference fewer, evictable once none holds them. ``on_release``
+        sees the blocks that go back to the free list."""
+        freed = []
+        for b in self.owned.pop(seq):
+            if b in self.digest_of:
+                self.refs[b] -= 1
+                assert self.refs[b] >= 0, b
+                if self.refs[b] == 0:
+                    self.evictable[b] = None  # most recently released last
+            else:
+                freed.append(b)
         if self.on_release is not None:
-            self.on_release(run)
-        self.free.update(run)
+            self.on_release(freed)
+        self.free.update(freed)
         del self.tables[seq], self.lengths[seq]
+        self.digests.pop(seq, None)
 
     # -- rows ----------------------------------------------------------------------
 
@@ -111,7 +230,9 @@ class BlockTable:
             self.tables[seq] = run[:need]
 
     def shrink(self, seq: int, rows: int) -> None:
-        """Keep logical rows [0, rows); blocks past them are unused (still reserved)."""
+        """Keep logical rows [0, rows); blocks past them are unused (still reserved). Never
+        below a registered block's end (those rows are shared and immutable)."""
+        assert rows >= len(self.digests.get(seq, ())) * self.block_size, (seq, rows)
         self.lengths[seq] = rows
         self.tables[seq] = self.tables[seq][: blocks_for(rows, self.block_size)]
 
@@ -135,13 +256,18 @@ class BlockTable:
         return sum(len(t) for t in self.tables.values())
 
 
+def _digest(parent: bytes, ids: Sequence[int]) -> bytes:
+    """Chain digest of one full block: its parent's digest and its own token ids."""
+    return hashlib.sha256(parent + b"".join(int(t).to_bytes(8, "little", signed=True) for t in ids)).digest()
+
+
 class PagedCache(Cache):
     """``kv_tokens`` slots per layer in ``block_size`` blocks (see module doc)."""
 
-    def __init__(self, kv_tokens: int, block_size: int = 16):
+    def __init__(self, kv_tokens: int, block_size: int = 16, prefix_cache: bool = False):
         if kv_tokens < block_size:
             raise ValueError(f"server.kv_tokens must be at least the block size {block_size}, got {kv_tokens}")
-        self.blocks = BlockTable(kv_tokens // block_size, block_size)
+        self.blocks = BlockTable(kv_tokens // block_size, block_size, prefix_cache)
         self.kv_tokens = self.blocks.num_blocks * block_size
         self.keys: list[torch.Tensor] = []  # per layer [H_kv, slots, D], allocated on first write
         self.values: list[torch.Tensor] = []

@@ -14,12 +14,16 @@ with Retry-After; a request that can never fit the K/V pool a 400. With an API k
 (``server.api_key`` or env ``LP_API_KEY``) the /v1 routes need ``Authorization: Bearer
 <key>`` (401 otherwise). Only verified tokens are streamed; a client that disconnects (streaming:
 a failed write, noticed within ~1 s thanks to SSE keep-alive comments; non-streaming:
-polled every ~1 s, tokens arriving or not) cancels its job at the next decoding step.
+polled every ~1 s, tokens arriving or not) cancels its job at the next decoding step. ``n`` > 1 (not streamed) submits one job
+per choice and answers them together. Completions with ``echo`` and ``logprobs`` carry the
+prompt's own logprobs first (the engine's prompt logprobs); with ``server.prefix_cache``
+usage carries ``prompt_tokens_details.cached_tokens``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -30,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lp.server.detok import Detokenizer
 from lp.server.engine import Job, QueueFull, Unavailable
 from lp.server.metrics import ServerMetrics
+from lp.engine.decoder import TokenLogprob
 from lp.server.protocol import (
     ApiError,
     ChatRequest,
@@ -118,6 +123,26 @@ class _ApiKey:
 _CANCELLED = dict(status=503, type="server_error", code="cancelled")  # a generation cut by the server's shutdown
 
 
+def _echo_logprobs(tok, prep, res, lps) -> dict:
+    """Completions with echo + logprobs: the prompt's tokens first (the first one's logprob
+    and top_logprobs null, as OpenAI's), then the completion's, offsets over the echoed text."""
+    first, *rest = res.prompt_logprobs
+    head = completion_logprobs(tok, [TokenLogprob(prep.prompt_ids[0], None)], 0)
+    head["top_logprobs"] = [None]
+    offset = len(tok.decode([prep.prompt_ids[0]]))
+    body = completion_logprobs(tok, [*rest, *lps], offset)
+    return {k: head[k] + body[k] for k in head}
+
+
+def _usage(ctx, prep, res) -> dict:
+    """OpenAI's usage; with server.prefix_cache also prompt_tokens_details.cached_tokens (the
+    prompt rows whose K/V came from the prefix cache)."""
+    use = usage(len(prep.prompt_ids), len(res.output_ids))
+    if getattr(ctx.limits, "prefix_cache", False):
+        use["prompt_tokens_details"] = {"cached_tokens": res.stats.cached_tokens}
+    return use
+
+
 class _Completions:
     """The two OpenAI completion routes: parse and check the request, submit its job to
     the engine, answer whole or as a stream of server-sent events."""
@@ -141,7 +166,9 @@ class _Completions:
             self.metrics.requests.labels(endpoint, "invalid").inc()
             log.warning("400 %s: %s: %s", endpoint, type(e).__name__, e)
             return _error(ApiError(f"The input could not be processed: {type(e).__name__}: {e}", code="invalid_value"))
-        job = Job(endpoint, prep.prompt_ids, prep.decoding, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        if prep.n > 1:
+            return await self._choices(request, kind, endpoint, prep)
+        job = self._job(endpoint, prep, prep.decoding)
         refused = self._submit(job, endpoint)
         if refused is not None:
             return refused
@@ -153,6 +180,40 @@ class _Completions:
             return StreamingResponse(self._stream(job, kind, rid, detok, prep), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._whole(request, job, kind, rid, detok, prep)
+
+    def _job(self, endpoint: str, prep, decoding) -> Job:
+        return Job(endpoint, prep.prompt_ids, decoding, loop=asyncio.get_running_loop(), events=asyncio.Queue(),
+                   prompt_logprobs=prep.prompt_logprobs, prompt_only=prep.prompt_only)
+
+    async def _choices(self, request, kind, endpoint, prep):
+        """``n`` > 1 (not streamed): one job per choice (choice i sampled with seed + i; greedy
+        ones are alike), answered together: choices in order, usage counting the prompt once."""
+        jobs = [self._job(endpoint, prep, dataclasses.replace(prep.decoding, seed=prep.decoding.seed + i)
+                          if prep.decoding.do_sample else prep.decoding) for i in range(prep.n)]
+        for k, job in enumerate(jobs):
+            refused = self._submit(job, endpoint)
+            if refused is not None:
+                for j in jobs[:k]:
+                    j.cancel()
+                return refused
+        rid = new_id(kind)
+        try:
+            answers = await asyncio.gather(*(self._whole(request, job, kind, rid, Detokenizer(
+                self.ctx.tokenizer, prep.decoding.stop_strings), prep) for job in jobs))
+        finally:
+            for job in jobs:
+                job.cancel()
+        bad = next((a for a in answers if a.status_code != 200), None)
+        if bad is not None:
+            return bad
+        bodies = [json.loads(a.body) for a in answers]
+        out = bodies[0]
+        out["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+        use = out["usage"]
+        use["completion_tokens"] = sum(b["usage"]["completion_tokens"] for b in bodies)
+        use["total_tokens"] = use["prompt_tokens"] + use["completion_tokens"]
+        out["lookahead"] = {**out["lookahead"], "choices": [b["lookahead"] for b in bodies]}
+        return JSONResponse(out)
 
     def _submit(self, job: Job, endpoint: str):
         """Queue the job; None, or the error response when the engine refuses it."""
@@ -215,9 +276,11 @@ class _Completions:
                     text = detok.content()
                     logprobs = self._logprobs(kind, lps[: len(res.output_ids)], 0) if prep.decoding.logprobs else None
                     if prep.echo_text is not None:
+                        if res.prompt_logprobs is not None:
+                            logprobs = _echo_logprobs(self.ctx.tokenizer, prep, res, lps[: len(res.output_ids)])
                         text = prep.echo_text + text
                     return JSONResponse(full_response(kind, rid, self.ctx.model_id, text, res.finish_reason,
-                                                      usage(len(prep.prompt_ids), len(res.output_ids)),
+                                                      _usage(self.ctx, prep, res),
                                                       self._info(data, prep), logprobs))
         finally:
             job.cancel()  # no-op once done; stops the decode if this handler is torn down
@@ -274,5 +337,5 @@ class _Completions:
         yield _sse(chunk(kind, rid, model_id, None if kind == "chat" else "", res.finish_reason,
                          lookahead=self._info(out, prep)))
         if prep.include_usage:
-            yield _sse(usage_chunk(kind, rid, model_id, usage(len(prep.prompt_ids), len(res.output_ids))))
+            yield _sse(usage_chunk(kind, rid, model_id, _usage(self.ctx, prep, res)))
         yield "data: [DONE]\n\n"

@@ -43,9 +43,9 @@ log = logging.getLogger("lp.serve")
 class BatchedEngine:
     def __init__(self, runner, tokenizer, eos: list[int], max_queue: int, max_batch: int, kv_tokens: int,
                  max_prefill_tokens: int | None, metrics=None, on_fatal=None, draft_store=None, tq_curve=None,
-                 group=None, heartbeat_s: float = 5.0):
+                 group=None, heartbeat_s: float = 5.0, prefix_cache: bool = False):
         self.batch = BatchEngine(runner, kv_tokens, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
-                                 tq_curve=tq_curve, draft_store=draft_store, group=group)
+                                 tq_curve=tq_curve, draft_store=draft_store, group=group, prefix_cache=prefix_cache)
         self.group = group
         self.workers = self.batch.workers  # LP workers (x parallel.tp processes)
         self.channel = RequestChannel(group) if group is not None else None
@@ -175,7 +175,8 @@ class BatchedEngine:
             job.emit("error", ApiError("cancelled", status=499, type="cancelled"))
             return
         try:
-            rid = self.batch.add(job.prompt_ids, job.decoding, self.eos, self.tokenizer)
+            rid = self.batch.add(job.prompt_ids, job.decoding, self.eos, self.tokenizer,
+                                 prompt_logprobs=job.prompt_logprobs, prompt_only=job.prompt_only)
         except ValueError as e:
             job.emit("error", ApiError(str(e), code="invalid_value"))
             return
@@ -239,6 +240,8 @@ class BatchedEngine:
             m.running.set(len(self.batch.running))
             m.batch_running.set(len(self.batch.running))
             m.kv_blocks.set(self.batch.blocks_in_use)
+            m.prefix_cached_blocks.set(len(self.batch.cache.blocks.digest_of))
+            m.observe_evictions(self.batch.cache.blocks.evictions)
 
     def _done(self, rid: int, job, res) -> None:
         ttft = None if job.first_token is None else job.first_token - job.arrived

@@ -27,6 +27,7 @@ class ServerConfig:
     max_N: int = 8
     max_G: int = 32
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
+    max_n: int = 8  # choices per request (n), each decoded as its own sequence
     # LP: rank 0 sends an idle header this often when no request is queued (kept below
     # parallel.timeout_s / 3, so the other ranks' bounded wait doubles as a liveness check)
     heartbeat_s: float = 5.0
@@ -45,6 +46,11 @@ class ServerConfig:
     # loading (the smallest across LP ranks); refused on the CPU
     kv_memory_fraction: float | None = None
     max_prefill_tokens: int = 512
+    # automatic prefix caching: a request reuses the K/V blocks of the longest block-aligned
+    # prefix of its prompt that an earlier request committed (a chat's system prompt and
+    # earlier turns); cached blocks no request holds are evicted LRU when the pool is full.
+    # usage.prompt_tokens_details.cached_tokens says how many were reused. One process only.
+    prefix_cache: bool = False
     # when set (or env LP_API_KEY), /v1 routes need "Authorization: Bearer <key>", else 401
     api_key: str | None = None
 
@@ -60,6 +66,7 @@ class ServerConfig:
         need(_is_int(self.max_N) and self.max_N >= 2, "max_N", "an integer >= 2", self.max_N)
         need(_is_int(self.max_G) and self.max_G >= 0, "max_G", "an integer >= 0", self.max_G)
         need(_is_int(self.max_stop) and self.max_stop >= 0, "max_stop", "an integer >= 0", self.max_stop)
+        need(_is_int(self.max_n) and self.max_n >= 1, "max_n", "an integer >= 1", self.max_n)
         need(self.heartbeat_s > 0, "heartbeat_s", "> 0", self.heartbeat_s)
         need(
             self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
@@ -76,6 +83,7 @@ class ServerConfig:
              "kv_memory_fraction", "a number in (0, 1] or null", frac)
         need(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1, "max_prefill_tokens",
              "an integer >= 1", self.max_prefill_tokens)
+        need(isinstance(self.prefix_cache, bool), "prefix_cache", "true or false", self.prefix_cache)
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api_key",
              "a non-empty string or null", self.api_key)
         return self
@@ -93,6 +101,9 @@ class ServeConfig:
         self.decoding.validate()
         self.parallel.validate()
         self.server.validate()
+        if self.server.prefix_cache and ((self.parallel.workers or 1) > 1 or self.parallel.tp > 1):
+            raise ValueError("server.prefix_cache is not supported with LP workers or tensor parallelism yet "
+                             "(parallel.workers / parallel.tp > 1): set server.prefix_cache=false")
         if self.decoding.mode != "lookahead":
             raise ValueError(f"lp.serve decodes with lookahead only; decoding.mode must be 'lookahead', got {self.decoding.mode!r}")
         return self

@@ -51,6 +51,8 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None
     first_token: float | None = None
+    prompt_logprobs: int | None = None  # lp.engine.batch's add(prompt_logprobs=...) (completions echo + logprobs)
+    prompt_only: bool = False  # add(prompt_only=True): echo with max_tokens 0
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:

@@ -36,6 +36,13 @@ class ServerMetrics:
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.kv_blocks = Gauge("lp_kv_blocks_in_use", "Blocks of the paged K/V cache in use", registry=r)
         self.kv_blocks_total = Gauge("lp_kv_blocks_total", "Blocks of the paged K/V cache", registry=r)
+        self.prefix_hit_tokens = Counter("lp_prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the "
+                                         "prefix cache (server.prefix_cache)", registry=r)
+        self.prefix_cached_blocks = Gauge("lp_prefix_cache_blocks", "Registered blocks of the prefix cache "
+                                          "(held by a running request or evictable)", registry=r)
+        self.prefix_evictions = Counter("lp_prefix_cache_evicted_blocks", "Cached blocks evicted to make room "
+                                        "(server.prefix_cache)", registry=r)
+        self._evicted = 0
         self.workers = Gauge("lp_workers", "LP workers decoding each request", registry=r)
         self.workers.set(workers)
 
@@ -43,6 +50,7 @@ class ServerMetrics:
         st = result.stats
         self.requests.labels(endpoint, result.finish_reason).inc()
         self.prompt_tokens.inc(prompt_len)
+        self.prefix_hit_tokens.inc(getattr(st, "cached_tokens", 0))
         self.completion_tokens.inc(len(result.output_ids))
         self.steps.inc(st.steps)
         if st.steps:
@@ -52,6 +60,12 @@ class ServerMetrics:
         self.decode_time.observe(st.decode_time_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
+
+    def observe_evictions(self, total: int) -> None:
+        """The pool's running count of evicted cached blocks (the counter moves by the difference)."""
+        if total > self._evicted:
+            self.prefix_evictions.inc(total - self._evicted)
+            self._evicted = total
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -131,7 +131,7 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # a list of prompts: one (lm-eval sends [[ids]])
     logprobs: int | None = None  # top logprobs per token, 0..20 (0: the chosen token's only)
     echo: bool | None = None
     best_of: Any = None  # refused unless 1
@@ -242,28 +242,56 @@ class Prepared:
     return_token_ids: bool = False
     echo_text: str | None = None  # completions with echo: the prompt text, returned before the completion
     user: str | None = None  # user / safety_identifier, for the request log
+    prompt_logprobs: int | None = None  # completions with echo + logprobs: the prompt's own logprobs (top k)
+    prompt_only: bool = False  # completions with echo and max_tokens 0: the prompt only, no new token
+    n: int = 1  # choices (each its own sequence)
 
 
 def prepare(req: _Common, ctx: ServingContext) -> Prepared:
     if req.model is not None and req.model != ctx.model_id:
         raise ApiError(f"The model '{req.model}' does not exist; this server serves '{ctx.model_id}'.",
                        param="model", code="model_not_found")
-    if req.n is not None and req.n != 1:
-        raise ApiError(f"Invalid value for 'n': only n=1 is supported (got {req.n}).", param="n", code="invalid_value")
+    n = _choices(req, ctx.limits)
     _refuse_unsupported(req)
     prompt_ids, prompt_param = _prompt_ids(req, ctx)
-    d = _decoding(req, ctx, len(prompt_ids), prompt_param)
+    prompt_only = _echo_only(req)
+    d = _decoding(req.model_copy(update={"max_tokens": 1}) if prompt_only else req, ctx, len(prompt_ids), prompt_param)
     stream = bool(req.stream)
-    echo_text = None
+    echo_text, prompt_logprobs = None, None
     if isinstance(req, CompletionRequest) and req.echo:
+        if d.logprobs and stream:
+            raise ApiError("Invalid value for 'echo': echo with logprobs (prompt logprobs) is not supported when "
+                           "streaming; set stream to false.", param="echo", code="unsupported_parameter")
         if d.logprobs:
-            raise ApiError("Invalid value for 'echo': echo with logprobs (prompt logprobs) is not supported.",
-                           param="echo", code="unsupported_parameter")
+            prompt_logprobs = d.top_logprobs
         p = req.prompt
-        echo_text = p if isinstance(p, str) else p[0] if p and isinstance(p[0], str) else ctx.tokenizer.decode(p)
+        echo_text = p if isinstance(p, str) else p[0] if p and isinstance(p[0], str) else ctx.tokenizer.decode(prompt_ids)
     user = req.user or getattr(req, "safety_identifier", None)
     return Prepared(prompt_ids, d, stream, bool(stream and req.stream_options and req.stream_options.include_usage),
-                    bool(req.lookahead and req.lookahead.return_token_ids), echo_text, user)
+                    bool(req.lookahead and req.lookahead.return_token_ids), echo_text, user, prompt_logprobs,
+                    prompt_only, n)
+
+
+def _choices(req: _Common, lim) -> int:
+    """``n``: choices per request, each decoded as its own sequence (sampled ones with seeds
+    seed, seed + 1, ...), at most server.max_n; not streamed yet."""
+    n = 1 if req.n is None else req.n
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= getattr(lim, "max_n", 1):
+        raise _bad("n", f"expected an integer in [1, {getattr(lim, 'max_n', 1)}]", req.n)
+    if n > 1 and req.stream:
+        raise ApiError("Invalid value for 'n': n > 1 is not supported when streaming yet; set stream to false.",
+                       param="n", code="unsupported_parameter")
+    return n
+
+
+def _echo_only(req: _Common) -> bool:
+    """Completions ``max_tokens: 0`` with ``echo``: score the prompt, generate nothing (what
+    lm-eval's loglikelihood sends); 0 without echo stays an error."""
+    if not isinstance(req, CompletionRequest) or req.max_tokens != 0 or req.max_completion_tokens is not None:
+        return False
+    if not req.echo:
+        raise _bad("max_tokens", "expected an integer >= 1 (0 only with echo)", req.max_tokens)
+    return True
 
 
 def _refuse_unsupported(req: _Common) -> None:
@@ -298,7 +326,7 @@ def _prompt_ids(req: _Common, ctx: ServingContext) -> tuple[list[int], str]:
             ids = ids["input_ids"]
         return [int(t) for t in ids], "messages"
     p = req.prompt
-    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
         if len(p) != 1:
             raise ApiError("Invalid value for 'prompt': only one prompt per request is supported.",
                            param="prompt", code="invalid_value")

@@ -1,0 +1,180 @@
+"""Automatic prefix caching in the paged pool (lp.model.paged) and the batch engine
+(lp.engine.batch, ``prefix_cache=True``).
+
+A later request whose prompt starts with an earlier one's rows (a chat's next turn: the
+same system prompt, the earlier turns and replies) reuses their K/V blocks instead of
+computing them; every output stays transformers' greedy ``generate`` of its own prompt,
+token for token, and equals a cold engine's. Under pressure the least recently released
+cached blocks are evicted, never one a running sequence holds.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lp.config import DecodingConfig
+from lp.engine.batch import BatchEngine
+from lp.model.paged import BlockTable
+from lp.model.runner import ModelRunner
+from tests.helpers import hf_greedy
+
+TREE = dict(drafts="suffix", draft_budget="all", W=2, N=3, G=3, window_policy="always", max_draft_rows=8)
+SYSTEM = [(7 * i) % 97 + 3 for i in range(45)]  # 5 blocks of 8 + 5 rows
+
+
+def _run(engine, prompt, cfg):
+    rid = engine.add(prompt, cfg)
+    while engine.has_work:
+        engine.step()
+    return engine.result(rid)
+
+
+# -- the block table ---------------------------------------------------------------
+
+
+def test_block_table_hits_refs_and_lru_eviction():
+    bt = BlockTable(6, 4, prefix_cache=True)
+    a = list(range(100, 113))  # 13 tokens: 3 full blocks
+    assert bt.reserve(0, 16, a) == 0 and bt.lookup(a) == []
+    bt.lengths[0] = 13
+    bt.grow(0, 13)
+    bt.register(0, a)
+    assert len(bt.by_digest) == 3 and bt.lookup(a) == bt.tables[0][:3]
+    assert bt.lookup(a[:12]) == bt.tables[0][:2]  # at most len(prompt) - 1 rows: the last is fed
+    other = [1] + a[1:]
+    assert bt.lookup(other) == []  # a different first block: the chain misses from the start
+    # a second sequence shares the cached prefix while the first still runs
+    assert bt.reserve(1, 16, a + [5]) == 12
+    shared = bt.tables[1][:3]
+    assert shared == bt.tables[0][:3] and all(bt.refs[b] == 2 for b in shared)
+    assert bt.lengths[1] == 12 and len(bt.owned[1]) == 4
+    bt.release(0)
+    assert not bt.evictable and all(bt.refs[b] == 1 for b in shared)  # still held by 1
+    bt.release(1)
+    assert list(bt.evictable) == shared and len(bt.free) == 3 and bt.available == 6
+    # a reservation larger than the free list evicts the least recently released first
+    assert bt.can_reserve(20) and bt.cost(20, [], set()) == 5
+    bt.reserve(2, 20)
+    assert bt.evictions == 2 and list(bt.evictable) == [shared[2]] and bt.lookup(a) == []
+    bt.release(2)
+    assert bt.available == 6
+
+
+def test_a_round_pins_every_hit_before_evicting():
+    """Pool of 6 blocks of 4: Y's 3 cached blocks are the least recently released, one more
+    cached block after them, 2 free. A round admitting X (3 new blocks: one must be evicted)
+    before Y (all 3 hits) fits exactly -- only if X evicts the other block, not Y's."""
+    bt = BlockTable(6, 4, prefix_cache=True)
+    y, other = list(range(100, 113)), list(range(200, 205))
+    for seq, ids in ((0, y), (1, other)):
+        bt.reserve(seq, len(ids) - 1, ids)
+        bt.grow(seq, len(ids) - 1)
+        bt.lengths[seq] = len(ids) - 1
+        bt.register(seq, ids)
+    bt.release(0)
+    bt.release(1)
+    assert len(bt.free) == 2 and len(bt.evictable) == 4
+    claimed = set()
+    assert bt.cost(12, [], claimed) + bt.cost(12, y, claimed) == 6 == bt.available
+    assert bt.reserve_round([(2, 12, []), (3, 12, y)]) == [0, 12]
+    assert bt.lookup(other) == [] and bt.evictions == 1
+
+
+def test_admission_counts_cached_blocks(tiny_factory):
+    """A request that does not fit a full pool fits once most of its prompt is cached, and
+    two waiting requests hitting the same evictable blocks count them once."""
+    runner = ModelRunner(tiny_factory("llama"))
+    engine = BatchEngine(runner, kv_tokens=96, block_size=8, max_batch=4, prefix_cache=True)
+    cfg = DecodingConfig(max_new_tokens=8, W=1, N=2, G=0)
+    prompt = SYSTEM + [5, 6]
+    first = _run(engine, prompt, cfg)
+    assert engine.cache.blocks.evictable and first.stats.cached_tokens == 0
+    a, b = engine.add(prompt + [9], cfg), engine.add(prompt + [10], cfg)
+    assert engine.admissions() == [a, b]  # 2 x (new blocks) + the 5 shared evictable ones once
+    outs = {}
+    while engine.has_work:
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_tokens)
+    model = runner.model
+    assert outs[a] == hf_greedy(model, prompt + [9], 8) and outs[b] == hf_greedy(model, prompt + [10], 8)
+    assert engine.result(a).stats.cached_tokens == 40 and engine.result(b).stats.cached_tokens == 40
+    assert engine.blocks_in_use == 0 and engine.cache.blocks.available == engine.cache.blocks.num_blocks
+
+
+# -- exactness ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("gemma3", "sdpa"), ("llama", "eager")])
+def test_chat_turns_equal_generate_and_cold(tiny_factory, family, attention):
+    """Four turns of a chat over token ids: each turn's prompt is the last prompt, its reply
+    and a new user message. Warm: the cached prefix covers all but the newest rows (at
+    least the system prompt and the earlier turns); every reply == generate == a cold
+    engine's (no prefix cache)."""
+    model = tiny_factory(family)
+    runner = ModelRunner(model, attention=attention)
+    warm = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=4, max_prefill_tokens=16, prefix_cache=True)
+    cold = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=4, max_prefill_tokens=16)
+    rng = random.Random(1)
+    prompt = list(SYSTEM)
+    for turn in range(4):
+        prompt = prompt + [rng.randrange(3, 120) for _ in range(5 + turn)]
+        cfg = DecodingConfig(max_new_tokens=12, **TREE)
+        w, c = _run(warm, prompt, cfg), _run(cold, prompt, cfg)
+        ref = hf_greedy(model, prompt, 12)
+        assert w.output_ids == ref, f"turn {turn}: warm {w.output_ids} vs generate {ref}"
+        assert c.output_ids == ref and c.stats.cached_tokens == 0
+        if turn:
+            assert w.stats.cached_tokens >= len(prompt) - 8 - 5 - turn - 12, (turn, w.stats.cached_tokens)
+        prompt = prompt + w.output_ids
+    assert warm.blocks_in_use == 0
+
+
+def test_shared_prefix_while_running_and_eviction_under_pressure(tiny_factory):
+    """A pool of 14 blocks of 8: requests with the shared system prompt join while others
+    hold it (ref counts), then distinct prompts push the cached blocks out (LRU) and the
+    system prompt is computed again; every output == generate, nothing leaks."""
+    model = tiny_factory("llama")
+    runner = ModelRunner(model)
+    engine = BatchEngine(runner, kv_tokens=14 * 8, block_size=8, max_batch=3, max_prefill_tokens=16,
+                         prefix_cache=True)
+    cfg = DecodingConfig(max_new_tokens=10, **TREE)
+    rng = random.Random(2)
+    prompts = [SYSTEM + [rng.randrange(3, 120) for _ in range(4)] for _ in range(3)]
+    prompts += [[rng.randrange(3, 120) for _ in range(50)] for _ in range(2)]  # distinct: evict the system's blocks
+    prompts += [SYSTEM + [11, 12]]
+    ids, outs = [], {}
+    for step in range(400):
+        if step in (0, 6, 7) or (step >= 8 and len(ids) < len(prompts) and not engine.waiting):
+            ids.append(engine.add(prompts[len(ids)], cfg))
+        if not engine.has_work and len(ids) == len(prompts):
+            break
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_tokens)
+    assert len(ids) == len(prompts)
+    results = [engine.result(i) for i in ids]
+    for i, (p, rid, res) in enumerate(zip(prompts, ids, results)):
+        ref = hf_greedy(model, p, 10)
+        assert outs[rid] == ref and res.output_ids == ref, f"request {i}"
+    cached = [r.stats.cached_tokens for r in results]
+    assert cached[1] == 40 and cached[2] == 40, cached  # joined while request 0 held the prefix
+    assert engine.cache.blocks.evictions > 0, "the distinct prompts should have evicted cached blocks"
+    blocks = engine.cache.blocks
+    assert engine.blocks_in_use == 0 and blocks.available == blocks.num_blocks
+    assert all(r == 0 for r in blocks.refs.values())
+
+
+def test_prefix_cache_refused_under_lp(tiny_factory):
+    runner = ModelRunner(tiny_factory("llama"))
+    with pytest.raises(ValueError, match="server.prefix_cache"):
+        BatchEngine(runner, kv_tokens=256, prefix_cache=True, group=object())
+
+
+def test_eviction_metric_moves_by_the_pool_count():
+    from lp.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    for total in (0, 3, 3, 5):
+        m.observe_evictions(total)
+    assert m.prefix_evictions._value.get() == 5
