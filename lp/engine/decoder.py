@@ -46,7 +46,7 @@ import torch
 from lp.drafts.budget import AcceptanceModel
 from lp.config import DecodingConfig
 from lp.parallel.dist import Frame, greedy_payload, read_greedy, read_sampled, sampled_payload
-from lp.drafts.select import Scored, observe, select_tree, suffix_drafts
+from lp.drafts.select import FORCED, Scored, observe, select_tree, suffix_drafts
 from lp.lookahead.layout import build_tree_layout
 from lp.model.runner import ModelRunner
 from lp.lookahead.pool import ContextIndex, NGramPool
@@ -82,6 +82,7 @@ class GenerationStats:
     mean_rows_per_rank: list[float] = field(default_factory=list)
     workers: int = 1
     records: list[StepRecord] = field(default_factory=list)
+    forced_tokens: int = 0  # output tokens accepted from the grammar's forced drafts (lp.grammar)
 
     @property
     def compression_ratio(self) -> float:
@@ -105,6 +106,7 @@ class GenerationStats:
             "mean_rows": round(self.mean_rows, 2),
             "mean_rows_per_rank": [round(r, 2) for r in self.mean_rows_per_rank],
             "workers": self.workers,
+            "forced_tokens": self.forced_tokens,
         }
 
 
@@ -220,7 +222,9 @@ class _Run:
     eos: set[int]
     index: SuffixIndex | None = None  # prompt + output (drafts=suffix)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
-    proc: RowProcessor | None = None  # logit_bias / penalties along the tree
+    proc: RowProcessor | None = None  # logit_bias / penalties (and the grammar mask) along the tree
+    grammar: object = None  # lp.grammar.matcher.RowGrammar when the request is structured
+    forced_tokens: int = 0  # emitted tokens that came from the grammar's forced draft
     out: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     step: int = 0
@@ -263,6 +267,9 @@ class LookaheadDecoder:
         dtype_name = str(runner.dtype).replace("torch.", "")
         self.cfg = cfg.validate().with_hardware_defaults(runner.device.type, dtype_name, cpu_has_amx_bf16())
         self.group = group  # lp.parallel.dist.WorkerGroup or None
+        from lp.grammar.matcher import grammar_of
+
+        self.grammar_text = grammar_of(self.cfg)  # llguidance grammar text or None (compiled once, cached)
         self.merge = GatherMerge(group) if group is not None else LocalMerge()
         self.commit = RefeedCommit() if group is not None and group.lp_size > 1 else CompactCommit()
         self.workers = self.merge.workers
@@ -287,6 +294,9 @@ class LookaheadDecoder:
         bad = [t for t in self.cfg.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"decoding.logit_bias keys must be token ids in [0, {vocab}), got {bad[0]}")
+        if self.grammar_text is not None and self.workers > 1:
+            raise ValueError("structured output (decoding.json_schema / grammar, response_format) is not supported "
+                             "with parallel.workers > 1 yet; use one process")
         if self.cfg.logprobs and self.workers > 1:
             raise ValueError("decoding.logprobs is not supported with parallel.workers > 1 (the verifying rows "
                              "may live on another worker); use one process")
@@ -332,7 +342,9 @@ class LookaheadDecoder:
             eos_token_ids = [eos_token_ids]
         if cfg.stop_strings and tokenizer is None:
             raise ValueError("decoding.stop_strings needs a tokenizer to decode the output")
-        run = self._start(prompt_ids, set(eos_token_ids or []))
+        if self.grammar_text is not None and tokenizer is None:
+            raise ValueError("structured output (decoding.json_schema / grammar) needs the tokenizer")
+        run = self._start(prompt_ids, set(eos_token_ids or []), tokenizer=tokenizer)
         stats = GenerationStats(workers=self.workers)
         if streamer is not None:
             streamer.put(torch.tensor([prompt_ids]))
@@ -352,6 +364,7 @@ class LookaheadDecoder:
             emitted = self.publish(run, path.emitted, cancelled, tokenizer)
             if run.proc is not None:
                 run.proc.extend(emitted)
+            self.grammar_commit(run, prop, emitted)
             lps = _logprobs(raw_KV, layout, path, len(emitted), cfg.top_logprobs) if cfg.logprobs else None
             if lps:
                 run.logprobs.extend(lps)
@@ -376,9 +389,10 @@ class LookaheadDecoder:
         if streamer is not None:
             streamer.end()
         _finish_stats(stats, len(run.out), self.workers)
+        stats.forced_tokens = run.forced_tokens
         return GenerationResult(run.out, stats, run.finish, run.logprobs if cfg.logprobs else None)
 
-    def _start(self, prompt_ids: list[int], eos: set[int], cache=None) -> _Run:
+    def _start(self, prompt_ids: list[int], eos: set[int], cache=None, tokenizer=None) -> _Run:
         """A run's state; ``cache``: the run's K/V (lp.engine.batch passes a view of its paged cache)."""
         cfg = self.cfg
         rng = random.Random(cfg.seed)
@@ -405,7 +419,14 @@ class LookaheadDecoder:
         self.merge.begin(Frame(self.max_draft + 1, self.draft_rows, cfg.W + cfg.N - 2))
         proc = RowProcessor(cfg, prompt_ids, self.runner.vocab_size, self.runner.device) if wants_processing(cfg) \
             else None
-        return _Run(list(prompt_ids), list(prompt_ids), window, pool, context, cache, eos, index, proc=proc)
+        grammar = None
+        if self.grammar_text is not None:
+            from lp.grammar.matcher import Chain, RowGrammar
+
+            grammar = RowGrammar(self.grammar_text, tokenizer, self.runner.vocab_size, self.runner.device, sorted(eos))
+            proc = grammar if proc is None else Chain([proc, grammar])  # the mask after bias / penalties
+        return _Run(list(prompt_ids), list(prompt_ids), window, pool, context, cache, eos, index, proc=proc,
+                    grammar=grammar)
 
     # -- stages -------------------------------------------------------------
 
@@ -439,6 +460,10 @@ class LookaheadDecoder:
             opts.scored = suffix_drafts(run.index, self.draft_store, run.tokens, cfg.max_draft_len, cfg.G,
                                         cfg.draft_alpha)
             opts.scored += [Scored(s, 0, 1.0) for s in run.pool.get(x, cfg.G)]
+            if run.grammar is not None and cfg.G > 0:  # G = 0 turns every draft source off
+                forced = run.grammar.forced(self.max_draft)
+                if forced:
+                    opts.scored.insert(0, Scored(forced, FORCED, 1.0))
             w_rows = 0
             if window_fits and cfg.window_policy != "off":
                 w_rows = -(-column_rows(range(window.num_columns), window.depth) // self.workers)
@@ -548,6 +573,20 @@ class LookaheadDecoder:
         if run.context is not None:
             run.pool.add_sequence(run.tokens, start=len(run.tokens) - len(emitted) - (self.cfg.N - 1))
             run.context.extend(emitted)
+
+    def grammar_commit(self, run: _Run, prop: _Proposal, emitted: list[int]) -> None:
+        """Count the emitted tokens the grammar's forced draft gave; a matcher with no valid
+        continuation ends the run with finish_reason "length" (never invalid output as valid)."""
+        g = run.grammar
+        if g is None:
+            return
+        forced = next((s.tokens for s in prop.scored if s.match_len == FORCED), ())
+        k = 0  # the draft's accepted prefix (the step's last token is the model's own)
+        while k < len(emitted) - 1 and k < len(forced) and emitted[k] == forced[k]:
+            k += 1
+        run.forced_tokens += k
+        if g.dead and not run.done:
+            run.done, run.finish = True, "length"
 
     # -- helpers ------------------------------------------------------------
 
