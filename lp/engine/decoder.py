@@ -5,12 +5,14 @@ new token ids and the stats. It knows token ids only (no tokenizer, except to
 check stop strings). A step is a chain of named stages, each a small method:
 
     propose   drafts for the current token x (suffix index over prompt + output, the
-              cross-request store, the window's n-gram pool; or the paper's pooled
+              cross-request store, the window's n-gram pool, the grammar's forced continuation
+              with acceptance 1 when the request is structured (lp.grammar); or the paper's pooled
               candidates), cut to the draft budget (lp.drafts.select, lp.drafts.budget), the shard plan
     lay_out   the packed rows (lp.lookahead.layout: the drafts as one token trie, a row per node;
               the skeleton is cached by shape)
     forward   one packed forward (lp.model.runner), logits of the kept rows on the device;
-              logit_bias and penalties applied per row with its own history (lp.lookahead.processors)
+              logit_bias and penalties applied per row with its own history (lp.lookahead.processors),
+              then the grammar mask of each row's own path (lp.grammar.matcher.RowGrammar)
     verify    walk the candidate trie (lp.lookahead.verify; greedy argmax with ONE device->host
               read per step, or the exact sampler of lp.lookahead.sampling)
     merge     combine the workers' verdicts (identity in one process; one

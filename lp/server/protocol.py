@@ -13,9 +13,11 @@ the completion's token ids (``output_ids``) to the response's ``lookahead`` obje
 
 Every field is honored or refused, none ignored (``FIELD_POLICY``): a field of the OpenAI
 API (or a vLLM extension) that lp does not implement gets a 400 naming it
-(``unsupported_parameter``) unless it carries its no-op value (``tools: []``,
-``response_format: {"type": "text"}``, ``n: 1``, ...); a field neither defines gets OpenAI's
-``Unrecognized request argument supplied`` 400.
+(``unsupported_parameter``) unless it carries its no-op value (``functions: []``, ``n: 1``, ...);
+a field neither defines gets OpenAI's ``Unrecognized request argument supplied`` 400.
+``response_format`` / vLLM's ``structured_outputs`` become the DecodingConfig's grammar
+(lp.server.structured); ``tools`` / ``tool_choice`` a prompt, maybe a grammar, and a ToolPlan the
+answer is parsed with (lp.server.tools).
 """
 
 from __future__ import annotations
