@@ -2,7 +2,7 @@
 transformers ``generate`` with llguidance's mask.
 
 Contract: ``python -m bench.structured [--tokens 128] [--rounds 2] [--threads 2] [--batch 8]
-[--out bench/results/structured]`` loads SmolLM2-135M-Instruct (fp32, this CPU) once and
+[--per-schema 2] [--out bench/results/structured]`` loads SmolLM2-135M-Instruct (fp32, this CPU) once and
 decodes chat prompts under several JSON schema shapes (lp.grammar.matcher.compile_grammar,
 what ``response_format: json_schema`` compiles to in lp.serve), greedily, three ways:
 
@@ -74,6 +74,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--per-schema", type=int, default=2, help="prompts per schema (of 2)")
     ap.add_argument("--out", default="bench/results/structured")
     a = ap.parse_args(argv)
 
@@ -113,7 +114,7 @@ def main(argv=None) -> None:
 
     run_lp(chat("warm up"), compile_grammar("json_schema", SCHEMAS["person"]))  # t(Q) curve, kernels
     rows = []
-    jobs = [(name, text) for name in SCHEMAS for text in PROMPTS[name]]
+    jobs = [(name, text) for name in SCHEMAS for text in PROMPTS[name][: a.per_schema]]
     for name, text in jobs:
         grammar = compile_grammar("json_schema", SCHEMAS[name])
         prompt = chat(text)
