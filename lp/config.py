@@ -57,6 +57,12 @@ class DecodingConfig:
     # processor), and the top_logprobs most likely tokens of its position (0..20)
     logprobs: bool = False
     top_logprobs: int = 0
+    # structured output (lp.grammar): every verified row is masked by the grammar, and the grammar's
+    # forced continuation is a draft. json_schema: a path to a JSON schema file (or its JSON text);
+    # grammar: llguidance grammar text (lp.grammar.matcher.compile_grammar; lp.serve fills it from
+    # response_format / structured_outputs). Needs the tokenizer.
+    json_schema: str | None = None
+    grammar: str | None = None
 
     def with_hardware_defaults(self, device_type: str, dtype_name: str, amx: bool) -> "DecodingConfig":
         """A copy with every unset W/N/G/window_policy taken from ``hardware_defaults``."""
@@ -117,6 +123,9 @@ class DecodingConfig:
         need(isinstance(self.logprobs, bool), "logprobs", "true or false", self.logprobs)
         need(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20, "top_logprobs", "an integer in [0, 20]",
              self.top_logprobs)
+        for name in ("json_schema", "grammar"):
+            v = getattr(self, name)
+            need(v is None or (isinstance(v, str) and v != ""), name, "a non-empty string or null", v)
         need(self.top_logprobs == 0 or self.logprobs, "top_logprobs", "0 unless logprobs is true", self.top_logprobs)
         return self
 

@@ -189,6 +189,15 @@ def _run_ar(model, tokenizer, prompt_ids, dcfg: DecodingConfig, eos, streamer):
         kwargs.update(temperature=dcfg.temperature, top_k=dcfg.top_k or None, top_p=dcfg.top_p)
     if dcfg.stop_strings:
         kwargs.update(stop_strings=list(dcfg.stop_strings), tokenizer=tokenizer)
+    from lp.grammar.matcher import GenerateGrammarProcessor, grammar_of
+
+    grammar = grammar_of(dcfg)
+    if grammar is not None:  # decoding.json_schema / grammar: the same llguidance mask as lookahead's
+        from transformers import LogitsProcessorList
+
+        procs = kwargs.pop("logits_processor", None) or LogitsProcessorList()
+        procs.append(GenerateGrammarProcessor(grammar, tokenizer, model.config.vocab_size, len(prompt_ids), eos))
+        kwargs["logits_processor"] = procs
     input_ids = torch.tensor([prompt_ids], device=model.device)
     t = time.perf_counter()
     with torch.inference_mode():

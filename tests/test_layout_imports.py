@@ -2,7 +2,7 @@
 
 Layers, lowest first (``lp/<folder>/__init__.py`` states each one's contract)::
 
-    config < lookahead < drafts < model < parallel < engine < server < entry points
+    config < lookahead < grammar < drafts < model < parallel < engine < server < entry points
 
 ``lp.config`` is a leaf every layer may read; the entry points are ``lp/__init__`` (the public
 API), ``lp.cli``, ``lp.generate`` and ``lp.serve``. A module may import its own layer or a lower
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "lp"
-LAYERS = ["config", "lookahead", "drafts", "model", "parallel", "engine", "server", "entry"]
+LAYERS = ["config", "lookahead", "grammar", "drafts", "model", "parallel", "engine", "server", "entry"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 
@@ -152,6 +152,7 @@ def test_no_circle_between_modules_or_folders():
 
 @pytest.mark.parametrize("folder,forbidden", [
     ("lookahead", ("transformers", "torch.distributed")),
+    ("grammar", ("transformers", "torch.distributed")),
     ("drafts", ("transformers", "torch.distributed", "torch")),
     ("model", ("torch.distributed",)),
     ("engine", ("torch.distributed", "transformers")),

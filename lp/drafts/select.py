@@ -53,10 +53,15 @@ from lp.drafts.budget import AcceptanceModel, best_k, bucket, cost, envelope, pa
 from lp.lookahead.tree import merge_trie
 
 
+# match_len of a draft whose acceptance is certain: the grammar's forced continuation
+# (lp.grammar): P = 1 along it, and it teaches the acceptance model nothing
+FORCED = -1
+
+
 @dataclass(frozen=True)
 class Scored:
     tokens: tuple[int, ...]
-    match_len: int  # 0: n-gram pool
+    match_len: int  # 0: n-gram pool; FORCED: the grammar's forced tokens
     freq: float  # share of the matched occurrences continuing with these tokens (1.0: unknown)
 
 
@@ -218,7 +223,8 @@ def node_probs(drafts: Sequence[Scored], trie, acceptance: AcceptanceModel) -> l
     for d, path in zip(drafts, trie.paths):
         p = d.freq
         for j, node in enumerate(path):
-            p *= acceptance.rate(d.match_len + j if d.match_len else 0)
+            if d.match_len != FORCED:
+                p *= acceptance.rate(d.match_len + j if d.match_len else 0)
             if p > prob[node]:
                 prob[node] = p
     return prob
@@ -258,6 +264,8 @@ def observe(acceptance: AcceptanceModel, drafts: Sequence[Scored], verified: Seq
     """
     seen: set[int] = set()
     for d in drafts:
+        if d.match_len == FORCED:
+            continue
         b = bucket(d.match_len)
         if b in seen:
             continue

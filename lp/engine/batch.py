@@ -233,6 +233,8 @@ class BatchEngine:
         dec._check_request(prompt)
         if dec.cfg.stop_strings and tokenizer is None:
             raise ValueError("decoding.stop_strings needs a tokenizer to decode the output")
+        if dec.grammar_text is not None and tokenizer is None:
+            raise ValueError("structured output (decoding.json_schema / grammar) needs the tokenizer")
         need = len(prompt) + dec.cfg.max_new_tokens + dec.max_step_rows()
         blocks = self.cache.blocks
         if blocks_for(need, blocks.block_size) > blocks.num_blocks:
@@ -337,7 +339,8 @@ class BatchEngine:
         assert len(self.running) + len(reqs) <= self.max_batch, ids
         for req, cached in zip(reqs, blocks.reserve_round([(r.id, r.need, self._lookup_ids(r)) for r in reqs])):
             self.waiting.remove(req)
-            req.run = req.decoder._start(req.prompt, req.eos, cache=SeqView(self.cache, req.id))
+            req.run = req.decoder._start(req.prompt, req.eos, cache=SeqView(self.cache, req.id),
+                                         tokenizer=req.tokenizer)
             req.run.pending = req.prompt[cached:]  # the cached rows are committed already
             req.stats.cached_tokens = cached
             req.t_start = time.perf_counter()
@@ -583,6 +586,7 @@ class BatchEngine:
         dec.collect(run, it.prop, z_all, emitted)
         if run.proc is not None:
             run.proc.extend(emitted)
+        dec.grammar_commit(run, it.prop, emitted)  # lp.grammar: forced-draft count, dead end
         lps = None
         if dec.cfg.logprobs:
             lps = _logprobs(it.raw, it.layout, path, len(emitted), dec.cfg.top_logprobs)
@@ -603,6 +607,7 @@ class BatchEngine:
         stats = req.stats
         stats.decode_time_s = time.perf_counter() - req.t_start
         stats.workers = self.workers
+        stats.forced_tokens = req.run.forced_tokens if req.run is not None else 0
         if stats.records:
             _finish_stats(stats, len(req.run.out), self.workers)
         self._results[req.id] = GenerationResult(list(req.run.out), stats, req.run.finish,

@@ -5,12 +5,14 @@ new token ids and the stats. It knows token ids only (no tokenizer, except to
 check stop strings). A step is a chain of named stages, each a small method:
 
     propose   drafts for the current token x (suffix index over prompt + output, the
-              cross-request store, the window's n-gram pool; or the paper's pooled
+              cross-request store, the window's n-gram pool, the grammar's forced continuation
+              with acceptance 1 when the request is structured (lp.grammar); or the paper's pooled
               candidates), cut to the draft budget (lp.drafts.select, lp.drafts.budget), the shard plan
     lay_out   the packed rows (lp.lookahead.layout: the drafts as one token trie, a row per node;
               the skeleton is cached by shape)
     forward   one packed forward (lp.model.runner), logits of the kept rows on the device;
-              logit_bias and penalties applied per row with its own history (lp.lookahead.processors)
+              logit_bias and penalties applied per row with its own history (lp.lookahead.processors),
+              then the grammar mask of each row's own path (lp.grammar.matcher.RowGrammar)
     verify    walk the candidate trie (lp.lookahead.verify; greedy argmax with ONE device->host
               read per step, or the exact sampler of lp.lookahead.sampling)
     merge     combine the workers' verdicts (identity in one process; one
@@ -46,7 +48,7 @@ import torch
 from lp.drafts.budget import AcceptanceModel
 from lp.config import DecodingConfig
 from lp.parallel.dist import Frame, greedy_payload, read_greedy, read_sampled, sampled_payload
-from lp.drafts.select import Scored, observe, select_tree, suffix_drafts
+from lp.drafts.select import FORCED, Scored, observe, select_tree, suffix_drafts
 from lp.lookahead.layout import build_tree_layout
 from lp.model.runner import ModelRunner
 from lp.lookahead.pool import ContextIndex, NGramPool
@@ -83,6 +85,7 @@ class GenerationStats:
     workers: int = 1
     records: list[StepRecord] = field(default_factory=list)
     cached_tokens: int = 0  # prompt rows reused from lp.engine.batch's prefix cache (not computed)
+    forced_tokens: int = 0  # output tokens accepted from the grammar's forced drafts (lp.grammar)
 
     @property
     def compression_ratio(self) -> float:
@@ -106,6 +109,7 @@ class GenerationStats:
             "mean_rows": round(self.mean_rows, 2),
             "mean_rows_per_rank": [round(r, 2) for r in self.mean_rows_per_rank],
             "workers": self.workers,
+            "forced_tokens": self.forced_tokens,
         }
 
 
@@ -223,7 +227,9 @@ class _Run:
     eos: set[int]
     index: SuffixIndex | None = None  # prompt + output (drafts=suffix)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
-    proc: RowProcessor | None = None  # logit_bias / penalties along the tree
+    proc: RowProcessor | None = None  # logit_bias / penalties (and the grammar mask) along the tree
+    grammar: object = None  # lp.grammar.matcher.RowGrammar when the request is structured
+    forced_tokens: int = 0  # emitted tokens that came from the grammar's forced draft
     out: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     step: int = 0
@@ -266,6 +272,9 @@ class LookaheadDecoder:
         dtype_name = str(runner.dtype).replace("torch.", "")
         self.cfg = cfg.validate().with_hardware_defaults(runner.device.type, dtype_name, cpu_has_amx_bf16())
         self.group = group  # lp.parallel.dist.WorkerGroup or None
+        from lp.grammar.matcher import grammar_of
+
+        self.grammar_text = grammar_of(self.cfg)  # llguidance grammar text or None (compiled once, cached)
         self.merge = GatherMerge(group) if group is not None else LocalMerge()
         self.commit = RefeedCommit() if group is not None and group.lp_size > 1 else CompactCommit()
         self.workers = self.merge.workers
@@ -290,6 +299,9 @@ class LookaheadDecoder:
         bad = [t for t in self.cfg.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"decoding.logit_bias keys must be token ids in [0, {vocab}), got {bad[0]}")
+        if self.grammar_text is not None and self.workers > 1:
+            raise ValueError("structured output (decoding.json_schema / grammar, response_format) is not supported "
+                             "with parallel.workers > 1 yet; use one process")
         if self.cfg.logprobs and self.workers > 1:
             raise ValueError("decoding.logprobs is not supported with parallel.workers > 1 (the verifying rows "
                              "may live on another worker); use one process")
@@ -335,7 +347,9 @@ class LookaheadDecoder:
             eos_token_ids = [eos_token_ids]
         if cfg.stop_strings and tokenizer is None:
             raise ValueError("decoding.stop_strings needs a tokenizer to decode the output")
-        run = self._start(prompt_ids, set(eos_token_ids or []))
+        if self.grammar_text is not None and tokenizer is None:
+            raise ValueError("structured output (decoding.json_schema / grammar) needs the tokenizer")
+        run = self._start(prompt_ids, set(eos_token_ids or []), tokenizer=tokenizer)
         stats = GenerationStats(workers=self.workers)
         if streamer is not None:
             streamer.put(torch.tensor([prompt_ids]))
@@ -355,6 +369,7 @@ class LookaheadDecoder:
             emitted = self.publish(run, path.emitted, cancelled, tokenizer)
             if run.proc is not None:
                 run.proc.extend(emitted)
+            self.grammar_commit(run, prop, emitted)
             lps = _logprobs(raw_KV, layout, path, len(emitted), cfg.top_logprobs) if cfg.logprobs else None
             if lps:
                 run.logprobs.extend(lps)
@@ -379,9 +394,10 @@ class LookaheadDecoder:
         if streamer is not None:
             streamer.end()
         _finish_stats(stats, len(run.out), self.workers)
+        stats.forced_tokens = run.forced_tokens
         return GenerationResult(run.out, stats, run.finish, run.logprobs if cfg.logprobs else None)
 
-    def _start(self, prompt_ids: list[int], eos: set[int], cache=None) -> _Run:
+    def _start(self, prompt_ids: list[int], eos: set[int], cache=None, tokenizer=None) -> _Run:
         """A run's state; ``cache``: the run's K/V (lp.engine.batch passes a view of its paged cache)."""
         cfg = self.cfg
         rng = random.Random(cfg.seed)
@@ -408,7 +424,14 @@ class LookaheadDecoder:
         self.merge.begin(Frame(self.max_draft + 1, self.draft_rows, cfg.W + cfg.N - 2))
         proc = RowProcessor(cfg, prompt_ids, self.runner.vocab_size, self.runner.device) if wants_processing(cfg) \
             else None
-        return _Run(list(prompt_ids), list(prompt_ids), window, pool, context, cache, eos, index, proc=proc)
+        grammar = None
+        if self.grammar_text is not None:
+            from lp.grammar.matcher import Chain, RowGrammar
+
+            grammar = RowGrammar(self.grammar_text, tokenizer, self.runner.vocab_size, self.runner.device, sorted(eos))
+            proc = grammar if proc is None else Chain([proc, grammar])  # the mask after bias / penalties
+        return _Run(list(prompt_ids), list(prompt_ids), window, pool, context, cache, eos, index, proc=proc,
+                    grammar=grammar)
 
     # -- stages -------------------------------------------------------------
 
@@ -442,6 +465,10 @@ class LookaheadDecoder:
             opts.scored = suffix_drafts(run.index, self.draft_store, run.tokens, cfg.max_draft_len, cfg.G,
                                         cfg.draft_alpha)
             opts.scored += [Scored(s, 0, 1.0) for s in run.pool.get(x, cfg.G)]
+            if run.grammar is not None and cfg.G > 0:  # G = 0 turns every draft source off
+                forced = run.grammar.forced(self.max_draft)
+                if forced:
+                    opts.scored.insert(0, Scored(forced, FORCED, 1.0))
             w_rows = 0
             if window_fits and cfg.window_policy != "off":
                 w_rows = -(-column_rows(range(window.num_columns), window.depth) // self.workers)
@@ -551,6 +578,20 @@ class LookaheadDecoder:
         if run.context is not None:
             run.pool.add_sequence(run.tokens, start=len(run.tokens) - len(emitted) - (self.cfg.N - 1))
             run.context.extend(emitted)
+
+    def grammar_commit(self, run: _Run, prop: _Proposal, emitted: list[int]) -> None:
+        """Count the emitted tokens the grammar's forced draft gave; a matcher with no valid
+        continuation ends the run with finish_reason "length" (never invalid output as valid)."""
+        g = run.grammar
+        if g is None:
+            return
+        forced = next((s.tokens for s in prop.scored if s.match_len == FORCED), ())
+        k = 0  # the draft's accepted prefix (the step's last token is the model's own)
+        while k < len(emitted) - 1 and k < len(forced) and emitted[k] == forced[k]:
+            k += 1
+        run.forced_tokens += k
+        if g.dead and not run.done:
+            run.done, run.finish = True, "length"
 
     # -- helpers ------------------------------------------------------------
 

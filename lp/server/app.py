@@ -143,6 +143,22 @@ def _usage(ctx, prep, res) -> dict:
     return use
 
 
+def _as_tool_calls(body: dict, prep, text: str) -> dict:
+    """A chat answer that is a call of an allowed tool (lp.server.tools.parse) as OpenAI's
+    ``message.tool_calls`` with ``finish_reason: "tool_calls"``; any other answer as it is."""
+    if prep.tools is None:
+        return body
+    from lp.server.tools import parse
+
+    calls = parse(prep.tools, text)
+    if calls:
+        choice = body["choices"][0]
+        choice["message"] = {"role": "assistant", "content": None,
+                             "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}
+        choice["finish_reason"] = "tool_calls"
+    return body
+
+
 class _Completions:
     """The two OpenAI completion routes: parse and check the request, submit its job to
     the engine, answer whole or as a stream of server-sent events."""
@@ -279,9 +295,9 @@ class _Completions:
                         if res.prompt_logprobs is not None:
                             logprobs = _echo_logprobs(self.ctx.tokenizer, prep, res, lps[: len(res.output_ids)])
                         text = prep.echo_text + text
-                    return JSONResponse(full_response(kind, rid, self.ctx.model_id, text, res.finish_reason,
-                                                      _usage(self.ctx, prep, res),
-                                                      self._info(data, prep), logprobs))
+                    body = full_response(kind, rid, self.ctx.model_id, text, res.finish_reason,
+                                         _usage(self.ctx, prep, res), self._info(data, prep), logprobs)
+                    return JSONResponse(_as_tool_calls(body, prep, text))
         finally:
             job.cancel()  # no-op once done; stops the decode if this handler is torn down
 
@@ -289,6 +305,7 @@ class _Completions:
         model_id = self.ctx.model_id
         done = False
         lps, offset = [], 0  # logprobs waiting for their tokens' chunk; completions' text offset
+        held = [] if prep.tools is not None else None  # tools: the answer is text or a call, known at the end
         try:
             yield _sse(chunk(kind, rid, model_id, "", role=True))
             if prep.echo_text is not None:
@@ -303,7 +320,9 @@ class _Completions:
                     lps = data
                 elif ev == "tokens":
                     delta = detok.push(data)
-                    if lps:
+                    if held is not None:
+                        held.append(delta)
+                    elif lps:
                         yield _sse(chunk(kind, rid, model_id, delta, logprobs=self._logprobs(kind, lps, offset)))
                         offset += sum(len(self.ctx.tokenizer.decode([t.token])) for t in lps)
                         lps = []
@@ -316,7 +335,7 @@ class _Completions:
                     return
                 elif ev == "done":
                     done = True
-                    for event in self._stream_end(data, kind, rid, detok, prep):
+                    for event in self._stream_end(data, kind, rid, detok, prep, held):
                         yield event
                     return
         finally:
@@ -324,7 +343,7 @@ class _Completions:
                 log.info("client of %s went away; cancelling its generation", rid)
             job.cancel()
 
-    def _stream_end(self, out, kind, rid, detok, prep):
+    def _stream_end(self, out, kind, rid, detok, prep, held=None):
         """The last events of a stream: the text's tail, the finish chunk, usage, [DONE]."""
         model_id, res = self.ctx.model_id, out.result
         if res.finish_reason == "cancelled":
@@ -332,9 +351,22 @@ class _Completions:
             yield "data: [DONE]\n\n"
             return
         tail = detok.finish()
+        finish = res.finish_reason
+        if held is not None:  # tools: one delta with the call (OpenAI's delta.tool_calls), or the text
+            from lp.server.tools import parse
+
+            text = "".join(held) + tail
+            calls = parse(prep.tools, text)
+            if calls:
+                c = chunk(kind, rid, model_id, None)
+                c["choices"][0]["delta"]["tool_calls"] = calls
+                yield _sse(c)
+                finish, tail = "tool_calls", ""
+            else:
+                tail = text
         if tail:
             yield _sse(chunk(kind, rid, model_id, tail))
-        yield _sse(chunk(kind, rid, model_id, None if kind == "chat" else "", res.finish_reason,
+        yield _sse(chunk(kind, rid, model_id, None if kind == "chat" else "", finish,
                          lookahead=self._info(out, prep)))
         if prep.include_usage:
             yield _sse(usage_chunk(kind, rid, model_id, _usage(self.ctx, prep, res)))

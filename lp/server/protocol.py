@@ -13,9 +13,11 @@ the completion's token ids (``output_ids``) to the response's ``lookahead`` obje
 
 Every field is honored or refused, none ignored (``FIELD_POLICY``): a field of the OpenAI
 API (or a vLLM extension) that lp does not implement gets a 400 naming it
-(``unsupported_parameter``) unless it carries its no-op value (``tools: []``,
-``response_format: {"type": "text"}``, ``n: 1``, ...); a field neither defines gets OpenAI's
-``Unrecognized request argument supplied`` 400.
+(``unsupported_parameter``) unless it carries its no-op value (``functions: []``, ``n: 1``, ...);
+a field neither defines gets OpenAI's ``Unrecognized request argument supplied`` 400.
+``response_format`` / vLLM's ``structured_outputs`` become the DecodingConfig's grammar
+(lp.server.structured); ``tools`` / ``tool_choice`` a prompt, maybe a grammar, and a ToolPlan the
+answer is parsed with (lp.server.tools).
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: Any = None  # assistant: earlier calls (lp.server.tools renders them)
+    tool_call_id: str | None = None  # tool: the call this output answers
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -101,6 +106,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id: written to the server's request log
     lookahead: LookaheadParams | None = None
+    structured_outputs: Any = None  # vLLM extension: json / regex / choice / grammar (lp.server.structured)
 
 
 class ChatRequest(_Common):
@@ -140,18 +146,16 @@ class CompletionRequest(_Common):
 
 # field -> its no-op values: any other value is refused with a 400 naming the field
 _NOOP = {
-    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "functions": (None, []),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "audio": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
     "web_search_options": (None,), "store": (None, False), "metadata": (None, {}),
     "service_tier": (None, "auto", "default"), "moderation": (None,), "prompt_cache_key": (None,),
     "prompt_cache_retention": (None,), "prompt_cache_options": (None,), "best_of": (None, 1), "suffix": (None, ""),
 }
 _WHY = {
-    "tools": "tool calling is not implemented", "tool_choice": "tool calling is not implemented",
-    "parallel_tool_calls": "tool calling is not implemented", "functions": "function calling is not implemented",
+    "functions": "function calling is not implemented (use tools)",
     "function_call": "function calling is not implemented",
-    "response_format": "only {\"type\": \"text\"} is supported (no JSON mode or schemas)",
     "audio": "audio output is not supported", "modalities": "only [\"text\"] is supported",
     "prediction": "predicted outputs are not supported", "reasoning_effort": "this model does not reason",
     "verbosity": "this model does not reason", "web_search_options": "web search is not available",
@@ -168,7 +172,9 @@ FIELD_POLICY = {
     **{f: "honored" for f in ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
                               "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                               "presence_penalty", "logit_bias", "seed", "stop", "n", "stream", "stream_options",
-                              "user", "safety_identifier", "logprobs", "top_logprobs", "echo", "lookahead")},
+                              "user", "safety_identifier", "logprobs", "top_logprobs", "echo", "lookahead",
+                              "response_format", "structured_outputs", "tools", "tool_choice",
+                              "parallel_tool_calls")},
     **{f: "refused" for f in _NOOP},
 }
 
@@ -245,6 +251,7 @@ class Prepared:
     prompt_logprobs: int | None = None  # completions with echo + logprobs: the prompt's own logprobs (top k)
     prompt_only: bool = False  # completions with echo and max_tokens 0: the prompt only, no new token
     n: int = 1  # choices (each its own sequence)
+    tools: object = None  # lp.server.tools.ToolPlan: the answer may be a tool call
 
 
 def prepare(req: _Common, ctx: ServingContext) -> Prepared:
@@ -253,9 +260,17 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
                        param="model", code="model_not_found")
     n = _choices(req, ctx.limits)
     _refuse_unsupported(req)
-    prompt_ids, prompt_param = _prompt_ids(req, ctx)
+    from lp.server.structured import FieldError
+    from lp.server.tools import tool_plan
+
     prompt_only = _echo_only(req)
-    d = _decoding(req.model_copy(update={"max_tokens": 1}) if prompt_only else req, ctx, len(prompt_ids), prompt_param)
+    try:  # tools, response_format, structured_outputs (lp.server.tools / structured): FieldError -> 400
+        plan = tool_plan(req) if isinstance(req, ChatRequest) else None
+        prompt_ids, prompt_param = _prompt_ids(req, ctx, plan)
+        d = _decoding(req.model_copy(update={"max_tokens": 1}) if prompt_only else req, ctx, len(prompt_ids),
+                      prompt_param, plan)
+    except FieldError as e:
+        raise ApiError(str(e), param=e.param, code="invalid_value") from None
     stream = bool(req.stream)
     echo_text, prompt_logprobs = None, None
     if isinstance(req, CompletionRequest) and req.echo:
@@ -269,7 +284,7 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
     user = req.user or getattr(req, "safety_identifier", None)
     return Prepared(prompt_ids, d, stream, bool(stream and req.stream_options and req.stream_options.include_usage),
                     bool(req.lookahead and req.lookahead.return_token_ids), echo_text, user, prompt_logprobs,
-                    prompt_only, n)
+                    prompt_only, n, plan)
 
 
 def _choices(req: _Common, lim) -> int:
@@ -307,7 +322,7 @@ def _refuse_unsupported(req: _Common) -> None:
                        param="stream_options.include_obfuscation", code="unsupported_parameter")
 
 
-def _prompt_ids(req: _Common, ctx: ServingContext) -> tuple[list[int], str]:
+def _prompt_ids(req: _Common, ctx: ServingContext, plan=None) -> tuple[list[int], str]:
     tok = ctx.tokenizer
     if isinstance(req, ChatRequest):
         if not req.messages:
@@ -316,9 +331,12 @@ def _prompt_ids(req: _Common, ctx: ServingContext) -> tuple[list[int], str]:
         if not getattr(tok, "chat_template", None):
             raise ApiError("This model has no chat template; use /v1/completions.", param="messages",
                            code="no_chat_template")
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        from lp.server.tools import render_messages
+
+        msgs, tools_arg = render_messages(req.messages, plan, getattr(tok, "chat_template", None))
+        kw = {"tools": tools_arg} if tools_arg else {}
         try:
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
         except Exception as e:  # the template itself may reject a conversation (roles, order)
             raise ApiError(f"The chat template rejected these messages: {e}", param="messages",
                            code="invalid_value") from None
@@ -345,7 +363,7 @@ def _prompt_ids(req: _Common, ctx: ServingContext) -> tuple[list[int], str]:
     return list(p), "prompt"
 
 
-def _decoding(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: str) -> DecodingConfig:
+def _decoding(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: str, plan=None) -> DecodingConfig:
     """The request's DecodingConfig: the server's base with each field the request sets,
     every field checked (ApiError naming the parameter) in stages."""
     upd: dict = {"max_new_tokens": _max_new_tokens(req, ctx, prompt_len, prompt_param)}
@@ -354,6 +372,16 @@ def _decoding(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: 
         upd["logit_bias"] = _logit_bias(req.logit_bias, ctx.vocab_size)
     upd.update(_logprobs_fields(req, ctx.workers))
     upd.update(_stop_seed_lookahead(req, ctx.limits))
+    from lp.server.structured import grammar_fields
+
+    upd.update(grammar_fields(req))  # response_format / structured_outputs -> a grammar (lp.grammar)
+    from lp.server import tools
+
+    calls = tools.grammar_fields(plan)  # tool_choice required / named: one call of an allowed function
+    if calls and "grammar" in upd:
+        raise ApiError("Invalid value for 'tool_choice': a required or named tool call cannot be combined with "
+                       "response_format / structured_outputs.", param="tool_choice", code="invalid_value")
+    upd.update(calls)
     d = dataclasses.replace(ctx.base, **upd)
     try:
         return d.validate()
@@ -512,6 +540,7 @@ def lookahead_info(result, decoding: DecodingConfig, workers: int, ttft_s: float
         "time_to_first_token_s": None if ttft_s is None else round(ttft_s, 4),
         "queue_time_s": round(queue_s, 4),
         "W": decoding.W, "N": decoding.N, "G": decoding.G, "workers": workers,
+        "forced_tokens": st.forced_tokens,  # output tokens from the grammar's forced drafts (lp.grammar)
     }
 
 

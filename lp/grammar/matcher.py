@@ -1,0 +1,238 @@
+"""Grammar masks for every verified row (llguidance), the real matcher advanced on commit.
+
+Contract: ``compile_grammar(kind, spec)`` returns llguidance grammar text for ``kind`` in
+``json_schema`` (a schema dict or JSON text), ``json_object`` (any JSON object), ``regex``,
+``choice`` (a list of strings), ``lark`` / ``grammar`` (Lark or GBNF); a ValueError names what does
+not compile. Compiled grammars are cached by (kind, source). JSON is compiled with compact
+separators (``", "`` and ``": "``, no free whitespace), so keys, separators and closing braces are
+forced: the grammar's forced continuation is a real draft.
+
+``RowGrammar(grammar, tokenizer, vocab_size, device, eos)`` holds one generation's matcher. It
+has a logits processor's interface (lp.lookahead.processors ``RowProcessor``):
+``apply(logits_KV, extra)`` returns the logits of K kept rows with every token the grammar does
+not allow after (committed + ``extra[k]``) at -inf: the matcher consumes each row's extra tokens
+(rows sorted so siblings share their common prefix: roll back to it, consume the rest), fills
+the row's bitmask, and is rolled back to the committed state at the end. A row whose extra
+tokens the grammar rejects cannot be reached by verification (its parent's mask forbids its
+token), so it is left unmasked. ``extend(tokens)`` advances the real matcher along committed
+tokens; ``forced()`` is the grammar's forced continuation from the committed state (llguidance
+``compute_ff_tokens``); ``dead`` says the matcher is in error (no valid continuation).
+
+``GenerateGrammarProcessor`` is the same library's mask for transformers ``generate`` (batch 1),
+the tests' and the bench's reference.
+
+Legend: K kept rows, V vocabulary (the model's), W = ceil(V / 32) mask words.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+
+import llguidance
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "grammar")
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def compile_grammar(kind: str, spec) -> str:
+    """llguidance grammar text for a spec (ValueError naming what is wrong)."""
+    if kind not in KINDS:
+        raise ValueError(f"grammar kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "json_object":
+        spec = {"type": "object"}
+    if kind in ("json_schema", "json_object"):
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(spec, (dict, bool)):
+            raise ValueError(f"a JSON schema must be an object, got {type(spec).__name__}")
+        key = json.dumps(spec)  # property order matters: the grammar emits keys in schema order
+    elif kind == "choice":
+        if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(s, str) for s in spec):
+            raise ValueError("a choice must be a non-empty list of strings")
+        key = json.dumps(list(spec))
+    else:
+        if not isinstance(spec, str) or not spec:
+            raise ValueError(f"a {kind} must be a non-empty string")
+        key = spec
+    return _compiled(kind, key)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(kind: str, key: str) -> str:
+    try:
+        if kind in ("json_schema", "json_object"):
+            text = llguidance.LLMatcher.grammar_from_json_schema(key, overrides=JSON_OPTIONS)
+        elif kind == "choice":
+            text = llguidance.grammar_from("choice", key)
+        elif kind == "regex":
+            text = llguidance.LLMatcher.grammar_from_regex(key)
+        else:
+            text = llguidance.grammar_from(kind, key)
+    except Exception as e:  # the library's own message (an unsupported keyword, a bad regex)
+        raise ValueError(f"the {kind} does not compile: {e}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    if is_error:
+        raise ValueError(f"the {kind} does not compile: {messages[0] if messages else 'invalid grammar'}")
+    return text
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer(hf_tokenizer, vocab_size: int, eos: tuple[int, ...]):
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos) or None)
+
+
+def ll_tokenizer(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()):
+    """llguidance's tokenizer for a transformers tokenizer, the mask sized to the model's vocabulary
+    (an ``llguidance.LLTokenizer`` is used as it is: the tests' toy vocabularies)."""
+    if isinstance(hf_tokenizer, llguidance.LLTokenizer):
+        return hf_tokenizer
+    return _tokenizer(hf_tokenizer, int(vocab_size), tuple(sorted(int(e) for e in eos)))
+
+
+def new_matcher(grammar: str, hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()):
+    m = llguidance.LLMatcher(ll_tokenizer(hf_tokenizer, vocab_size, eos), grammar, log_level=0)
+    if m.is_error():
+        raise ValueError(f"the grammar does not compile: {m.get_error()}")
+    return m
+
+
+_BITS = None
+
+
+def unpack(bitmask_KW: torch.Tensor, vocab: int, device) -> torch.Tensor:
+    """[K, W] int32 bitmask -> [K, V] bool allowed (bit j of word w is token 32 w + j)."""
+    global _BITS
+    if _BITS is None:
+        _BITS = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask_KW[:, :, None] >> _BITS) & 1).bool().reshape(bitmask_KW.shape[0], -1)[:, :vocab]
+    return allowed.to(device, non_blocking=True)
+
+
+class RowGrammar:
+    def __init__(self, grammar: str, hf_tokenizer, vocab_size: int, device, eos: Sequence[int] = ()):
+        self.matcher = new_matcher(grammar, hf_tokenizer, vocab_size, eos)
+        self.vocab = int(vocab_size)
+        self.words = (self.vocab + 31) // 32
+        self.device = device
+        self.committed = 0  # tokens the real matcher consumed
+        self.mask_rows = 0  # rows masked so far (bench: rows per step)
+
+    @property
+    def dead(self) -> bool:
+        return self.matcher.is_error()
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.is_stopped()
+
+    def masks(self, extra: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[bool]]:
+        """[K, W] int32 bitmasks on the host and whether each row is reachable under the grammar."""
+        import llguidance.torch as lgt
+
+        K = len(extra)
+        bm = torch.full((K, self.words), -1, dtype=torch.int32)
+        ok = [False] * K
+        m = self.matcher
+        stack: list[int] = []
+        for k in sorted(range(K), key=lambda k: tuple(extra[k])):
+            e = list(extra[k])
+            c = 0
+            while c < len(stack) and c < len(e) and stack[c] == e[c]:
+                c += 1
+            if c < len(stack):
+                m.rollback(len(stack) - c)
+                del stack[c:]
+            rest = e[c:]
+            n = m.try_consume_tokens(rest) if rest and not m.is_stopped() else 0
+            stack += rest[:n]
+            if n < len(rest):
+                continue  # the grammar rejects this row's path: verification never reaches it
+            lgt.fill_next_token_bitmask(m, bm, k)  # a completed grammar (stopped): eos only
+            ok[k] = True
+        if stack:
+            m.rollback(len(stack))
+        assert not m.is_error(), m.get_error()
+        self.mask_rows += sum(ok)
+        return bm, ok
+
+    def apply(self, logits_KV: torch.Tensor, extra: Sequence[Sequence[int]]) -> torch.Tensor:
+        K, V = logits_KV.shape
+        assert len(extra) == K and V == self.vocab
+        bm, _ = self.masks(extra)
+        out = logits_KV.float().clone()
+        return out.masked_fill_(~unpack(bm, V, out.device), float("-inf"))
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Committed tokens (an eos the grammar allows ends the matcher; nothing after it is consumed)."""
+        for t in tokens:
+            if self.matcher.is_stopped():
+                break
+            self.matcher.consume_token(int(t))
+            self.committed += 1
+
+    def forced(self, limit: int) -> tuple[int, ...]:
+        """The grammar's forced continuation after the committed tokens (at most ``limit``)."""
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            return ()
+        return tuple(self.matcher.compute_ff_tokens()[:limit])
+
+
+class Chain:
+    """Several row processors in order (each ``apply(logits, extra)`` / ``extend(tokens)``)."""
+
+    def __init__(self, procs):
+        self.procs = list(procs)
+
+    def apply(self, logits_KV, extra):
+        for p in self.procs:
+            logits_KV = p.apply(logits_KV, extra)
+        return logits_KV
+
+    def extend(self, tokens):
+        for p in self.procs:
+            p.extend(tokens)
+
+
+class GenerateGrammarProcessor:
+    """transformers ``generate`` logits processor (batch 1): the same matcher, the same mask."""
+
+    def __init__(self, grammar: str, hf_tokenizer, vocab_size: int, prompt_len: int, eos: Sequence[int] = ()):
+        self.g = RowGrammar(grammar, hf_tokenizer, vocab_size, "cpu", eos)
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids, scores):
+        assert input_ids.shape[0] == 1, "batch 1"
+        new = input_ids[0, self.prompt_len:].tolist()
+        self.g.extend(new[self.g.committed:])
+        bm, _ = self.g.masks([[]])
+        allowed = unpack(bm, scores.shape[-1], scores.device)
+        return scores.masked_fill(~allowed, float("-inf"))
+
+
+def grammar_of(cfg) -> str | None:
+    """The grammar text a DecodingConfig asks for: ``grammar`` (llguidance text), else ``json_schema``
+    (a path to a schema file, or the schema's JSON text)."""
+    if getattr(cfg, "grammar", None):
+        return cfg.grammar
+    js = getattr(cfg, "json_schema", None)
+    if not js:
+        return None
+    text = js
+    if not js.lstrip().startswith(("{", "[")) and js not in ("true", "false"):
+        try:
+            with open(js) as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"decoding.json_schema: cannot read {js!r} ({e})") from None
+    try:
+        return compile_grammar("json_schema", text)
+    except ValueError as e:
+        raise ValueError(f"decoding.json_schema: {e}") from None

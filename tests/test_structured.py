@@ -1,0 +1,194 @@
+"""Structured output (lp.grammar): greedy lookahead under a grammar mask == transformers ``generate``
+with the same library's mask (llguidance, lp.grammar.matcher.GenerateGrammarProcessor), token for
+token, in one sequence and in batched steps; the grammar's forced continuation is a draft that is
+accepted (multi-token steps, asserted); ``G = 0`` (every draft source off) gives the same tokens;
+every finished JSON answer validates against its schema (jsonschema).
+
+The model is a tiny random Llama with SmolLM2's 49152-token vocabulary (SmolLM2's tokenizer), so
+the grammars run over a real BPE vocabulary while a step costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from transformers import LogitsProcessorList
+
+from lp.config import DecodingConfig
+from lp.engine.batch import generate_batch
+from lp.engine.decoder import LookaheadDecoder
+from lp.grammar.matcher import GenerateGrammarProcessor, RowGrammar, compile_grammar
+from lp.model.runner import ModelRunner
+from tests.helpers import hf_greedy, make_tiny_model, step_spans
+
+VOCAB = 49152
+NEW = 48
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["x", "yy"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "color", "ok", "tags"],
+    "additionalProperties": False,
+}
+CALL = {
+    "type": "object",
+    "properties": {
+        "name": {"const": "get_weather"},
+        "arguments": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
+                      "required": ["city", "unit"], "additionalProperties": False},
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
+GRAMMARS = {
+    "person-schema": ("json_schema", PERSON),
+    "call-schema": ("json_schema", CALL),
+    "regex": ("regex", r"[a-z]{1,6}@[a-z]{1,5}\.(com|org)"),
+    "choice": ("choice", ["positive", "negative", "neutral"]),
+    "lark": ("lark", 'start: "ok(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,2}/'),
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from lp.model.loader import load_tokenizer, resolve_model_path
+
+    return load_tokenizer(resolve_model_path("smollm2", None))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = make_tiny_model("llama", vocab=VOCAB)
+    return model, ModelRunner(model)
+
+
+def reference(model, tok, grammar, prompt, eos):
+    proc = GenerateGrammarProcessor(grammar, tok, VOCAB, len(prompt), eos)
+    return hf_greedy(model, prompt, NEW, logits_processor=LogitsProcessorList([proc]), eos_token_id=eos,
+                     pad_token_id=eos[0])
+
+
+def check_valid(kind, spec, text):
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), spec)
+    elif kind == "choice":
+        assert text in spec, text
+
+
+@pytest.mark.parametrize("name", list(GRAMMARS))
+def test_greedy_under_grammar_equals_generate(tiny, tok, name):
+    model, runner = tiny
+    kind, spec = GRAMMARS[name]
+    grammar = compile_grammar(kind, spec)
+    prompt = tok.encode(f"Answer with {name} output: ")
+    eos = [tok.eos_token_id]
+    ref = reference(model, tok, grammar, prompt, eos)
+    drafts = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=NEW, grammar=grammar)).generate(
+        prompt, eos, tokenizer=tok)
+    plain = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=NEW, grammar=grammar, G=0)).generate(
+        prompt, eos, tokenizer=tok)
+    assert drafts.output_ids == ref, (tok.decode(drafts.output_ids), tok.decode(ref))
+    assert plain.output_ids == ref
+    assert plain.stats.steps == len(ref) and plain.stats.forced_tokens == 0  # G=0: one token a step
+    spans = step_spans(drafts)
+    assert max(b - a for a, b in spans) >= 2, spans  # drafts were accepted in multi-token steps
+    assert drafts.stats.forced_tokens >= 1, drafts.stats.summary()
+    if drafts.finish_reason == "stop":
+        check_valid(kind, spec, tok.decode(drafts.output_ids, skip_special_tokens=True))
+
+
+def test_schema_output_is_valid_and_forced_drafts_carry_the_keys(tiny, tok):
+    model, runner = tiny
+    grammar = compile_grammar("json_schema", PERSON)
+    prompt = tok.encode("A person: ")
+    eos = [tok.eos_token_id]
+    res = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=96, grammar=grammar)).generate(prompt, eos,
+                                                                                                tokenizer=tok)
+    assert res.finish_reason == "stop", tok.decode(res.output_ids)
+    jsonschema.validate(json.loads(tok.decode(res.output_ids, skip_special_tokens=True)), PERSON)
+    # the five keys, their quotes and separators are forced: a good share of the output
+    assert res.stats.forced_tokens >= 10, res.stats.summary()
+    assert res.stats.steps < len(res.output_ids) - 10, res.stats.summary()
+
+
+def test_batched_steps_under_grammars_equal_generate(tiny, tok):
+    """Three structured requests and a free one in batched steps (lp.engine.batch)."""
+    model, runner = tiny
+    eos = [tok.eos_token_id]
+    names = ["person-schema", "call-schema", "regex"]
+    grammars = [compile_grammar(*GRAMMARS[n]) for n in names]
+    prompts = [tok.encode(f"Request {i}: ") for i in range(4)]
+    refs = [reference(model, tok, g, p, eos) for g, p in zip(grammars, prompts)]
+    refs.append(hf_greedy(model, prompts[3], NEW, eos_token_id=eos, pad_token_id=eos[0]))
+    cfgs = [DecodingConfig(max_new_tokens=NEW, grammar=g) for g in grammars] + [DecodingConfig(max_new_tokens=NEW)]
+    dec = LookaheadDecoder(runner, cfgs[0])
+    outs = generate_batch(dec, prompts, eos, tokenizer=tok, configs=cfgs, max_batch=4)
+    for o, r in zip(outs, refs):
+        assert o.output_ids == r, (tok.decode(o.output_ids), tok.decode(r))
+    assert sum(o.stats.forced_tokens for o in outs[:3]) >= 3
+    assert any(max(b - a for a, b in step_spans(o)) >= 2 for o in outs[:3])
+
+
+def test_row_masks_follow_each_rows_path(tok):
+    """Each row's mask is the matcher's state after its own extra tokens; the matcher is rolled
+    back to the committed state; a row whose path the grammar rejects is left unmasked."""
+    from lp.grammar.matcher import unpack
+
+    g = RowGrammar(compile_grammar("choice", ["yes", "no"]), tok, VOCAB, "cpu", [tok.eos_token_id])
+    y, n = tok.encode("y")[0], tok.encode("no")[0]
+    bm, ok = g.masks([[], [y], [n], [tok.encode("maybe")[0]]])
+    allowed = unpack(bm, VOCAB, "cpu")
+    assert ok == [True, True, True, False]
+    assert allowed[0, y] and allowed[0, n] and allowed[0].sum() < 20
+    assert not allowed[1, y] and allowed[1].sum() >= 1  # after "y": "es"-like tokens only
+    assert allowed[2].nonzero()[:, 0].tolist() == [tok.eos_token_id]  # "no" is complete: eos only
+    assert allowed[3].all()
+    assert g.forced(8) == ()  # still two choices: nothing forced, the matcher is back at the start
+
+
+@pytest.mark.parametrize("kind,spec,needle", [
+    ("json_schema", "{not json", "not valid JSON"),
+    ("json_schema", {"type": "object", "properties": {"a": {"type": "strin"}}}, "does not compile"),
+    ("regex", "(ab", "does not compile"),
+    ("choice", [], "non-empty list"),
+    ("lark", "start: undefined_rule", "does not compile"),
+])
+def test_bad_grammars_are_value_errors(kind, spec, needle):
+    with pytest.raises(ValueError, match=needle):
+        compile_grammar(kind, spec)
+
+
+def test_json_schema_path_and_missing_tokenizer(tiny, tok, tmp_path):
+    model, runner = tiny
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(PERSON))
+    prompt = tok.encode("A person: ")
+    eos = [tok.eos_token_id]
+    a = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=24, json_schema=str(path))).generate(prompt, eos,
+                                                                                                    tokenizer=tok)
+    b = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=24, grammar=compile_grammar("json_schema", PERSON)))
+    assert a.output_ids == b.generate(prompt, eos, tokenizer=tok).output_ids
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        b.generate(prompt, eos)
+    with pytest.raises(ValueError, match="decoding.json_schema: cannot read"):
+        LookaheadDecoder(runner, DecodingConfig(json_schema=str(tmp_path / "missing.json")))
+
+
+def test_lp_workers_refuse_structured_output(tiny, tok):
+    """Not yet under LP workers: a clear ValueError (lp.serve answers it with a 400)."""
+    from types import SimpleNamespace
+
+    _, runner = tiny
+    group = SimpleNamespace(lp_size=2, lp_rank=0, check_divergence=False)
+    dec = LookaheadDecoder(runner, DecodingConfig(grammar=compile_grammar("json_object", None)), group=group)
+    with pytest.raises(ValueError, match="not supported with parallel.workers > 1"):
+        dec.generate(tok.encode("x"), [tok.eos_token_id], tokenizer=tok)
