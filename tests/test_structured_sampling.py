@@ -19,7 +19,6 @@ from collections import Counter
 
 import llguidance
 import pytest
-import torch
 
 from lp.config import DecodingConfig
 from lp.engine.decoder import LookaheadDecoder
