@@ -109,6 +109,15 @@ def test_json_object_and_structured_outputs(server):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in (" yes.", " no."), r.text
 
 
+
+def assert_400_naming(server, body: dict, param: str) -> None:
+    """A chat request with ``body`` is a 400 whose OpenAI error names ``param``."""
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"], err
+
 @pytest.mark.parametrize("body,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format.json_schema.schema"),
@@ -122,11 +131,7 @@ def test_json_object_and_structured_outputs(server):
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
 ])
 def test_bad_structured_input_is_400_naming_the_field(server, body, param):
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == param and param in err["message"], err
+    assert_400_naming(server, body, param)
 
 
 WEATHER = {"type": "function", "function": {
@@ -203,8 +208,4 @@ def test_tool_auto_and_multi_turn_with_tool_messages(server):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tools_are_400_naming_the_field(server, body, param):
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == param and param in err["message"], err
+    assert_400_naming(server, body, param)
