@@ -118,7 +118,8 @@ def run(cfg: GenerateConfig) -> dict | None:
             ids, stats = _run_ar(model, tokenizer, prompt_ids, dcfg, eos, streamer)
         else:
             on_step = _step_logger() if (lead and cfg.log_steps) else None
-            runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows)
+            runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
+                                 linears=cfg.model.linears)
             decoder = LookaheadDecoder(runner, dcfg, group)
             dcfg = decoder.cfg  # W/N/G resolved for the hardware
             res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)

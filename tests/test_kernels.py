@@ -122,3 +122,87 @@ def test_one_row_through_the_head_runs_as_two_rows():
     assert calls, "the padded two-row path did not run"
     assert out.shape == ref.shape and out.is_contiguous()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# oneDNN-packed linears (model.linears)
+
+
+def _ops_run(runner, rows: int) -> set[str]:
+    """The op names one forward of ``rows`` rows runs (torch.profiler)."""
+    from torch.profiler import profile
+
+    from lp.lookahead.layout import chain_layout
+
+    cache = runner.new_cache(64, rows)
+    with profile() as prof:
+        runner.forward(chain_layout(list(range(3, 3 + rows))), cache)
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])
+def test_packed_linear_equals_f_linear_and_the_model_keeps_its_own(rows):
+    from lp.model.kernels import pack
+
+    torch.manual_seed(rows)
+    layer = nn.Linear(96, 200, bias=False)
+    x = torch.randn(1, rows, 96)
+    ref = F.linear(x, layer.weight)
+    switch = install(nn.Sequential(layer))
+    assert pack(layer) == 1 and layer.packed_weight.layout == torch._mkldnn
+    assert torch.equal(layer(x), ref)  # switch off: nn.Linear's own kernel, bit for bit
+    switch.packed = True
+    try:
+        out = layer(x)
+    finally:
+        switch.packed = False
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_runner_forwards_run_the_packed_kernel_only_where_chosen(tiny_factory):
+    model = tiny_factory("llama")
+    packed = ModelRunner(model, small_rows="off", linears="packed")
+    assert packed.linears == "packed"
+    ops = _ops_run(packed, 4)
+    assert "mkldnn::_linear_pointwise" in ops and "aten::mm" not in ops, sorted(ops)
+    plain = ModelRunner(tiny_factory("llama"), small_rows="off", linears="plain")
+    assert "mkldnn::_linear_pointwise" not in _ops_run(plain, 4)
+    # the user's own forward, outside lp's steps, never runs it
+    from torch.profiler import profile
+
+    with profile() as prof:
+        model(input_ids=torch.tensor([REPETITIVE_PROMPT[:6]]))
+    assert "mkldnn::_linear_pointwise" not in {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_decoding_through_packed_linears_equals_generate(tiny_factory, family):
+    model = tiny_factory(family)
+    ref = hf_greedy(model, REPETITIVE_PROMPT, 40)
+    runner = ModelRunner(model, small_rows="off", linears="packed")
+    cfg = DecodingConfig(max_new_tokens=40, drafts="suffix", draft_budget="all", max_draft_rows=12, W=2, N=3, G=3,
+                         window_policy="with_candidates")
+    res = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT)
+    assert res.output_ids == ref
+    assert res.stats.compression_ratio > 1.0
+    assert hf_greedy(model, REPETITIVE_PROMPT, 40) == ref  # the user's generate is unchanged
+
+
+def test_linears_auto_packs_float_models_and_a_copy_packs_again(tiny_factory):
+    import copy
+
+    model = tiny_factory("llama")
+    assert ModelRunner(model).linears == "packed"  # the CPU, fp32, a few MB
+    clone = copy.deepcopy(model)  # an opaque oneDNN tensor cannot be copied: the copy drops it
+    assert all(m.packed_weight is None for m in clone.modules() if isinstance(m, SmallRowsLinear))
+    again = ModelRunner(clone, linears="packed")
+    assert all(m.packed_weight is not None for m in clone.modules() if isinstance(m, SmallRowsLinear))
+    assert "mkldnn::_linear_pointwise" in _ops_run(again, 2)
+
+
+def test_linears_setting_is_validated(tiny_factory):
+    with pytest.raises(ValueError, match="model.linears must be one of auto, packed, plain"):
+        ModelRunner(tiny_factory("llama"), linears="fast")
+    with pytest.raises(ValueError, match="model.linears must be auto, packed or plain"):
+        ModelConfig(linears="onednn").validate()

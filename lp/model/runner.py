@@ -13,6 +13,10 @@ mask (a view of a buffer allocated once); ``flex`` a FlexAttention BlockMask;
 Models with sliding-window layers get the window applied in the mask (a dict
 {"full_attention", "sliding_attention"} for models mixing both kinds).
 
+Linears (``model.linears``): ``packed`` runs every plain float linear on its oneDNN-prepacked
+weight (lp.model.kernels.pack), ``plain`` on torch's own; small-row matmuls take over the row
+counts the calibration found faster still (``model.small_rows``).
+
 Legend: Q packed rows this step, K cached rows, V vocabulary.
 """
 
@@ -55,6 +59,39 @@ def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> 
     return name
 
 
+def resolve_linears(name: str, model, device: torch.device, quant: str) -> str:
+    """``auto``: oneDNN-packed linears (lp.model.kernels.pack) on the CPU for an unquantized
+    model whose packed copy fits in half the memory available now; ``plain`` otherwise."""
+    from lp.model import kernels
+
+    if name not in kernels.LINEARS:
+        raise ValueError(f"model.linears must be one of {', '.join(kernels.LINEARS)}, got {name!r}")
+    if name == "plain":
+        return name
+    onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
+    if name == "packed":
+        if not onednn:
+            raise ValueError(f"model.linears=packed needs the CPU with oneDNN (torch.backends.mkldnn); "
+                             f"this model is on {device}: use model.linears=auto or plain")
+        return name
+    if not onednn or quant != "none":
+        return "plain"
+    kernels.install(model)  # the swap alone changes nothing: its switch is off outside lp's forwards
+    size = kernels.packed_bytes(model)  # 0 under TP (DTensor shards) or with nothing packable
+    return "packed" if 0 < size < 0.5 * _available_bytes() else "plain"
+
+
+def _available_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
+
+
 class ModelRunner:
     """Drives one causal LM through packed lookahead steps.
 
@@ -66,7 +103,7 @@ class ModelRunner:
     """
 
     def __init__(self, model, attention: str = "auto", cuda_graphs: bool = False, static_shapes: bool = False,
-                 small_rows: str = "auto", quant: str | None = None):
+                 small_rows: str = "auto", quant: str | None = None, linears: str = "auto"):
         config = model.config
         if quant not in (None, "none") and getattr(model, "_lp_quant", None) is None:
             from lp.model.quant import quantize
@@ -142,10 +179,14 @@ class ModelRunner:
         self.small_rows_mode = "off" if (small_rows == "auto" and off) else small_rows
         self.small_rows: frozenset[int] = frozenset()
         self._small = None
-        if self.small_rows_mode != "off":
+        self.linears = resolve_linears(linears, model, self.device, self.quant)
+        if self.small_rows_mode != "off" or self.linears == "packed":
             from lp.model import kernels
 
             self._small = kernels.install(model)
+            if self.linears == "packed" and not kernels.pack(model):
+                raise ValueError("model.linears=packed found no plain float linear to pack (a quantized model, or "
+                                 "tensor-parallel shards): use model.linears=auto or plain")
 
     # -- per-generation state ---------------------------------------------------
 
@@ -287,16 +328,21 @@ class ModelRunner:
         saved = [c._attn_implementation_internal for c in self._configs]
         swap = any(v != impl for v in saved)
         small = self.uses_small_rows(rows)
+        packed = self.linears == "packed"
         if swap:
             for c in self._configs:
                 c._attn_implementation_internal = impl
         if small:
             self._small.on = True
+        if packed:
+            self._small.packed = True
         try:
             yield
         finally:
             if small:
                 self._small.on = False
+            if packed:
+                self._small.packed = False
             if swap:
                 for c, v in zip(self._configs, saved):
                     c._attn_implementation_internal = v
