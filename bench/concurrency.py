@@ -308,7 +308,7 @@ def markdown(s: dict) -> str:
     lines = ["# Concurrent clients: aggregate tokens/s and time to first token", "",
              f"Command: `{s['command']}`  ",
              f"{s['max_tokens']} tokens per greedy streaming request (chat: /v1/chat/completions, code: raw "
-             f"/v1/completions), {s['threads']} threads per server, {reps} repeat(s) (server order rotated, "
+             f"/v1/completions), {s['threads']} thread(s) per server, {reps} repeat(s) (server order rotated, "
              f"every server restarted{'; median [min-max] over the repeats' if reps > 1 else ''}), "
              f"machine {s['machine_before']['cpus']} cores, load average before {s['machine_before']['load_avg']}, "
              f"after {s['machine_after']['load_avg']}.", ""]
