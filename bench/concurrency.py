@@ -27,7 +27,7 @@ Servers:
 
 vLLM runs with VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE=<vllm_kvcache_gib>,
 VLLM_CPU_OMP_THREADS_BIND=<vllm_cpu_bind> (null: cores 0..threads-1, the bench's thread count),
-VLLM_CPU_NUM_OF_RESERVED_CPU=0, fp32, vLLM's own generation defaults (not the model's), on
+VLLM_CPU_NUM_OF_RESERVED_CPU=0 (plus ``vllm_extra_env``), fp32, vLLM's own generation defaults (not the model's), on
 127.0.0.1; its start-up compiles the model (~80-95 s on 2 cores), hence ``start_timeout_s``.
 """
 
@@ -63,11 +63,12 @@ def vllm_exe(venv: str | Path) -> Path:
     return exe
 
 
-def vllm_env(threads: int, cpu_bind: str | None = None, kvcache_gib: int = 4) -> dict[str, str]:
+def vllm_env(threads: int, cpu_bind: str | None = None, kvcache_gib: int = 4,
+             extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of a vLLM CPU server: its OpenMP threads bound to ``cpu_bind`` (default cores 0..threads-1)."""
     return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind or (f"0-{threads - 1}" if threads > 1 else "0"),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+            "VLLM_CPU_OMP_THREADS_BIND": str(cpu_bind) if cpu_bind else (f"0-{threads - 1}" if threads > 1 else "0"),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **{k: str(v) for k, v in (extra or {}).items()}}
 
 
 def server_command(kind: str, port: int, model_path: Path, threads: int, lp_overrides: list[str],
@@ -94,7 +95,8 @@ def start(kind: str, model_path: Path, threads: int, cc, log_path: Path) -> Serv
     """Start one server of ``kind`` with the settings of ``cc`` (a ConcurrencyConfig)."""
     port = free_port()
     cmd = server_command(kind, port, model_path, threads, list(cc.lp_overrides), cc.vllm_venv)
-    env = vllm_env(threads, cc.vllm_cpu_bind, cc.vllm_kvcache_gib) if kind.startswith("vllm") else {}
+    env = vllm_env(threads, cc.vllm_cpu_bind, cc.vllm_kvcache_gib, dict(cc.vllm_extra_env)) \
+        if kind.startswith("vllm") else {}
     return ServerProcess(cmd=cmd, port=port, log_path=log_path, threads=threads, env=env,
                          start_timeout_s=cc.start_timeout_s)
 
@@ -255,9 +257,9 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
             points += mine
     summary = {"command": cfg_command(), "machine_before": before, "machine_after": machine(),
                "max_tokens": cc.max_tokens, "threads": cfg.threads, "repeats": cc.repeats,
-               "workloads": list(cc.workloads), "server_env": {s: vllm_env(cfg.threads, cc.vllm_cpu_bind,
-                                                                           cc.vllm_kvcache_gib)
-                                                               for s in cc.servers if s.startswith("vllm")},
+               "workloads": list(cc.workloads),
+               "server_env": {s: vllm_env(cfg.threads, cc.vllm_cpu_bind, cc.vllm_kvcache_gib, dict(cc.vllm_extra_env))
+                              for s in cc.servers if s.startswith("vllm")},
                "points": points}
     with (out / "concurrency.jsonl").open("w") as f:
         for r in request_rows:

@@ -121,6 +121,9 @@ class ConcurrencyConfig:
     vllm_venv: str = ".venv-vllm"
     vllm_cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; null: cores 0..threads-1
     vllm_kvcache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE
+    # more environment for the vLLM servers, e.g. +concurrency.vllm_extra_env.LD_PRELOAD=... (vLLM's CPU
+    # docs suggest preloading tcmalloc and the venv's lib/libiomp5.so); it may not override the four above
+    vllm_extra_env: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> ConcurrencyConfig:
         from bench.concurrency import SERVERS
@@ -141,6 +144,11 @@ class ConcurrencyConfig:
             raise ValueError(f"concurrency.code_set must be 'humaneval' or 'classeval', got {self.code_set!r}")
         if not isinstance(self.start_timeout_s, (int, float)) or not self.start_timeout_s > 0:
             raise ValueError(f"concurrency.start_timeout_s must be > 0, got {self.start_timeout_s!r}")
+        fixed = {"VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                 "VLLM_CPU_NUM_OF_RESERVED_CPU"}
+        if fixed & set(self.vllm_extra_env):
+            raise ValueError(f"concurrency.vllm_extra_env may not set {sorted(fixed & set(self.vllm_extra_env))}: "
+                             "use concurrency.vllm_cpu_bind / vllm_kvcache_gib")
         if self.vllm_cpu_bind is not None and not str(self.vllm_cpu_bind).strip():
             raise ValueError("concurrency.vllm_cpu_bind must be null or a core list such as 0-1 or 1, got ''")
         return self

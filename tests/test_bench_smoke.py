@@ -192,6 +192,12 @@ def test_vllm_server_command_env_and_missing_venv(tmp_path):
                            "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     assert vllm_env(1)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert vllm_env(1, "1", 2)["VLLM_CPU_OMP_THREADS_BIND"] == "1" and vllm_env(1, "1", 2)["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert vllm_env(2, None, 4, {"LD_PRELOAD": "/x.so"})["LD_PRELOAD"] == "/x.so"
+    cfg = compose(["+preset=concurrency", "concurrency.vllm_cpu_bind=1", "+concurrency.vllm_extra_env.LD_PRELOAD=/x.so"])
+    assert vllm_env(1, cfg.validate().concurrency.vllm_cpu_bind)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert cfg.concurrency.vllm_extra_env == {"LD_PRELOAD": "/x.so"}
+    with pytest.raises(ValueError, match="concurrency.vllm_extra_env"):
+        compose(["+preset=concurrency", "+concurrency.vllm_extra_env.VLLM_CPU_KVCACHE_SPACE=8"]).validate()
     assert server_order(["lp", "vllm", "vllm_ngram"], 1) == ["vllm", "vllm_ngram", "lp"]
     assert server_order(["lp", "vllm"], 2) == ["lp", "vllm"]
     for kind in ("vllm", "vllm_ngram"):
