@@ -1,20 +1,34 @@
 """Concurrent clients against real OpenAI-compatible servers: ``python -m bench.run +preset=concurrency``.
 
-Contract: for every server in ``concurrency.servers`` (started here on a free localhost port,
-stopped at the end) and every client count in ``concurrency.clients``, ``clients`` threads of
-the real ``openai`` client send ``clients x requests_per_client`` (at least ``min_requests``)
-greedy streaming chat requests of ``max_tokens`` tokens, prompts taken in turn from the
-benchmark's chat prompts. Per point: aggregate completion tokens / wall second, time to first
-token p50/p90 (queue wait included), completed requests and how many texts equal lp's offline
-greedy decode of the same chat prompt. Writes ``concurrency.jsonl`` (one row per request),
-``concurrency.json`` / ``concurrency.md`` (one row per server x clients, with the commands) and
-``concurrency.png`` (tok/s and TTFT vs clients) into the output dir. Nothing leaves localhost.
+Contract: for every repeat (``concurrency.repeats``; the server order rotates by one each
+repeat, every server restarted), every server in ``concurrency.servers`` (started here on a free
+localhost port, stopped before the next starts), every client count in ``concurrency.clients``
+and every workload in ``concurrency.workloads``, ``clients`` threads of the real ``openai``
+client send ``clients x requests_per_client`` (at least ``min_requests``) greedy streaming
+requests of ``max_tokens`` tokens, prompts taken in turn:
+
+    chat    /v1/chat/completions, one user turn from ``prompt_set`` (MT-Bench first turns)
+    code    /v1/completions, the raw code prompt from ``code_set`` (HumanEval / ClassEval)
+
+Per point: aggregate completion tokens / wall second, time to first token p50/p90 (queue wait
+included), completed requests and how many texts equal lp's offline greedy decode of the same
+prompt (chat template for chat, raw for code). Writes ``concurrency.jsonl`` (one row per
+request), ``concurrency.json`` / ``concurrency.md`` (one row per server x workload x clients,
+median and range over the repeats, with the commands) and ``concurrency.png`` (tok/s and TTFT vs
+clients) into the output dir. Nothing leaves localhost.
 
 Servers:
     lp              python -m lp.serve (continuous batching, server.max_batch as configured)
     lp_max_batch1   python -m lp.serve server.max_batch=1 (one sequence at a time)
     transformers_cb transformers serve --continuous-batching (transformers' paged-cache batching)
     transformers    transformers serve (one request at a time)
+    vllm            <concurrency.vllm_venv>/bin/vllm serve (vLLM's CPU build, bench/vllm_venv.sh)
+    vllm_ngram      the same with n-gram speculative decoding (prompt lookup, 5 draft tokens)
+
+vLLM runs with VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE=<vllm_kvcache_gib>,
+VLLM_CPU_OMP_THREADS_BIND=<vllm_cpu_bind> (null: cores 0..threads-1, the bench's thread count),
+VLLM_CPU_NUM_OF_RESERVED_CPU=0 (plus ``vllm_extra_env``), fp32, vLLM's own generation defaults (not the model's), on
+127.0.0.1; its start-up compiles the model (~80-95 s on 2 cores), hence ``start_timeout_s``.
 """
 
 from __future__ import annotations
@@ -29,11 +43,41 @@ from pathlib import Path
 
 from bench.serve_load import ServerProcess, free_port, machine, pct
 
-SERVERS = ("lp", "lp_max_batch1", "transformers_cb", "transformers")
+SERVERS = ("lp", "lp_max_batch1", "transformers_cb", "transformers", "vllm", "vllm_ngram")
+WORKLOADS = ("chat", "code")
+ROOT = Path(__file__).resolve().parent.parent
+# vllm_ngram: vLLM 0.32's n-gram drafter (prompt lookup): up to 5 tokens proposed from the
+# longest earlier match of the last 2..5 tokens in the prompt and output so far
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
 
 
-def server_command(kind: str, port: int, model_path: Path, threads: int, lp_overrides: list[str]) -> list[str]:
+def vllm_exe(venv: str | Path) -> Path:
+    """``<venv>/bin/vllm`` (a relative venv is taken from the repo root); ValueError naming the setting if absent."""
+    v = Path(venv).expanduser()
+    if not v.is_absolute():
+        v = ROOT / v
+    exe = v / "bin" / "vllm"
+    if not exe.is_file():
+        raise ValueError(f"concurrency.vllm_venv must be a venv with vLLM's CPU build ({exe} is missing): "
+                         f"run `bash bench/vllm_venv.sh {venv}` first, or set concurrency.vllm_venv=PATH")
+    return exe
+
+
+def vllm_env(threads: int, cpu_bind: str | None = None, kvcache_gib: int = 4,
+             extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a vLLM CPU server: its OpenMP threads bound to ``cpu_bind`` (default cores 0..threads-1)."""
+    return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": str(cpu_bind) if cpu_bind else (f"0-{threads - 1}" if threads > 1 else "0"),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **{k: str(v) for k, v in (extra or {}).items()}}
+
+
+def server_command(kind: str, port: int, model_path: Path, threads: int, lp_overrides: list[str],
+                   vllm_venv: str | Path = ".venv-vllm") -> list[str]:
     """The command line that starts one server of ``kind`` on ``port``."""
+    if kind in ("vllm", "vllm_ngram"):
+        spec = ["--speculative-config", json.dumps(NGRAM_SPEC)] if kind == "vllm_ngram" else []
+        return [str(vllm_exe(vllm_venv)), "serve", str(model_path), "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "float32", "--generation-config", "vllm", "--uvicorn-log-level", "warning", *spec]
     if kind in ("lp", "lp_max_batch1"):
         extra = ["server.max_batch=1"] if kind == "lp_max_batch1" else []
         return [sys.executable, "-m", "lp.serve", f"server.port={port}", "model.dtype=float32",
@@ -47,28 +91,37 @@ def server_command(kind: str, port: int, model_path: Path, threads: int, lp_over
             "--device", "cpu", "--log-level", "warning", str(model_path)]
 
 
-def start(kind: str, model_path: Path, threads: int, lp_overrides: list[str], log_path: Path) -> ServerProcess:
+def start(kind: str, model_path: Path, threads: int, cc, log_path: Path) -> ServerProcess:
+    """Start one server of ``kind`` with the settings of ``cc`` (a ConcurrencyConfig)."""
     port = free_port()
-    cmd = server_command(kind, port, model_path, threads, lp_overrides)
-    return ServerProcess(cmd=cmd, port=port, log_path=log_path, threads=threads)
+    cmd = server_command(kind, port, model_path, threads, list(cc.lp_overrides), cc.vllm_venv)
+    env = vllm_env(threads, cc.vllm_cpu_bind, cc.vllm_kvcache_gib, dict(cc.vllm_extra_env)) \
+        if kind.startswith("vllm") else {}
+    return ServerProcess(cmd=cmd, port=port, log_path=log_path, threads=threads, env=env,
+                         start_timeout_s=cc.start_timeout_s)
 
 
-def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+def one_request(client, model: str, prompt: str, max_tokens: int, workload: str = "chat") -> dict:
+    """One greedy streaming request: chat (one user turn) or code (a raw completion of ``prompt``)."""
     t0 = time.perf_counter()
     first = None
     parts, usage, finish = [], None, None
-    stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True})
+    common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+                  stream_options={"include_usage": True})
+    if workload == "code":
+        stream = client.completions.create(prompt=prompt, **common)
+    else:
+        stream = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
     for ch in stream:
         if ch.usage is not None:
             usage = ch.usage
         if ch.choices:
             c = ch.choices[0]
-            if c.delta.content:
+            piece = c.text if workload == "code" else c.delta.content
+            if piece:
                 if first is None:
                     first = time.perf_counter()
-                parts.append(c.delta.content)
+                parts.append(piece)
             if c.finish_reason:
                 finish = c.finish_reason
     t1 = time.perf_counter()
@@ -77,7 +130,8 @@ def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
             "ttft_s": round((first or t1) - t0, 4), "latency_s": round(t1 - t0, 4)}
 
 
-def drive(url: str, model: str, prompts: list[str], requests: int, clients: int, max_tokens: int) -> tuple[list, float]:
+def drive(url: str, model: str, prompts: list[str], requests: int, clients: int, max_tokens: int,
+          workload: str = "chat") -> tuple[list, float]:
     """``requests`` requests from ``clients`` concurrent threads; rows (errors recorded) and wall seconds."""
     import openai
 
@@ -94,7 +148,7 @@ def drive(url: str, model: str, prompts: list[str], requests: int, clients: int,
                     return
                 prompt = jobs.pop(0)
             try:
-                row = one_request(client, model, prompt, max_tokens)
+                row = one_request(client, model, prompt, max_tokens, workload)
             except Exception as e:  # recorded, never hidden
                 row = {"prompt": prompt, "error": f"{type(e).__name__}: {e}"}
             with lock:
@@ -109,14 +163,16 @@ def drive(url: str, model: str, prompts: list[str], requests: int, clients: int,
     return rows, time.perf_counter() - t
 
 
-def summarize(server: str, clients: int, rows: list[dict], wall: float, tokenize) -> dict:
+def summarize(server: str, clients: int, rows: list[dict], wall: float, tokenize, workload: str = "chat",
+              repeat: int = 0) -> dict:
     ok = [r for r in rows if "error" not in r]
     # transformers serve may leave usage out of a stream: count the text's tokens then
     tokens = sum(r["completion_tokens"] if r["completion_tokens"] is not None else len(tokenize(r["text"]))
                  for r in ok)
     ttft = [r["ttft_s"] for r in ok]
     return {
-        "server": server, "clients": clients, "requests": len(rows), "completed": len(ok),
+        "server": server, "workload": workload, "clients": clients, "repeat": repeat,
+        "requests": len(rows), "completed": len(ok),
         "errors": [r["error"] for r in rows if "error" in r][:5],
         "equal_lp_greedy": sum(bool(r.get("equals_reference")) for r in ok),
         "wall_s": round(wall, 3), "completion_tokens": tokens,
@@ -125,50 +181,86 @@ def summarize(server: str, clients: int, rows: list[dict], wall: float, tokenize
     }
 
 
-def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
-    """Every server x client count of ``cfg.concurrency``; writes the results into ``out``."""
-    from transformers import AutoTokenizer
-
+def workload_prompts(cfg, workload: str) -> list[str]:
+    """The prompts of one workload: chat turns from ``prompt_set``, raw code from ``code_set``."""
     from bench.prompts import select
-    from bench.serve_load import offline_references
 
     cc = cfg.concurrency
     data_dir = Path(cfg.prompts.data_dir)
     if not data_dir.is_absolute():
-        data_dir = Path(__file__).resolve().parent.parent / data_dir
-    prompts = [p.text for p in select(cfg.prompts, data_dir, sets=[cc.prompt_set])]
+        data_dir = ROOT / data_dir
+    return [p.text for p in select(cfg.prompts, data_dir, sets=[cc.prompt_set if workload == "chat" else cc.code_set])]
+
+
+def server_order(servers: list[str], repeat: int) -> list[str]:
+    """Repeat r runs the servers rotated by r, so no server always runs first (or last) on a drifting machine."""
+    k = repeat % len(servers)
+    return list(servers[k:]) + list(servers[:k])
+
+
+def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
+    """Every repeat x server x client count x workload of ``cfg.concurrency``; writes the results into ``out``."""
+    from transformers import AutoTokenizer
+
+    from bench.serve_load import offline_references
+
+    cc = cfg.concurrency
+    for server in cc.servers:  # a missing venv fails here, before minutes of references
+        if server.startswith("vllm"):
+            vllm_exe(cc.vllm_venv)
+    prompts = {w: workload_prompts(cfg, w) for w in cc.workloads}
     tok = AutoTokenizer.from_pretrained(model_path)
-    print(f"[concurrency] lp offline greedy references for {len(prompts)} prompts ...", file=sys.stderr, flush=True)
-    refs = offline_references(prompts, cc.max_tokens, cfg.threads)
-    points, request_rows = [], []
+    refs = {}
+    for w in cc.workloads:
+        print(f"[concurrency] lp offline greedy references for {len(prompts[w])} {w} prompts ...", file=sys.stderr,
+              flush=True)
+        refs[w] = offline_references(prompts[w], cc.max_tokens, cfg.threads, raw=(w == "code"))
+    points, request_rows, commands = [], [], {}
     before = machine()
-    for server in cc.servers:
-        log = out / f"server_{server}.log"
-        srv = start(server, model_path, cfg.threads, list(cc.lp_overrides), log)
-        model = "smollm2" if server.startswith("lp") else str(model_path)
-        try:
-            drive(srv.url, model, prompts[:1], 1, 1, 8)  # warm-up (first request pays lazy loading)
-            for clients in cc.clients:
-                n = max(cc.min_requests, clients * cc.requests_per_client)
-                print(f"[concurrency] {server}: {clients} client(s), {n} requests", file=sys.stderr, flush=True)
-                rows, wall = drive(srv.url, model, prompts, n, clients, cc.max_tokens)
-                for r in rows:
-                    if "error" not in r:
-                        r["equals_reference"] = r["text"] == refs[r["prompt"]]["text"]
-                    request_rows.append({"server": server, "clients": clients, **r})
-                point = summarize(server, clients, rows, wall, lambda s: tok(s, add_special_tokens=False).input_ids)
-                point["load_avg"] = [round(x, 2) for x in os.getloadavg()]
-                points.append(point)
-                print(f"[concurrency]   {point['tokens_per_s']} tok/s, TTFT p50 {point['ttft_p50_s']} s, "
-                      f"{point['completed']}/{point['requests']} done", file=sys.stderr, flush=True)
-        finally:
-            rc = srv.stop()
-        for p in points:
-            if p["server"] == server:
-                p["server_command"] = " ".join(srv.cmd)
+    for repeat in range(cc.repeats):
+        for server in server_order(cc.servers, repeat):
+            log = out / (f"server_{server}.log" if cc.repeats == 1 else f"server_{server}_r{repeat}.log")
+            t0 = time.perf_counter()
+            srv = start(server, model_path, cfg.threads, cc, log)
+            startup = round(time.perf_counter() - t0, 1)
+            print(f"[concurrency] {server} (repeat {repeat}) healthy after {startup} s", file=sys.stderr, flush=True)
+            commands[server] = " ".join(srv.cmd)
+            model = "smollm2" if server.startswith("lp") else str(model_path)
+            mine = []
+            try:
+                for w in cc.workloads:  # warm-up (the first request pays lazy loading)
+                    drive(srv.url, model, prompts[w][:1], 1, 1, 8, w)
+                for clients in cc.clients:
+                    n = max(cc.min_requests, clients * cc.requests_per_client)
+                    for w in cc.workloads:
+                        print(f"[concurrency] {server} r{repeat}: {w}, {clients} client(s), {n} requests",
+                              file=sys.stderr, flush=True)
+                        rows, wall = drive(srv.url, model, prompts[w], n, clients, cc.max_tokens, w)
+                        for r in rows:
+                            if "error" not in r:
+                                r["equals_reference"] = r["text"] == refs[w][r["prompt"]]["text"]
+                            request_rows.append({"server": server, "workload": w, "clients": clients,
+                                                 "repeat": repeat, **r})
+                        point = summarize(server, clients, rows, wall,
+                                          lambda t: tok(t, add_special_tokens=False).input_ids, w, repeat)
+                        point["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+                        point["startup_s"] = startup
+                        mine.append(point)
+                        print(f"[concurrency]   {point['tokens_per_s']} tok/s, TTFT p50 {point['ttft_p50_s']} s, "
+                              f"{point['completed']}/{point['requests']} done, "
+                              f"{point['equal_lp_greedy']} equal lp greedy", file=sys.stderr, flush=True)
+            finally:
+                rc = srv.stop()
+            for p in mine:
+                p["server_command"] = commands[server]
                 p["server_exit_code"] = rc
+            points += mine
     summary = {"command": cfg_command(), "machine_before": before, "machine_after": machine(),
-               "max_tokens": cc.max_tokens, "threads": cfg.threads, "points": points}
+               "max_tokens": cc.max_tokens, "threads": cfg.threads, "repeats": cc.repeats,
+               "workloads": list(cc.workloads),
+               "server_env": {s: vllm_env(cfg.threads, cc.vllm_cpu_bind, cc.vllm_kvcache_gib, dict(cc.vllm_extra_env))
+                              for s in cc.servers if s.startswith("vllm")},
+               "points": points}
     with (out / "concurrency.jsonl").open("w") as f:
         for r in request_rows:
             f.write(json.dumps(r) + "\n")
@@ -184,34 +276,72 @@ def cfg_command() -> str:
     return "python -m bench.run " + " ".join(sys.argv[1:])
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else round((xs[n // 2 - 1] + xs[n // 2]) / 2, 3)
+
+
+def aggregate(points: list[dict]) -> dict:
+    """(server, workload, clients) -> median tok/s and TTFT over the repeats, with the tok/s range."""
+    groups: dict[tuple, list[dict]] = {}
+    for p in points:
+        groups.setdefault((p["server"], p.get("workload", "chat"), p["clients"]), []).append(p)
+    out = {}
+    for key, ps in groups.items():
+        tps = [p["tokens_per_s"] for p in ps if p["tokens_per_s"] is not None]
+        t50 = [p["ttft_p50_s"] for p in ps if p["ttft_p50_s"] is not None]
+        t90 = [p["ttft_p90_s"] for p in ps if p["ttft_p90_s"] is not None]
+        out[key] = {"tokens_per_s": _median(tps) if tps else None, "min": min(tps) if tps else None,
+                    "max": max(tps) if tps else None, "ttft_p50_s": _median(t50) if t50 else None,
+                    "ttft_p90_s": _median(t90) if t90 else None, "n": len(ps),
+                    "requests": sum(p["requests"] for p in ps), "completed": sum(p["completed"] for p in ps),
+                    "equal": sum(p["equal_lp_greedy"] for p in ps)}
+    return out
+
+
 def markdown(s: dict) -> str:
     pts = s["points"]
     servers = list(dict.fromkeys(p["server"] for p in pts))
+    workloads = list(dict.fromkeys(p.get("workload", "chat") for p in pts))
     clients = sorted({p["clients"] for p in pts})
-    at = {(p["server"], p["clients"]): p for p in pts}
+    agg = aggregate(pts)
+    reps = s.get("repeats", 1)
     lines = ["# Concurrent clients: aggregate tokens/s and time to first token", "",
              f"Command: `{s['command']}`  ",
-             f"{s['max_tokens']} tokens per greedy streaming chat request, {s['threads']} torch threads per server, "
+             f"{s['max_tokens']} tokens per greedy streaming request (chat: /v1/chat/completions, code: raw "
+             f"/v1/completions), {s['threads']} thread(s) per server, {reps} repeat(s) (server order rotated, "
+             f"every server restarted{'; median [min-max] over the repeats' if reps > 1 else ''}), "
              f"machine {s['machine_before']['cpus']} cores, load average before {s['machine_before']['load_avg']}, "
-             f"after {s['machine_after']['load_avg']}.", "",
-             "| server | " + " | ".join(f"{c} client{'s' if c > 1 else ''}: tok/s (TTFT p50 / p90 s)" for c in clients)
-             + " |", "|---|" + "---|" * len(clients)]
-    for srv in servers:
-        cells = []
-        for c in clients:
-            p = at.get((srv, c))
-            cells.append("-" if p is None else f"{p['tokens_per_s']} ({p['ttft_p50_s']} / {p['ttft_p90_s']})"
-                         + ("" if p["completed"] == p["requests"] else f" {p['completed']}/{p['requests']} done"))
-        lines.append(f"| {srv} | " + " | ".join(cells) + " |")
-    lines += ["", "| server | clients | requests | completed | equal lp greedy | tokens | wall s | load avg |",
-              "|---|---|---|---|---|---|---|---|"]
+             f"after {s['machine_after']['load_avg']}.", ""]
+    for w in workloads:
+        lines += [f"## {w}", "",
+                  "| server | " + " | ".join(f"{c} client{'s' if c > 1 else ''}: tok/s (TTFT p50 / p90 s)"
+                                            for c in clients) + " |", "|---|" + "---|" * len(clients)]
+        for srv in servers:
+            cells = []
+            for c in clients:
+                a = agg.get((srv, w, c))
+                if a is None:
+                    cells.append("-")
+                    continue
+                rng = f" [{a['min']}-{a['max']}]" if a["n"] > 1 else ""
+                cells.append(f"{a['tokens_per_s']}{rng} ({a['ttft_p50_s']} / {a['ttft_p90_s']})"
+                             + ("" if a["completed"] == a["requests"] else f" {a['completed']}/{a['requests']} done"))
+            lines.append(f"| {srv} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["| server | workload | clients | repeat | requests | completed | equal lp greedy | tokens | wall s | "
+              "start-up s | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in pts:
-        lines.append(f"| {p['server']} | {p['clients']} | {p['requests']} | {p['completed']} | {p['equal_lp_greedy']} | "
-                     f"{p['completion_tokens']} | {p['wall_s']} | {p['load_avg']} |")
+        lines.append(f"| {p['server']} | {p.get('workload', 'chat')} | {p['clients']} | {p.get('repeat', 0)} | "
+                     f"{p['requests']} | {p['completed']} | {p['equal_lp_greedy']} | {p['completion_tokens']} | "
+                     f"{p['wall_s']} | {p.get('startup_s', '-')} | {p['load_avg']} |")
     lines += ["", "Servers:"]
     for srv in servers:
         cmd = next(p.get("server_command", "") for p in pts if p["server"] == srv)
-        lines.append(f"- {srv}: `{cmd}`")
+        env = s.get("server_env", {}).get(srv)
+        env_s = " ".join(f"{k}={v}" for k, v in env.items()) + " " if env else ""
+        lines.append(f"- {srv}: `{env_s}{cmd}`")
     errors = [e for p in pts for e in p["errors"]]
     lines += ["", f"Errors: {errors or 'none'}", ""]
     return "\n".join(lines)
@@ -223,20 +353,21 @@ def plot(points: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    agg = aggregate(points)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for srv in dict.fromkeys(p["server"] for p in points):
-        pts = sorted((p for p in points if p["server"] == srv), key=lambda p: p["clients"])
-        xs = [p["clients"] for p in pts]
-        a.plot(xs, [p["tokens_per_s"] for p in pts], marker="o", label=srv)
-        b.plot(xs, [p["ttft_p50_s"] for p in pts], marker="o", label=srv)
+    for srv, w in dict.fromkeys((p["server"], p.get("workload", "chat")) for p in points):
+        cs = sorted({c for (s_, w_, c) in agg if (s_, w_) == (srv, w)})
+        label = f"{srv} {w}"
+        style = "-" if w == "chat" else "--"
+        a.plot(cs, [agg[(srv, w, c)]["tokens_per_s"] for c in cs], style, marker="o", label=label)
+        b.plot(cs, [agg[(srv, w, c)]["ttft_p50_s"] for c in cs], style, marker="o", label=label)
     for ax, title in ((a, "aggregate tokens/s"), (b, "time to first token p50 (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     b.set_yscale("log")
-    a.legend()
+    a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-

@@ -111,7 +111,19 @@ class ConcurrencyConfig:
     min_requests: int = 4
     max_tokens: int = 64
     prompt_set: str = "mt_bench"  # chat prompts, taken in turn
+    # chat: /v1/chat/completions of prompt_set; code: raw /v1/completions of code_set's prompts
+    workloads: list[str] = field(default_factory=lambda: ["chat"])
+    code_set: str = "humaneval"
+    repeats: int = 1  # every server restarted each repeat, the server order rotated by one
     lp_overrides: list[str] = field(default_factory=list)  # extra lp.serve Hydra overrides
+    start_timeout_s: float = 600.0  # a server must answer /health by then (vLLM compiles: ~80-95 s)
+    # servers vllm / vllm_ngram: the venv bench/vllm_venv.sh made (relative: from the repo root)
+    vllm_venv: str = ".venv-vllm"
+    vllm_cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; null: cores 0..threads-1
+    vllm_kvcache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE
+    # more environment for the vLLM servers, e.g. +concurrency.vllm_extra_env.LD_PRELOAD=... (vLLM's CPU
+    # docs suggest preloading tcmalloc and the venv's lib/libiomp5.so); it may not override the four above
+    vllm_extra_env: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> ConcurrencyConfig:
         from bench.concurrency import SERVERS
@@ -120,12 +132,25 @@ class ConcurrencyConfig:
             raise ValueError(f"concurrency.servers must be a non-empty subset of {list(SERVERS)}, got {self.servers!r}")
         if not self.clients or any(not _is_int(c) or not 1 <= c <= 64 for c in self.clients):
             raise ValueError(f"concurrency.clients must be a non-empty list of integers in [1, 64], got {self.clients!r}")
-        for name in ("requests_per_client", "min_requests", "max_tokens"):
+        for name in ("requests_per_client", "min_requests", "max_tokens", "repeats", "vllm_kvcache_gib"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise ValueError(f"concurrency.{name} must be an integer >= 1, got {v!r}")
         if self.prompt_set not in CHAT_SETS:
             raise ValueError(f"concurrency.prompt_set must be one of {list(CHAT_SETS)}, got {self.prompt_set!r}")
+        if not self.workloads or any(w not in ("chat", "code") for w in self.workloads):
+            raise ValueError(f"concurrency.workloads must be a non-empty subset of ['chat', 'code'], got {self.workloads!r}")
+        if self.code_set not in ("humaneval", "classeval"):
+            raise ValueError(f"concurrency.code_set must be 'humaneval' or 'classeval', got {self.code_set!r}")
+        if not isinstance(self.start_timeout_s, (int, float)) or not self.start_timeout_s > 0:
+            raise ValueError(f"concurrency.start_timeout_s must be > 0, got {self.start_timeout_s!r}")
+        fixed = {"VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                 "VLLM_CPU_NUM_OF_RESERVED_CPU"}
+        if fixed & set(self.vllm_extra_env):
+            raise ValueError(f"concurrency.vllm_extra_env may not set {sorted(fixed & set(self.vllm_extra_env))}: "
+                             "use concurrency.vllm_cpu_bind / vllm_kvcache_gib")
+        if self.vllm_cpu_bind is not None and not str(self.vllm_cpu_bind).strip():
+            raise ValueError("concurrency.vllm_cpu_bind must be null or a core list such as 0-1 or 1, got ''")
         return self
 
 

@@ -51,16 +51,18 @@ def free_port() -> int:
 
 class ServerProcess:
     """``python -m lp.serve`` (or torchrun with K workers) in its own session, logs to a file;
-    ``cmd`` (with its ``port``) starts any other OpenAI-compatible server the same way."""
+    ``cmd`` (with its ``port``) starts any other OpenAI-compatible server the same way, ``env`` added
+    to its environment; it must answer ``/health`` within ``start_timeout_s``."""
 
     def __init__(self, workers: int = 1, threads: int = 2, overrides: list[str] = (), log_path: Path | None = None,
-                 port: int | None = None, cmd: list[str] | None = None):
+                 port: int | None = None, cmd: list[str] | None = None, env: dict[str, str] | None = None,
+                 start_timeout_s: float = 600.0):
         import httpx
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [f"server.port={self.port}", "model.dtype=float32", "server.log_level=warning", *overrides]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads), **(env or {}))
         if cmd is None and workers == 1:
             cmd = [sys.executable, "-m", "lp.serve", f"model.threads={threads}", *args]
         elif cmd is None:
@@ -79,9 +81,9 @@ class ServerProcess:
                     break
             except httpx.HTTPError:
                 pass
-            if time.monotonic() - t > 600:
+            if time.monotonic() - t > start_timeout_s:
                 self.stop()
-                raise RuntimeError(f"server not healthy after 600 s; see {log_path}")
+                raise RuntimeError(f"server not healthy after {start_timeout_s:g} s; see {log_path}")
             time.sleep(0.5)
 
     def stop(self) -> int | None:
@@ -105,8 +107,9 @@ def machine() -> dict:
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
 
 
-def offline_references(prompts: list[str], max_tokens: int, threads: int) -> dict:
-    """Greedy outputs as ``python -m lp.generate`` computes them (same prompt ids, eos, default W/N/G)."""
+def offline_references(prompts: list[str], max_tokens: int, threads: int, raw: bool = False) -> dict:
+    """Greedy outputs as ``python -m lp.generate`` computes them (same prompt ids, eos, default W/N/G);
+    ``raw``: the prompts tokenized as they are (a /v1/completions prompt), else in the chat template."""
     import torch
 
     from lp.config import DecodingConfig, GenerateConfig
@@ -120,7 +123,7 @@ def offline_references(prompts: list[str], max_tokens: int, threads: int) -> dic
     runner, eos = ModelRunner(model), eos_ids(model, tok)
     refs = {}
     for p in prompts:
-        ids = build_prompt_ids(tok, GenerateConfig(prompt=p))
+        ids = build_prompt_ids(tok, GenerateConfig(prompt=p, raw_prompt=raw))
         res = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=max_tokens)).generate(ids, eos)
         refs[p] = {"prompt_ids": ids, "output_ids": res.output_ids,
                    "text": tok.decode(res.output_ids, skip_special_tokens=True)}

@@ -160,10 +160,72 @@ def test_concurrency_config_and_commands():
     cb = server_command("transformers_cb", 8124, Path("/m"), 2, [])
     assert cb[1:3] == ["serve", "--continuous-batching"] and cb[-1] == "/m" and "8124" in cb
     assert "--continuous-batching" not in server_command("transformers", 8125, Path("/m"), 2, [])
-    for override, field in (("concurrency.servers=[vllm]", "concurrency.servers"),
+    for override, field in (("concurrency.servers=[sglang]", "concurrency.servers"),
+                            ("concurrency.workloads=[json]", "concurrency.workloads"),
+                            ("concurrency.code_set=mt_bench", "concurrency.code_set"),
+                            ("concurrency.repeats=0", "concurrency.repeats"),
                             ("concurrency.clients=[0]", "concurrency.clients"),
                             ("concurrency.max_tokens=0", "concurrency.max_tokens"),
                             ("concurrency.prompt_set=humaneval", "concurrency.prompt_set"),
                             ("kind=serve", "kind")):
         with pytest.raises(ValueError, match=field):
             compose(["+preset=concurrency", override]).validate()
+
+
+def test_vllm_server_command_env_and_missing_venv(tmp_path):
+    """vllm / vllm_ngram start <venv>/bin/vllm serve on the CPU settings; a missing venv names the setting."""
+    from bench.concurrency import NGRAM_SPEC, run_concurrency, server_command, server_order, vllm_env
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "vllm").write_text("#!/bin/sh\n")
+    cmd = server_command("vllm", 8200, Path("/m"), 2, ["server.kv_tokens=1"], venv)
+    assert cmd[:3] == [str(venv / "bin" / "vllm"), "serve", "/m"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8200" and flags["--dtype"] == "float32"
+    assert flags["--generation-config"] == "vllm" and "--speculative-config" not in flags
+    assert "server.kv_tokens=1" not in cmd  # lp overrides are lp's
+    ngram = server_command("vllm_ngram", 8201, Path("/m"), 2, [], venv)
+    spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
+    assert spec == NGRAM_SPEC and spec["method"] == "ngram" and spec["num_speculative_tokens"] == 5
+    assert vllm_env(2) == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4",
+                           "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert vllm_env(1)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert vllm_env(1, "1", 2)["VLLM_CPU_OMP_THREADS_BIND"] == "1" and vllm_env(1, "1", 2)["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert vllm_env(2, None, 4, {"LD_PRELOAD": "/x.so"})["LD_PRELOAD"] == "/x.so"
+    cfg = compose(["+preset=concurrency", "concurrency.vllm_cpu_bind=1", "+concurrency.vllm_extra_env.LD_PRELOAD=/x.so"])
+    assert vllm_env(1, cfg.validate().concurrency.vllm_cpu_bind)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert cfg.concurrency.vllm_extra_env == {"LD_PRELOAD": "/x.so"}
+    with pytest.raises(ValueError, match="concurrency.vllm_extra_env"):
+        compose(["+preset=concurrency", "+concurrency.vllm_extra_env.VLLM_CPU_KVCACHE_SPACE=8"]).validate()
+    assert server_order(["lp", "vllm", "vllm_ngram"], 1) == ["vllm", "vllm_ngram", "lp"]
+    assert server_order(["lp", "vllm"], 2) == ["lp", "vllm"]
+    for kind in ("vllm", "vllm_ngram"):
+        with pytest.raises(ValueError, match=r"concurrency\.vllm_venv.*bench/vllm_venv\.sh"):
+            server_command(kind, 8202, Path("/m"), 2, [], tmp_path / "nothing")
+    # the bench fails at once, before any reference decode or server start
+    cfg = compose(["+preset=concurrency", "concurrency.servers=[lp,vllm]",
+                   f"concurrency.vllm_venv={tmp_path / 'nothing'}"]).validate()
+    with pytest.raises(ValueError, match=r"concurrency\.vllm_venv"):
+        run_concurrency(cfg, tmp_path, Path("/m"))
+    assert not list(tmp_path.glob("server_*.log"))
+
+
+def test_concurrency_tables_per_workload():
+    """The tables give every server x workload x clients the median over the repeats, with the range."""
+    from bench.concurrency import aggregate, markdown
+
+    def pt(server, workload, repeat, tps):
+        return {"server": server, "workload": workload, "clients": 1, "repeat": repeat, "requests": 2, "completed": 2,
+                "errors": [], "equal_lp_greedy": 2, "wall_s": 1.0, "completion_tokens": 32, "tokens_per_s": tps,
+                "ttft_p50_s": 0.1, "ttft_p90_s": 0.2, "load_avg": [0, 0, 0], "server_command": "x"}
+
+    pts = [pt("lp", "chat", 0, 10.0), pt("lp", "chat", 1, 30.0), pt("lp", "chat", 2, 20.0), pt("vllm", "code", 0, 5.0)]
+    agg = aggregate(pts)
+    assert agg[("lp", "chat", 1)]["tokens_per_s"] == 20.0 and agg[("lp", "chat", 1)]["min"] == 10.0
+    assert agg[("vllm", "code", 1)]["n"] == 1 and ("lp", "code", 1) not in agg
+    m = {"cpus": 2, "load_avg": [0, 0, 0]}
+    md = markdown({"command": "c", "machine_before": m, "machine_after": m, "max_tokens": 16, "threads": 1,
+                   "repeats": 3, "points": pts, "server_env": {"vllm": {"VLLM_TARGET_DEVICE": "cpu"}}})
+    assert "## chat" in md and "## code" in md and "| lp | 20.0 [10.0-30.0] (0.1 / 0.2) |" in md
+    assert "`VLLM_TARGET_DEVICE=cpu x`" in md
