@@ -148,6 +148,9 @@ class ModelConfig:
     # linear kernels of lp's forwards (lp.model.kernels): auto (CPU: oneDNN-prepacked weights when
     # the packed copy fits in half the free memory) | packed | plain (torch's F.linear)
     linears: str = "auto"
+    # the packed step under torch.compile/inductor (lp.model.runner): auto (eager: measured no faster on
+    # the CPU, see bench/results/compile) | on | off; one sequence's steps (the batch stays eager)
+    compile: str = "auto"
     # quantized weights (lp.model.quant), applied identically on every LP worker: none | int8 (CPU:
     # int8 weights x per-row int8 activations over fbgemm; CUDA: torchao int8 weight-only) |
     # int4 (torchao int4 weight-only, bf16 activations) | auto (per hardware: see README)
@@ -168,6 +171,8 @@ class ModelConfig:
             raise ValueError(f"model.small_rows must be auto, on or off, got {self.small_rows!r}")
         if self.linears not in ("auto", "packed", "plain"):
             raise ValueError(f"model.linears must be auto, packed or plain, got {self.linears!r}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"model.compile must be auto, on or off, got {self.compile!r}")
         if self.quant not in ("none", "int8", "int4", "auto"):
             raise ValueError(f"model.quant must be one of none, int8, int4, auto, got {self.quant!r}")
         if not isinstance(self.cuda_graphs, bool):

@@ -119,7 +119,7 @@ def run(cfg: GenerateConfig) -> dict | None:
         else:
             on_step = _step_logger() if (lead and cfg.log_steps) else None
             runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
-                                 linears=cfg.model.linears)
+                                 linears=cfg.model.linears, compile=cfg.model.compile)
             decoder = LookaheadDecoder(runner, dcfg, group)
             dcfg = decoder.cfg  # W/N/G resolved for the hardware
             res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)

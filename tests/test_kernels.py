@@ -206,3 +206,27 @@ def test_linears_setting_is_validated(tiny_factory):
         ModelRunner(tiny_factory("llama"), linears="fast")
     with pytest.raises(ValueError, match="model.linears must be auto, packed or plain"):
         ModelConfig(linears="onednn").validate()
+
+
+def test_compiled_step_decodes_exactly_like_generate(tiny_factory):
+    """model.compile=on: the packed step under torch.compile (inductor, dynamic rows and cache
+    length, packed linears as opaque ops) gives generate's tokens; it compiles at most twice."""
+    import torch._dynamo
+
+    model = tiny_factory("llama")
+    ref = hf_greedy(model, REPETITIVE_PROMPT, 48)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    runner = ModelRunner(model, small_rows="off", linears="packed", compile="on")
+    cfg = DecodingConfig(max_new_tokens=48, drafts="suffix", draft_budget="all", max_draft_rows=12, W=2, N=3, G=3,
+                         window_policy="with_candidates")
+    res = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT)
+    assert res.output_ids == ref
+    assert runner._compiled is not None and res.stats.steps > 3
+    stats = torch._dynamo.utils.counters["stats"]
+    # the prefill (an empty cache), the first step, then one dynamic graph for every later step
+    assert 1 <= stats["unique_graphs"] <= 3, dict(stats)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert hf_greedy(model, REPETITIVE_PROMPT, 48) == ref  # the user's generate stays eager and unchanged
+    with pytest.raises(ValueError, match="model.compile must be one of auto, on, off"):
+        ModelRunner(model, compile="yes")

@@ -36,6 +36,8 @@ GEMV is as fast). The calibration times Q = 1 both ways like any other Q.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,6 +63,7 @@ class SmallRowsLinear(nn.Linear):
     switch: SmallRows
     pad_one_row = False  # the LM head: one row runs as two (a GEMM), see the module doc
     packed_weight: torch.Tensor | None = None  # oneDNN layout (pack), read while switch.packed
+    packed_key = -1  # its index in PACKED: how a compiled graph (lp.model.compiled) names it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         switch = self.switch
@@ -69,6 +72,8 @@ class SmallRowsLinear(nn.Linear):
             if y is not None:
                 return y
         if switch.packed and self.packed_weight is not None:
+            if torch.compiler.is_compiling():  # dynamo cannot trace an opaque tensor: an opaque op
+                return packed_linear(x, self.packed_key, self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
         return F.linear(x, self.weight)
 
@@ -111,6 +116,24 @@ def install(model: nn.Module) -> SmallRows:
     return switch
 
 
+# every packed weight of the process, by packed_key: a compiled graph calls packed_linear with
+# the key, since a fake (traced) tensor cannot stand for an opaque oneDNN one
+PACKED: list = []  # weak references: a dropped model frees its packed copy
+
+
+@torch.library.custom_op("lp::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` on the packed weight ``PACKED[key]`` (an op opaque to torch.compile)."""
+    weight = PACKED[key]()
+    assert weight is not None, f"packed weight {key} was freed with its model"
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x, key, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 def packable(module: nn.Module) -> bool:
     """A swapped layer whose plain float weight oneDNN can prepack (on the CPU; not a DTensor
     shard of lp.parallel.tp, not a quantized tensor of lp.model.quant)."""
@@ -134,5 +157,7 @@ def pack(model: nn.Module) -> int:
         if packable(module):
             if module.packed_weight is None:
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+                module.packed_key = len(PACKED)
+                PACKED.append(weakref.ref(module.packed_weight))
             count += 1
     return count

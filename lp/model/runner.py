@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 # packed forward
 
 ATTENTION = ("auto", "sdpa", "eager", "flex", "flash", "rowexact")
+COMPILE = ("auto", "on", "off")
 
 
 def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> str:
@@ -103,7 +104,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, attention: str = "auto", cuda_graphs: bool = False, static_shapes: bool = False,
-                 small_rows: str = "auto", quant: str | None = None, linears: str = "auto"):
+                 small_rows: str = "auto", quant: str | None = None, linears: str = "auto",
+                 compile: str = "auto"):
         config = model.config
         if quant not in (None, "none") and getattr(model, "_lp_quant", None) is None:
             from lp.model.quant import quantize
@@ -187,6 +189,25 @@ class ModelRunner:
             if self.linears == "packed" and not kernels.pack(model):
                 raise ValueError("model.linears=packed found no plain float linear to pack (a quantized model, or "
                                  "tensor-parallel shards): use model.linears=auto or plain")
+        if compile not in COMPILE:
+            raise ValueError(f"model.compile must be one of {', '.join(COMPILE)}, got {compile!r}")
+        # auto stays eager: on this project's CPU the compiled step measured no faster than the
+        # eager one with packed linears (bench/results/compile) and costs minutes to compile
+        self.compiled = compile == "on"
+        if self.compiled and (cuda_graphs or static_shapes):
+            raise ValueError("model.compile=on and model.cuda_graphs=true are two ways to the same static step: pick one")
+        self._forward = self._compiled_forward if self.compiled else model
+        self._compiled = None
+
+    def _compiled_forward(self, **kwargs):
+        """The model's forward under torch.compile (inductor), dynamic in the row count and the
+        cache length: one graph for every step after a warm-up recompile, the linears opaque
+        packed ops (lp.model.kernels.packed_linear), K/V written in place into the PackedCache."""
+        if self._compiled is None:
+            log.info("model.compile=on: compiling the packed step with torch.compile (once per process; "
+                     "inductor caches its kernels on disk for the next start)")
+            self._compiled = torch.compile(self.model.forward, dynamic=True)
+        return self._compiled(**kwargs)
 
     # -- per-generation state ---------------------------------------------------
 
@@ -297,7 +318,7 @@ class ModelRunner:
             mask = self._dense_mask(sk, local_add_QQ, cache_len, pos_Q)
         ids_1Q = torch.tensor([layout.tokens], dtype=torch.long).to(self.device, non_blocking=True)
         with self._kernel(sk.num_rows):
-            out = self.model(
+            out = self._forward(
                 input_ids=ids_1Q,
                 position_ids=pos_Q[None],
                 attention_mask=mask,
