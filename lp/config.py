@@ -8,6 +8,8 @@ and the allowed values.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 from omegaconf import MISSING  # noqa: F401  (re-exported for schemas)
@@ -138,6 +140,9 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda (LP workers use cuda:LOCAL_RANK)
     cache_dir: str | None = None  # where converted GGUF models live (default ~/.cache/lp)
     threads: int = 0  # torch intra-op threads per worker; 0: leave torch's default
+    # cores each worker computes on (lp.parallel.cpus): auto (co-located torchrun workers each take
+    # their own slice) | off | a list such as 0-3
+    cpus: str = "auto"
     # attention kernel of the packed step: auto (flash/flex on CUDA, sdpa on CPU) | sdpa |
     # eager | flex (FlexAttention BlockMask) | flash (cascade: unmasked prefix + tree-masked block)
     attention: str = "auto"
@@ -171,6 +176,8 @@ class ModelConfig:
             raise ValueError(f"model.small_rows must be auto, on or off, got {self.small_rows!r}")
         if self.linears not in ("auto", "packed", "plain"):
             raise ValueError(f"model.linears must be auto, packed or plain, got {self.linears!r}")
+        if self.cpus not in ("auto", "off") and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(self.cpus)):
+            raise ValueError(f"model.cpus must be auto, off or a core list such as 0-3 or 0,2; got {self.cpus!r}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"model.compile must be auto, on or off, got {self.compile!r}")
         if self.quant not in ("none", "int8", "int4", "auto"):

@@ -83,14 +83,14 @@ def run(cfg: GenerateConfig) -> dict | None:
     from lp.model.runner import ModelRunner
     from lp.model.loader import load_tokenizer, resolve_dtype, resolve_model_path
     from lp.parallel.memory import decode_rows, plan_memory
+    from lp.parallel.cpus import pin_worker
     from lp.parallel.tp import check_tp_path, load_for
 
     cfg.validate()
     rank, world, _ = torchrun_env()
     if cfg.decoding.mode == "ar" and world > 1:
         raise ValueError("decoding.mode=ar runs in one process; launch it without torchrun")
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
+    pin_worker(cfg.model.cpus, cfg.model.threads)  # before the first parallel region: OpenMP inherits it
     device = worker_device(cfg.model.device)
     group = init_worker_group(cfg.parallel, device)
     lead = rank == 0

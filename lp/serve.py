@@ -25,7 +25,6 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
 
 from lp import cli
 from lp.parallel.dist import RequestChannel, WorkerFailure, exit_process, init_worker_group, torchrun_env, worker_device
@@ -56,13 +55,13 @@ def run(cfg: ServeConfig) -> int:
     from lp.generate import eos_ids
     from lp.model.runner import ModelRunner
     from lp.model.loader import resolve_model_path
+    from lp.parallel.cpus import pin_worker
     from lp.parallel.tp import check_tp_path, load_for
 
     cfg.validate()
     _setup_logging()
     rank, world, _ = torchrun_env()
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
+    pin_worker(cfg.model.cpus, cfg.model.threads)  # before the first parallel region: OpenMP inherits it
     device = worker_device(cfg.model.device)
     group = init_worker_group(cfg.parallel, device)
     if rank != 0:  # a Ctrl-C reaches every rank: the workers wait for rank 0's SHUTDOWN instead
