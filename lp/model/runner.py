@@ -211,6 +211,7 @@ class ModelRunner:
 
     # -- per-generation state ---------------------------------------------------
 
+    @torch.inference_mode()  # the mask buffer an inference tensor like the steps' own (one compiled graph)
     def new_cache(self, capacity: int | None = None, max_step_rows: int = 0):
         """A cache for ``capacity`` positions; the mask buffer is sized for steps of up to
         ``max_step_rows`` rows (longer steps, such as the prefill, get a one-off mask)."""
