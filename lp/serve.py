@@ -123,7 +123,8 @@ def _batch_engine(cfg: ServeConfig, runner, group):
 
     s = cfg.server
     return BatchEngine(runner, kv_tokens(cfg, runner, group), max_batch=s.max_batch,
-                       max_prefill_tokens=s.max_prefill_tokens, draft_store=_draft_store(cfg), group=group)
+                       max_prefill_tokens=s.max_prefill_tokens, draft_store=_draft_store(cfg), group=group,
+                       prefix_cache=s.prefix_cache)
 
 
 def kv_tokens(cfg: ServeConfig, runner, group) -> int:

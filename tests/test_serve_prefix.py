@@ -74,14 +74,13 @@ def test_chat_turns_warm_equal_cold_and_generate(servers, smollm2):
     assert warm.metrics()["lp_prefix_cache_hit_tokens_total"] - before == hits
 
 
-def test_prefix_cache_config_checked_and_refused_under_lp():
+def test_prefix_cache_config_checked_on_by_default_and_allowed_under_lp():
     with pytest.raises(ValueError, match="server.prefix_cache"):
         ServerConfig(prefix_cache="yes").validate()
-    with pytest.raises(ValueError, match="server.prefix_cache is not supported with LP"):
-        ServeConfig(server=ServerConfig(prefix_cache=True), parallel=ParallelConfig(workers=2)).validate()
-    with pytest.raises(ValueError, match="server.prefix_cache is not supported with LP"):
-        ServeConfig(server=ServerConfig(prefix_cache=True), parallel=ParallelConfig(tp=2)).validate()
-    ServeConfig(server=ServerConfig(prefix_cache=True)).validate()
+    assert ServerConfig().prefix_cache is True
+    for par in (ParallelConfig(workers=2), ParallelConfig(tp=2), ParallelConfig(workers=2, tp=2)):
+        ServeConfig(server=ServerConfig(prefix_cache=True), parallel=par).validate()
+    ServeConfig(server=ServerConfig(prefix_cache=False)).validate()
 
 
 # -- prompt logprobs on /v1/completions (echo + logprobs, max_tokens 0) ---------------------

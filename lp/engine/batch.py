@@ -46,7 +46,11 @@ on every rank), each sequence merges it as a one-sequence run would (lp.engine.d
 committed prefix and the emitted tokens are its next step's pending rows. Joins, aborts
 and admissions must be the same on every rank: ``admissions()`` says which waiting ids
 the next step admits, ``step(admit=ids)`` replays a decision made elsewhere (lp.server
-sends rank 0's with the step); offline, every rank's identical calls decide alike.
+sends rank 0's with the step); offline, every rank's identical calls decide alike. With
+``prefix_cache`` every rank registers, hits and evicts the same blocks (the same commits in
+the same order), and rank 0's hits ride with its admissions (``cached_rows``,
+``step(admit=ids, cached=rows)``): a rank whose tables would hit otherwise stops with a
+RuntimeError instead of decoding from different K/V.
 
 Legend: Q rows of the step (all sequences), K gathered key rows, V vocabulary.
 """
@@ -136,8 +140,9 @@ class BatchEngine:
     baselines it is measured against: ``static`` (vLLM's / TensorRT-LLM's kind of rule:
     each sequence drafts as if alone while at most ``static_batch`` decode, none above),
     ``none`` (plain batched decoding); ``group``: the LP worker group (None: one process);
-    ``prefix_cache``: automatic prefix caching over the paged pool (lp.model.paged; one
-    process only, a ValueError with a group)."""
+    ``prefix_cache``: automatic prefix caching over the paged pool (lp.model.paged; under a
+    group every rank holds the same block tables, rank 0's hits ride with its admissions:
+    ``cached_rows`` / ``step(admit, cached)``)."""
 
     def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = 16, max_batch: int = 8,
                  max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None, draft_policy: str = "budget",
@@ -160,9 +165,6 @@ class BatchEngine:
             from lp.model import attention
 
             attention.register()
-        if prefix_cache and group is not None:
-            raise ValueError("server.prefix_cache is not supported with Lookahead Parallelism (parallel.lp > 1) yet: "
-                             "set server.prefix_cache=false")
         self.cache = PagedCache(kv_tokens, block_size, prefix_cache)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
@@ -287,11 +289,20 @@ class BatchEngine:
             ids.append(req.id)
         return ids
 
-    def step(self, admit: Sequence[int] | None = None) -> list[StepOutput]:
+    def cached_rows(self, ids: Sequence[int]) -> list[int]:
+        """The prompt rows each of these waiting requests finds in the prefix cache if the
+        next step admits them (``admissions()``'s ids); no state changes. Under LP rank 0 sends
+        them with the admissions, the other ranks check their own tables agree (``step``)."""
+        bs = self.cache.blocks.block_size
+        reqs = {r.id: r for r in self.waiting}
+        return [len(self.cache.blocks.lookup(self._lookup_ids(reqs[rid]))) * bs for rid in ids]
+
+    def step(self, admit: Sequence[int] | None = None, cached: Sequence[int] | None = None) -> list[StepOutput]:
         """Admit (``admit``: exactly these waiting ids, rank 0's decision replayed on a worker
-        rank; None: ``admissions()``), then one batched forward over every running sequence;
-        per-sequence outputs."""
-        self._admit(self.admissions() if admit is None else admit)
+        rank; None: ``admissions()``; ``cached``: rank 0's ``cached_rows`` of them, the prefix-cache
+        hit each must find here: a RuntimeError when this rank's block tables disagree), then
+        one batched forward over every running sequence; per-sequence outputs."""
+        self._admit(self.admissions() if admit is None else admit, cached)
         if not self.running:
             return []
         t0 = time.perf_counter()
@@ -333,11 +344,19 @@ class BatchEngine:
                 self._leave(it.req)
         return outputs
 
-    def _admit(self, ids: Sequence[int]) -> None:
+    def _admit(self, ids: Sequence[int], want: Sequence[int] | None = None) -> None:
         blocks = self.cache.blocks
         reqs = [next(r for r in self.waiting if r.id == rid) for rid in ids]
         assert len(self.running) + len(reqs) <= self.max_batch, ids
-        for req, cached in zip(reqs, blocks.reserve_round([(r.id, r.need, self._lookup_ids(r)) for r in reqs])):
+        assert want is None or len(want) == len(reqs), (ids, want)
+        # rank 0's hit (``want``) bounds the lookup: prompt[:hit + 1] finds at most hit rows
+        prompts = [self._lookup_ids(r) if want is None else self._lookup_ids(r)[: w + 1]
+                   for r, w in zip(reqs, want or [None] * len(reqs))]
+        got = blocks.reserve_round([(r.id, r.need, p) for r, p in zip(reqs, prompts)])
+        if want is not None and list(got) != list(want):
+            raise RuntimeError(f"prefix cache diverged from rank 0: requests {list(ids)} hit {list(got)} cached "
+                               f"rows here, {list(want)} on rank 0 (block tables must be identical on every rank)")
+        for req, cached in zip(reqs, got):
             self.waiting.remove(req)
             req.run = req.decoder._start(req.prompt, req.eos, cache=SeqView(self.cache, req.id),
                                          tokenizer=req.tokenizer)

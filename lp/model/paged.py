@@ -28,7 +28,8 @@ never (step rows) x (all slots).
 After verification, ``commit`` keeps a prefix of each sequence and moves its accepted
 rows next to it (one gather/scatter per layer for the whole batch).
 
-Automatic prefix caching (``prefix_cache=True``, one process): a full block whose rows are
+Automatic prefix caching (``prefix_cache=True``; under LP every rank's table makes the same
+calls, so all hold the same digests): a full block whose rows are
 all committed is immutable from then on, so it is registered under a chain digest of the
 token ids of every row up to its end (sha256 over the parent block's digest and its own
 ids: equal digests mean the same tokens at the same positions, hence the same K/V).
