@@ -5,7 +5,8 @@ and a cold one (off): every reply equals the cold server's and transformers' gre
 ``generate`` on the same chat-templated ids; from the second turn on,
 ``usage.prompt_tokens_details.cached_tokens`` covers at least the whole previous turn's
 prompt (block-aligned) and the hit counter of /metrics moves by as much. The option is
-validated like every other (400-free: a config error at start) and refused under LP.
+validated like every other (400-free: a config error at start), on by default and allowed
+under LP and LP x TP.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def servers(tmp_path_factory):
 
     warm = start(tmp_path_factory, "prefix_warm", 1, ["server.prefix_cache=true", "server.kv_tokens=4096"])
     try:
-        cold = start(tmp_path_factory, "prefix_cold", 1, ["server.kv_tokens=4096"])
+        cold = start(tmp_path_factory, "prefix_cold", 1, ["server.prefix_cache=false", "server.kv_tokens=4096"])
     except BaseException:
         warm.stop()
         raise

@@ -606,6 +606,7 @@ class BatchEngine:
         if run.proc is not None:
             run.proc.extend(emitted)
         dec.grammar_commit(run, it.prop, emitted)  # lp.grammar: forced-draft count, dead end
+        _count_drafts(req.stats, it.prop.candidates, len(emitted))
         lps = None
         if dec.cfg.logprobs:
             lps = _logprobs(it.raw, it.layout, path, len(emitted), dec.cfg.top_logprobs)
@@ -632,6 +633,19 @@ class BatchEngine:
         self._results[req.id] = GenerationResult(list(req.run.out), stats, req.run.finish,
                                                  list(req.run.logprobs) if req.decoder.cfg.logprobs else None,
                                                  list(req.prompt_lps) if req.prompt_logprobs is not None else None)
+
+
+def _count_drafts(stats: GenerationStats, candidates, emitted: int) -> None:
+    """One decode step's speculative-decoding counters (GenerationStats: num_drafts, ...)."""
+    if candidates:
+        stats.num_drafts += 1
+        stats.num_draft_tokens += max(len(c) for c in candidates)
+    accepted = max(emitted - 1, 0)
+    stats.num_accepted_tokens += accepted
+    if len(stats.accepted_per_pos) < accepted:
+        stats.accepted_per_pos.extend([0] * (accepted - len(stats.accepted_per_pos)))
+    for i in range(accepted):
+        stats.accepted_per_pos[i] += 1
 
 
 def generate_batch(decoder: LookaheadDecoder, prompts: Sequence[Sequence[int]], eos_token_ids=None, tokenizer=None,
