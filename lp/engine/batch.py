@@ -268,6 +268,15 @@ class BatchEngine:
     def blocks_in_use(self) -> int:
         return self.cache.blocks.blocks_in_use
 
+    def prompt_logprobs(self, request_id: int) -> list | None:
+        """The prompt logprobs computed so far for a request asking for them (running or
+        finished, its result not yet taken); None otherwise."""
+        for req in self.running:
+            if req.id == request_id:
+                return list(req.prompt_lps) if req.prompt_logprobs is not None else None
+        res = self._results.get(request_id)
+        return None if res is None or res.prompt_logprobs is None else list(res.prompt_logprobs)
+
     def result(self, request_id: int) -> GenerationResult | None:
         """A finished request's output and stats (kept until taken once)."""
         return self._results.pop(request_id, None)

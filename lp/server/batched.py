@@ -3,8 +3,9 @@ in one process or as rank 0 of Lookahead Parallelism.
 
 Contract: ``BatchedEngine`` faces the HTTP side with ``submit``, ``queue_depth``, ``ready``,
 ``stop``, ``request_stop``, ``workers``, ``max_queue``, ``failed`` and the job events of
-``lp.server.engine.Job`` (``("tokens", ids)`` per step, then ``("done", Outcome)`` or
-``("error", ApiError)``). Scheduling is per iteration: at every step boundary the thread
+``lp.server.engine.Job`` (``("prompt_logprobs", [TokenLogprob])`` once the prompt is in for a
+job asking for them, ``("logprobs", ...)`` and ``("tokens", ids)`` per step, then
+``("done", Outcome)`` or ``("error", ApiError)``). Scheduling is per iteration: at every step boundary the thread
 hands newly submitted jobs to the batch engine (FIFO; they start when ``server.max_batch``
 and the K/V reservation allow, their prompts fed in chunks of ``server.max_prefill_tokens``
 rows inside the same forward as the others' decode rows), aborts cancelled ones (their
@@ -225,6 +226,9 @@ class BatchedEngine:
                 continue
             if job.started is None:
                 job.started = now
+            if job.prompt_logprobs is not None and not job.prompt_sent:  # the prompt is in: its logprobs first
+                job.prompt_sent = True
+                job.emit("prompt_logprobs", self.batch.prompt_logprobs(o.request_id))
             if o.new_tokens:
                 if job.first_token is None:
                     job.first_token = now

@@ -53,6 +53,7 @@ class Job:
     first_token: float | None = None
     prompt_logprobs: int | None = None  # lp.engine.batch's add(prompt_logprobs=...) (completions echo + logprobs)
     prompt_only: bool = False  # add(prompt_only=True): echo with max_tokens 0
+    prompt_sent: bool = False  # its ("prompt_logprobs", ...) event went out (lp.server.batched)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
