@@ -254,7 +254,8 @@ class BlockTable:
 
     @property
     def blocks_in_use(self) -> int:
-        return sum(len(t) for t in self.tables.values())
+        """Distinct blocks the sequences' tables use (a shared prefix-cache block counts once)."""
+        return len({b for t in self.tables.values() for b in t})
 
 
 def _digest(parent: bytes, ids: Sequence[int]) -> bytes:

@@ -37,7 +37,8 @@ class ServerMetrics:
                                    registry=r)
         self.step_rows = Histogram("lp_step_rows", "Packed rows of each batched step (all sequences)",
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
-        self.kv_blocks = Gauge("lp_kv_blocks_in_use", "Blocks of the paged K/V cache in use", registry=r)
+        self.kv_blocks = Gauge("lp_kv_blocks_in_use", "Blocks of the paged K/V cache the running sequences use "
+                               "(a shared prefix-cache block once)", registry=r)
         self.kv_blocks_total = Gauge("lp_kv_blocks_total", "Blocks of the paged K/V cache", registry=r)
         self.prefix_hit_tokens = Counter("lp_prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the "
                                          "prefix cache (server.prefix_cache)", registry=r)
