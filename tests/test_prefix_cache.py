@@ -177,3 +177,28 @@ def test_eviction_metric_moves_by_the_pool_count():
     for total in (0, 3, 3, 5):
         m.observe_evictions(total)
     assert m.prefix_evictions._value.get() == 5
+
+
+def test_requests_arriving_together_compute_a_shared_prompt_once(tiny_factory):
+    """Three requests with one prompt (n = 3 choices, or clients sharing a system prompt) added
+    at once: the first computes the prompt (fed in chunks); the others wait while it is being
+    prefilled and then hit all its full blocks instead of computing them too; an unrelated
+    request behind them waits its FIFO turn. Every output == generate; without the cache all
+    start together."""
+    model = tiny_factory("llama")
+    runner = ModelRunner(model)
+    cfg = DecodingConfig(max_new_tokens=10, **TREE)
+    other = [(5 * i) % 90 + 7 for i in range(20)]
+    for cache in (True, False):
+        engine = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=4, max_prefill_tokens=16,
+                             prefix_cache=cache)
+        ids = [engine.add(SYSTEM, cfg) for _ in range(3)] + [engine.add(other, cfg)]
+        assert engine.admissions() == (ids[:1] if cache else ids)
+        while engine.has_work:
+            engine.step()
+        results = [engine.result(i) for i in ids]
+        want = hf_greedy(model, SYSTEM, 10)
+        assert [r.output_ids for r in results[:3]] == [want] * 3
+        assert results[3].output_ids == hf_greedy(model, other, 10)
+        want_cached = [0, 40, 40, 0] if cache else [0, 0, 0, 0]
+        assert [r.stats.cached_tokens for r in results] == want_cached, cache

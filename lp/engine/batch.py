@@ -16,7 +16,9 @@ publish, collect). What is shared is the step:
               largest step) can be reserved in the paged cache (lp.model.paged); with
               ``prefix_cache`` the longest cached block-aligned prefix of its prompt is
               reused (those rows start committed, only the rest is fed) and only the
-              blocks past it are booked
+              blocks past it are booked, and a request whose next prompt block another
+              request is prefilling now waits for it (n > 1 choices, clients sharing a
+              system prompt arriving together: the prompt is computed once)
     propose   each sequence's drafts; ONE draft budget over all of them
               (lp.drafts.select.select_trees on the measured t(Q), Q = every row of the step;
               a batch of one uses the decoder's own budget, today's step)
@@ -288,15 +290,41 @@ class BatchEngine:
         K/V reservation allow); no state changes. Under LP rank 0 decides, the others replay."""
         blocks, ids = self.cache.blocks, []
         free, claimed = blocks.available, set()
+        coming = self._coming() if blocks.prefix_cache else set()
         for req in self.waiting:
             if len(self.running) + len(ids) >= self.max_batch:
                 break
+            if coming and self._waits_for_prefix(req, coming):
+                break  # FIFO: its prompt's next blocks are being computed by another request
             need = blocks.cost(req.need, self._lookup_ids(req), claimed)  # new blocks, less the cached prefix's
             if need > free:
                 break
             free -= need
             ids.append(req.id)
+            if blocks.prefix_cache:
+                coming.update(blocks.chain(req.prompt, len(req.prompt) // blocks.block_size))
         return ids
+
+    def _coming(self) -> set[bytes]:
+        """Prefix cache: the chain digests of the full prompt blocks that running prefills will
+        register once their prompts are in (lp.model.paged)."""
+        blocks, out = self.cache.blocks, set()
+        for req in self.running:
+            if req.run.step == 0 and not req.run.done:
+                out.update(blocks.chain(req.prompt, len(req.prompt) // blocks.block_size))
+        return out
+
+    def _waits_for_prefix(self, req: _Request, coming: set[bytes]) -> bool:
+        """Whether ``req`` should wait: the first block of its prompt past what is cached now is
+        one a running prefill (or a request admitted before it this round) is computing, so it
+        hits that block a few steps later instead of computing it again (``n`` > 1 choices of
+        one prompt, clients sharing a system prompt arriving together)."""
+        if req.prompt_logprobs is not None:
+            return False
+        blocks = self.cache.blocks
+        hit = len(blocks.lookup(req.prompt))
+        chain = list(blocks.chain(req.prompt, (len(req.prompt) - 1) // blocks.block_size))
+        return hit < len(chain) and chain[hit] in coming
 
     def cached_rows(self, ids: Sequence[int]) -> list[int]:
         """The prompt rows each of these waiting requests finds in the prefix cache if the

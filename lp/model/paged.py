@@ -120,14 +120,20 @@ class BlockTable:
         most ``len(prompt) - 1`` rows (none when prefix caching is off)."""
         if not self.prefix_cache or not self.by_digest:
             return []
-        bs, hits, parent = self.block_size, [], b""
-        for i in range((len(prompt) - 1) // bs):
-            parent = _digest(parent, prompt[i * bs : (i + 1) * bs])
-            block = self.by_digest.get(parent)
+        hits = []
+        for d in self.chain(prompt, (len(prompt) - 1) // self.block_size):
+            block = self.by_digest.get(d)
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def chain(self, tokens: Sequence[int], blocks: int):
+        """The chain digests of the first ``blocks`` full blocks of ``tokens``, lazily."""
+        bs, parent = self.block_size, b""
+        for i in range(blocks):
+            parent = _digest(parent, tokens[i * bs : (i + 1) * bs])
+            yield parent
 
     def claim(self, seq: int, prompt: Sequence[int]) -> None:
         """Pin the blocks ``prompt`` hits for ``seq``'s coming ``reserve`` (so another
