@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     servers = {}
     try:
         servers["warm"] = ServerProcess(1, a.threads, [*common, "server.prefix_cache=true"], out / "warm_server.log")
-        servers["cold"] = ServerProcess(1, a.threads, common, out / "cold_server.log")
+        servers["cold"] = ServerProcess(1, a.threads, [*common, "server.prefix_cache=false"], out / "cold_server.log")
         clients = {k: openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=1800)
                    for k, s in servers.items()}
 

@@ -123,7 +123,8 @@ def _batch_engine(cfg: ServeConfig, runner, group):
 
     s = cfg.server
     return BatchEngine(runner, kv_tokens(cfg, runner, group), max_batch=s.max_batch,
-                       max_prefill_tokens=s.max_prefill_tokens, draft_store=_draft_store(cfg), group=group)
+                       max_prefill_tokens=s.max_prefill_tokens, draft_store=_draft_store(cfg), group=group,
+                       prefix_cache=s.prefix_cache)
 
 
 def kv_tokens(cfg: ServeConfig, runner, group) -> int:
@@ -175,7 +176,7 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=N
     s = cfg.server
     world = group.lp_size if group is not None else 1  # LP workers (each a TP group of parallel.tp)
     heartbeat = min(s.heartbeat_s, cfg.parallel.timeout_s / 3)
-    metrics = ServerMetrics(world)
+    metrics = ServerMetrics(world, prefix_cache=s.prefix_cache)
     try:  # continuous batching (lp.engine.batch), under LP too: every rank holds the same batch
         engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, kv_tokens(cfg, runner, group),
                                s.max_prefill_tokens, metrics, draft_store=_draft_store(cfg), group=group,

@@ -124,14 +124,24 @@ def step_spans(result) -> list[tuple[int, int]]:
 
 def assert_block_invariants(blocks) -> None:
     """What must hold after every step of a batch: the sequences' reserved runs are
-    pairwise disjoint and disjoint from the free list, free + reserved == all blocks (none
-    leaked, none invented), and each table is a prefix of its sequence's run covering its
-    committed rows."""
+    pairwise disjoint (except registered prefix-cache blocks, held by exactly as many runs as
+    their reference count) and disjoint from the free list, free + reserved + evictable ==
+    all blocks (none leaked, none invented), and each table is a prefix of its sequence's run
+    covering its committed rows."""
+    from collections import Counter
+
     owned = [b for run in blocks.owned.values() for b in run]
-    assert len(owned) == len(set(owned)), f"a block is reserved twice: {blocks.owned}"
+    held = Counter(owned)
+    for b, n in held.items():
+        assert n == 1 or b in blocks.digest_of, f"block {b} is reserved {n} times: {blocks.owned}"
+    for b, d in blocks.digest_of.items():
+        assert blocks.by_digest[d] == b and held[b] == blocks.refs[b], (b, held[b], blocks.refs[b])
+        assert (blocks.refs[b] == 0) == (b in blocks.evictable), (b, blocks.refs[b])
+    assert len(blocks.by_digest) == len(blocks.digest_of)
     assert not set(owned) & blocks.free, f"reserved blocks on the free list: {sorted(set(owned) & blocks.free)}"
-    assert len(blocks.free) + len(owned) == blocks.num_blocks, \
-        f"free {len(blocks.free)} + reserved {len(owned)} != {blocks.num_blocks} blocks"
+    assert not set(blocks.evictable) & blocks.free, sorted(set(blocks.evictable) & blocks.free)
+    assert len(blocks.free) + len(held) + len(blocks.evictable) == blocks.num_blocks, \
+        f"free {len(blocks.free)} + reserved {len(held)} + evictable {len(blocks.evictable)} != {blocks.num_blocks} blocks"
     assert blocks.free <= set(range(blocks.num_blocks)), sorted(blocks.free)
     assert set(blocks.tables) == set(blocks.owned) == set(blocks.lengths)
     for seq, table in blocks.tables.items():

@@ -9,12 +9,13 @@ decoding fields (if any) updated by its own. After every step the block table's 
 hold (tests.helpers.assert_block_invariants) and freed blocks are filled with NaN. Rank 0
 writes, per request name, the tokens the steps streamed, the final output ids and finish
 reason (None for a request aborted before it started), where it was when aborted
-("waiting", "prefill" with the prompt rows fed, or "decoding"), and the blocks left in use
-at the end.
+("waiting", "prefill" with the prompt rows fed, or "decoding"), the prompt rows it found in
+the prefix cache (spec engine "prefix_cache": true), and the blocks left in use, the
+prefix-cache hit blocks and evictions at the end.
 
 Spec "channel": the server's way (lp.server.batched) instead of every rank deciding
 alike: rank 0 alone plays the schedule and decides each step's admissions, and sends
-the step's joins, aborts and admissions through ``lp.parallel.dist.RequestChannel``
+the step's joins, aborts and admissions (with rank 0's prefix-cache hits) through ``lp.parallel.dist.RequestChannel``
 (``lp.server.engine.pack_step``); the other ranks run ``lp.server.batched.worker_loop``,
 which replays them (only the fields pack_request carries may differ per request).
 
@@ -65,7 +66,7 @@ def run_schedule(runner: ModelRunner, spec: dict, group=None) -> dict:
     e = spec["engine"]
     engine = BatchEngine(runner, e["kv_tokens"], block_size=e["block_size"], max_batch=e["max_batch"],
                          max_prefill_tokens=e["max_prefill_tokens"], tq_curve=[tuple(p) for p in spec["tq_curve"]],
-                         group=group)
+                         group=group, prefix_cache=e.get("prefix_cache", False))
     engine.cache.poison_released()
     channel = None
     if group is not None and spec.get("channel"):
@@ -94,12 +95,13 @@ def run_schedule(runner: ModelRunner, spec: dict, group=None) -> dict:
             assert_block_invariants(engine.cache.blocks)
         if not engine.has_work and not schedule:
             break
-        admit = None
+        admit = cached = None
         if channel is not None:  # as lp.server.batched.BatchedEngine._announce
             admit = engine.admissions() if engine.has_work else []
-            channel.send(RequestChannel.STEP, *pack_step(joined, aborted, admit, engine.has_work))
+            cached = engine.cached_rows(admit)
+            channel.send(RequestChannel.STEP, *pack_step(joined, aborted, admit, engine.has_work, cached))
         if engine.has_work:
-            for out in engine.step(admit):
+            for out in engine.step(admit, cached):
                 streamed.setdefault(out.request_id, []).extend(out.new_tokens)
         most = max(most, len(engine.running))
         assert_block_invariants(engine.cache.blocks)
@@ -113,8 +115,11 @@ def run_schedule(runner: ModelRunner, spec: dict, group=None) -> dict:
         out[name] = {"streamed": streamed.get(rid, []), "output_ids": None if res is None else res.output_ids,
                      "finish": None if res is None else res.finish_reason,
                      "workers": None if res is None else res.stats.workers,
-                     "steps": None if res is None else res.stats.steps, "aborted_in": aborted_in.get(name)}
-    return {"requests": out, "blocks_in_use": engine.blocks_in_use, "steps": engine.steps, "most_running": most}
+                     "steps": None if res is None else res.stats.steps, "aborted_in": aborted_in.get(name),
+                     "cached": None if res is None else res.stats.cached_tokens}
+    blocks = engine.cache.blocks
+    return {"requests": out, "blocks_in_use": engine.blocks_in_use, "steps": engine.steps, "most_running": most,
+            "hit_blocks": blocks.hit_blocks, "evictions": blocks.evictions}
 
 
 def main() -> None:

@@ -314,3 +314,20 @@ def test_kv_pool_from_a_memory_fraction():
     with pytest.raises(ValueError, match="server.kv_memory_fraction"):
         ServerConfig(kv_memory_fraction=0).validate()
     assert ServerConfig(kv_memory_fraction=0.9).validate().kv_memory_fraction == 0.9
+
+
+def test_spec_decode_counters_literal_steps():
+    """lp.engine.batch's per-step counters (vLLM's spec-decode metrics): a step with candidates
+    of lengths 3 and 2 that publishes 3 tokens accepted 2 (positions 0 and 1); one with no
+    candidates is no draft and accepts nothing; one publishing 1 token of a 4-long candidate
+    is a draft that accepted none."""
+    from lp.engine.batch import _count_drafts
+    from lp.engine.decoder import GenerationStats
+
+    st = GenerationStats()
+    _count_drafts(st, [(5, 6, 7), (5, 9)], 3)
+    _count_drafts(st, [], 1)
+    _count_drafts(st, [(1, 2, 3, 4)], 1)
+    _count_drafts(st, [(8,)], 2)
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (3, 8, 3)
+    assert st.accepted_per_pos == [2, 1]

@@ -171,10 +171,10 @@ def test_step_message_round_trip():
     joins = [(3, [1, 2, 3], DecodingConfig(max_new_tokens=5, W=5, N=4, G=5, stop_strings=["é\n"])),
              (7, [9], DecodingConfig(max_new_tokens=8, do_sample=True, temperature=0.5, seed=11,
                                      logit_bias={4: -2.5}))]
-    fields, payload = pack_step(joins, [1, 2], [3], True)
-    got_joins, aborts, admits, run = unpack_step(fields, payload, base)
-    assert (aborts, admits, run) == ([1, 2], [3], True)
+    fields, payload = pack_step(joins, [1, 2], [3, 7], True, [32, 0])
+    got_joins, aborts, admits, cached, run = unpack_step(fields, payload, base)
+    assert (aborts, admits, cached, run) == ([1, 2], [3, 7], [32, 0], True)
     assert [(rid, p) for rid, p, _ in got_joins] == [(3, [1, 2, 3]), (7, [9])]
     for (_, _, want), (_, _, got) in zip(joins, got_joins):
         assert got == want
-    assert unpack_step(*pack_step([], [], [], False), base) == ([], [], [], False)
+    assert unpack_step(*pack_step([], [], [], False), base) == ([], [], [], [], False)

@@ -18,7 +18,7 @@ from lp.config import DecodingConfig
 from lp.engine.batch import BatchEngine
 from lp.model.paged import BlockTable
 from lp.model.runner import ModelRunner
-from tests.helpers import hf_greedy
+from tests.helpers import make_tiny_model, hf_greedy
 
 TREE = dict(drafts="suffix", draft_budget="all", W=2, N=3, G=3, window_policy="always", max_draft_rows=8)
 SYSTEM = [(7 * i) % 97 + 3 for i in range(45)]  # 5 blocks of 8 + 5 rows
@@ -106,14 +106,19 @@ def test_admission_counts_cached_blocks(tiny_factory):
 # -- exactness ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("gemma3", "sdpa"), ("llama", "eager")])
-def test_chat_turns_equal_generate_and_cold(tiny_factory, family, attention):
+@pytest.mark.parametrize("family,attention,quant", [("llama", "sdpa", None), ("gemma3", "sdpa", None),
+                                                   ("llama", "eager", None), ("llama", "auto", "int8")],
+                         ids=["llama", "gemma3", "eager", "int8_rowexact"])
+def test_chat_turns_equal_generate_and_cold(tiny_factory, family, attention, quant):
     """Four turns of a chat over token ids: each turn's prompt is the last prompt, its reply
     and a new user message. Warm: the cached prefix covers all but the newest rows (at
     least the system prompt and the earlier turns); every reply == generate == a cold
-    engine's (no prefix cache)."""
-    model = tiny_factory(family)
-    runner = ModelRunner(model, attention=attention)
+    engine's (no prefix cache). int8: the row-exact runner (lp.model.quant's per-row int8
+    linears, lp_rowexact attention), whose rows do not depend on the step they ran in, so a
+    hit's K/V are the very values a fresh prefill writes; generate runs on the same int8 model."""
+    model = tiny_factory(family) if quant is None else make_tiny_model(seed=1)
+    runner = ModelRunner(model, attention=attention, quant=quant)  # int8: quantizes the model in place
+    assert (runner.attention == "rowexact") == (quant == "int8")
     warm = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=4, max_prefill_tokens=16, prefix_cache=True)
     cold = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=4, max_prefill_tokens=16)
     rng = random.Random(1)
@@ -165,12 +170,6 @@ def test_shared_prefix_while_running_and_eviction_under_pressure(tiny_factory):
     assert all(r == 0 for r in blocks.refs.values())
 
 
-def test_prefix_cache_refused_under_lp(tiny_factory):
-    runner = ModelRunner(tiny_factory("llama"))
-    with pytest.raises(ValueError, match="server.prefix_cache"):
-        BatchEngine(runner, kv_tokens=256, prefix_cache=True, group=object())
-
-
 def test_eviction_metric_moves_by_the_pool_count():
     from lp.server.metrics import ServerMetrics
 
@@ -178,3 +177,28 @@ def test_eviction_metric_moves_by_the_pool_count():
     for total in (0, 3, 3, 5):
         m.observe_evictions(total)
     assert m.prefix_evictions._value.get() == 5
+
+
+def test_requests_arriving_together_compute_a_shared_prompt_once(tiny_factory):
+    """Three requests with one prompt (n = 3 choices, or clients sharing a system prompt) added
+    at once: the first computes the prompt (fed in chunks); the others wait while it is being
+    prefilled and then hit all its full blocks instead of computing them too; an unrelated
+    request behind them waits its FIFO turn. Every output == generate; without the cache all
+    start together."""
+    model = tiny_factory("llama")
+    runner = ModelRunner(model)
+    cfg = DecodingConfig(max_new_tokens=10, **TREE)
+    other = [(5 * i) % 90 + 7 for i in range(20)]
+    for cache in (True, False):
+        engine = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=4, max_prefill_tokens=16,
+                             prefix_cache=cache)
+        ids = [engine.add(SYSTEM, cfg) for _ in range(3)] + [engine.add(other, cfg)]
+        assert engine.admissions() == (ids[:1] if cache else ids)
+        while engine.has_work:
+            engine.step()
+        results = [engine.result(i) for i in ids]
+        want = hf_greedy(model, SYSTEM, 10)
+        assert [r.output_ids for r in results[:3]] == [want] * 3
+        assert results[3].output_ids == hf_greedy(model, other, 10)
+        want_cached = [0, 40, 40, 0] if cache else [0, 0, 0, 0]
+        assert [r.stats.cached_tokens for r in results] == want_cached, cache

@@ -5,7 +5,8 @@ and a cold one (off): every reply equals the cold server's and transformers' gre
 ``generate`` on the same chat-templated ids; from the second turn on,
 ``usage.prompt_tokens_details.cached_tokens`` covers at least the whole previous turn's
 prompt (block-aligned) and the hit counter of /metrics moves by as much. The option is
-validated like every other (400-free: a config error at start) and refused under LP.
+validated like every other (400-free: a config error at start), on by default and allowed
+under LP and LP x TP.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def servers(tmp_path_factory):
 
     warm = start(tmp_path_factory, "prefix_warm", 1, ["server.prefix_cache=true", "server.kv_tokens=4096"])
     try:
-        cold = start(tmp_path_factory, "prefix_cold", 1, ["server.kv_tokens=4096"])
+        cold = start(tmp_path_factory, "prefix_cold", 1, ["server.prefix_cache=false", "server.kv_tokens=4096"])
     except BaseException:
         warm.stop()
         raise
@@ -74,14 +75,13 @@ def test_chat_turns_warm_equal_cold_and_generate(servers, smollm2):
     assert warm.metrics()["lp_prefix_cache_hit_tokens_total"] - before == hits
 
 
-def test_prefix_cache_config_checked_and_refused_under_lp():
+def test_prefix_cache_config_checked_on_by_default_and_allowed_under_lp():
     with pytest.raises(ValueError, match="server.prefix_cache"):
         ServerConfig(prefix_cache="yes").validate()
-    with pytest.raises(ValueError, match="server.prefix_cache is not supported with LP"):
-        ServeConfig(server=ServerConfig(prefix_cache=True), parallel=ParallelConfig(workers=2)).validate()
-    with pytest.raises(ValueError, match="server.prefix_cache is not supported with LP"):
-        ServeConfig(server=ServerConfig(prefix_cache=True), parallel=ParallelConfig(tp=2)).validate()
-    ServeConfig(server=ServerConfig(prefix_cache=True)).validate()
+    assert ServerConfig().prefix_cache is True
+    for par in (ParallelConfig(workers=2), ParallelConfig(tp=2), ParallelConfig(workers=2, tp=2)):
+        ServeConfig(server=ServerConfig(prefix_cache=True), parallel=par).validate()
+    ServeConfig(server=ServerConfig(prefix_cache=False)).validate()
 
 
 # -- prompt logprobs on /v1/completions (echo + logprobs, max_tokens 0) ---------------------
@@ -145,9 +145,6 @@ def test_echo_bad_combinations_are_400(servers):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt="Hi", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, echo=True, logprobs=1, stream=True)
-    assert e.value.body["param"] == "echo"
     r = client.completions.create(model="smollm2", prompt="Hi there", max_tokens=0, echo=True)
     assert r.choices[0].text == "Hi there" and r.choices[0].logprobs is None
 
@@ -176,3 +173,28 @@ def test_lm_eval_loglikelihood_equals_hf(servers, smollm2):
     assert [g for _, g in got] == [g for _, g in ref], (got, ref)
     assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in ref], abs=2e-3), (got, ref)
     assert lm_eval.__version__ and any(g for _, g in ref)  # " Paris" / " four" are greedy
+
+
+@pytest.mark.slow
+def test_echo_logprobs_streamed_equal_whole(servers):
+    """echo + logprobs streamed: the first text chunk is the prompt with its own logprobs,
+    then the completion's chunks; joined, text and logprobs (tokens, token_logprobs,
+    top_logprobs, text_offset) equal the same request not streamed; max_tokens 0 too."""
+    warm, _ = servers
+    client = warm.client()
+    for max_tokens in (4, 0):
+        kw = dict(model="smollm2", prompt=SCORED, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0)
+        whole = client.completions.create(**kw).choices[0]
+        text, lps, first = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, None
+        for ch in client.completions.create(stream=True, **kw):
+            for c in ch.choices:
+                if c.text and first is None:
+                    first = c
+                text += c.text
+                if c.logprobs is not None:
+                    for k in lps:
+                        lps[k] += getattr(c.logprobs, k)
+        assert first.text == SCORED and first.logprobs.token_logprobs[0] is None, max_tokens
+        assert text == whole.text, max_tokens
+        for k in lps:
+            assert lps[k] == getattr(whole.logprobs, k), (max_tokens, k)

@@ -336,6 +336,21 @@ def test_serve_lp2_tp2_answers_openai_with_greedy_text(tiny_tok_dir, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             got = list(pool.map(ask, texts))
         assert got == refs, "concurrent requests on LP 2 x TP 2 differ from generate"
+        # a chat's next turn: the prefix cache (on by default) hits the earlier turn's blocks; rank 0
+        # decides the hit and it rides the step message to the 3 other ranks
+        system = "You are a terse assistant. " * 12
+        chat = [{"role": "system", "content": system}, {"role": "user", "content": texts[1]}]
+        for turn in range(2):
+            ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            want = hf_greedy(model, ids, 12, eos_token_id=eos_ids(model, tok))
+            r = server.client().chat.completions.create(model="tiny", messages=chat, max_tokens=12, temperature=0,
+                                                        extra_body={"lookahead": {"return_token_ids": True}})
+            assert r.model_extra["lookahead"]["output_ids"] == want, f"turn {turn} on LP 2 x TP 2 with the prefix cache"
+            if turn:
+                assert r.usage.prompt_tokens_details.cached_tokens >= 16, r.usage
+            chat += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": texts[2]}]
         health = httpx.get(server.url + "/health", timeout=10).json()
         assert health["memory"]["tp"] == 2 and health["memory"]["weights"] > 0  # rank 0's memory plan
         # a clean shutdown of the mesh: SIGTERM reaches rank 0 (the others wait for its SHUTDOWN)

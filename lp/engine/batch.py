@@ -16,7 +16,9 @@ publish, collect). What is shared is the step:
               largest step) can be reserved in the paged cache (lp.model.paged); with
               ``prefix_cache`` the longest cached block-aligned prefix of its prompt is
               reused (those rows start committed, only the rest is fed) and only the
-              blocks past it are booked
+              blocks past it are booked, and a request whose next prompt block another
+              request is prefilling now waits for it (n > 1 choices, clients sharing a
+              system prompt arriving together: the prompt is computed once)
     propose   each sequence's drafts; ONE draft budget over all of them
               (lp.drafts.select.select_trees on the measured t(Q), Q = every row of the step;
               a batch of one uses the decoder's own budget, today's step)
@@ -46,7 +48,11 @@ on every rank), each sequence merges it as a one-sequence run would (lp.engine.d
 committed prefix and the emitted tokens are its next step's pending rows. Joins, aborts
 and admissions must be the same on every rank: ``admissions()`` says which waiting ids
 the next step admits, ``step(admit=ids)`` replays a decision made elsewhere (lp.server
-sends rank 0's with the step); offline, every rank's identical calls decide alike.
+sends rank 0's with the step); offline, every rank's identical calls decide alike. With
+``prefix_cache`` every rank registers, hits and evicts the same blocks (the same commits in
+the same order), and rank 0's hits ride with its admissions (``cached_rows``,
+``step(admit=ids, cached=rows)``): a rank whose tables would hit otherwise stops with a
+RuntimeError instead of decoding from different K/V.
 
 Legend: Q rows of the step (all sequences), K gathered key rows, V vocabulary.
 """
@@ -136,8 +142,9 @@ class BatchEngine:
     baselines it is measured against: ``static`` (vLLM's / TensorRT-LLM's kind of rule:
     each sequence drafts as if alone while at most ``static_batch`` decode, none above),
     ``none`` (plain batched decoding); ``group``: the LP worker group (None: one process);
-    ``prefix_cache``: automatic prefix caching over the paged pool (lp.model.paged; one
-    process only, a ValueError with a group)."""
+    ``prefix_cache``: automatic prefix caching over the paged pool (lp.model.paged; under a
+    group every rank holds the same block tables, rank 0's hits ride with its admissions:
+    ``cached_rows`` / ``step(admit, cached)``)."""
 
     def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = 16, max_batch: int = 8,
                  max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None, draft_policy: str = "budget",
@@ -160,9 +167,6 @@ class BatchEngine:
             from lp.model import attention
 
             attention.register()
-        if prefix_cache and group is not None:
-            raise ValueError("server.prefix_cache is not supported with Lookahead Parallelism (parallel.lp > 1) yet: "
-                             "set server.prefix_cache=false")
         self.cache = PagedCache(kv_tokens, block_size, prefix_cache)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
@@ -266,6 +270,15 @@ class BatchEngine:
     def blocks_in_use(self) -> int:
         return self.cache.blocks.blocks_in_use
 
+    def prompt_logprobs(self, request_id: int) -> list | None:
+        """The prompt logprobs computed so far for a request asking for them (running or
+        finished, its result not yet taken); None otherwise."""
+        for req in self.running:
+            if req.id == request_id:
+                return list(req.prompt_lps) if req.prompt_logprobs is not None else None
+        res = self._results.get(request_id)
+        return None if res is None or res.prompt_logprobs is None else list(res.prompt_logprobs)
+
     def result(self, request_id: int) -> GenerationResult | None:
         """A finished request's output and stats (kept until taken once)."""
         return self._results.pop(request_id, None)
@@ -277,21 +290,56 @@ class BatchEngine:
         K/V reservation allow); no state changes. Under LP rank 0 decides, the others replay."""
         blocks, ids = self.cache.blocks, []
         free, claimed = blocks.available, set()
+        coming = self._coming() if blocks.prefix_cache else set()
         for req in self.waiting:
             if len(self.running) + len(ids) >= self.max_batch:
                 break
+            if coming and self._waits_for_prefix(req, coming):
+                break  # FIFO: its prompt's next blocks are being computed by another request
             need = blocks.cost(req.need, self._lookup_ids(req), claimed)  # new blocks, less the cached prefix's
             if need > free:
                 break
             free -= need
             ids.append(req.id)
+            if blocks.prefix_cache:
+                coming.update(blocks.chain(req.prompt, len(req.prompt) // blocks.block_size))
         return ids
 
-    def step(self, admit: Sequence[int] | None = None) -> list[StepOutput]:
+    def _coming(self) -> set[bytes]:
+        """Prefix cache: the chain digests of the full prompt blocks that running prefills will
+        register once their prompts are in (lp.model.paged)."""
+        blocks, out = self.cache.blocks, set()
+        for req in self.running:
+            if req.run.step == 0 and not req.run.done:
+                out.update(blocks.chain(req.prompt, len(req.prompt) // blocks.block_size))
+        return out
+
+    def _waits_for_prefix(self, req: _Request, coming: set[bytes]) -> bool:
+        """Whether ``req`` should wait: the first block of its prompt past what is cached now is
+        one a running prefill (or a request admitted before it this round) is computing, so it
+        hits that block a few steps later instead of computing it again (``n`` > 1 choices of
+        one prompt, clients sharing a system prompt arriving together)."""
+        if req.prompt_logprobs is not None:
+            return False
+        blocks = self.cache.blocks
+        hit = len(blocks.lookup(req.prompt))
+        chain = list(blocks.chain(req.prompt, (len(req.prompt) - 1) // blocks.block_size))
+        return hit < len(chain) and chain[hit] in coming
+
+    def cached_rows(self, ids: Sequence[int]) -> list[int]:
+        """The prompt rows each of these waiting requests finds in the prefix cache if the
+        next step admits them (``admissions()``'s ids); no state changes. Under LP rank 0 sends
+        them with the admissions, the other ranks check their own tables agree (``step``)."""
+        bs = self.cache.blocks.block_size
+        reqs = {r.id: r for r in self.waiting}
+        return [len(self.cache.blocks.lookup(self._lookup_ids(reqs[rid]))) * bs for rid in ids]
+
+    def step(self, admit: Sequence[int] | None = None, cached: Sequence[int] | None = None) -> list[StepOutput]:
         """Admit (``admit``: exactly these waiting ids, rank 0's decision replayed on a worker
-        rank; None: ``admissions()``), then one batched forward over every running sequence;
-        per-sequence outputs."""
-        self._admit(self.admissions() if admit is None else admit)
+        rank; None: ``admissions()``; ``cached``: rank 0's ``cached_rows`` of them, the prefix-cache
+        hit each must find here: a RuntimeError when this rank's block tables disagree), then
+        one batched forward over every running sequence; per-sequence outputs."""
+        self._admit(self.admissions() if admit is None else admit, cached)
         if not self.running:
             return []
         t0 = time.perf_counter()
@@ -333,11 +381,19 @@ class BatchEngine:
                 self._leave(it.req)
         return outputs
 
-    def _admit(self, ids: Sequence[int]) -> None:
+    def _admit(self, ids: Sequence[int], want: Sequence[int] | None = None) -> None:
         blocks = self.cache.blocks
         reqs = [next(r for r in self.waiting if r.id == rid) for rid in ids]
         assert len(self.running) + len(reqs) <= self.max_batch, ids
-        for req, cached in zip(reqs, blocks.reserve_round([(r.id, r.need, self._lookup_ids(r)) for r in reqs])):
+        assert want is None or len(want) == len(reqs), (ids, want)
+        # rank 0's hit (``want``) bounds the lookup: prompt[:hit + 1] finds at most hit rows
+        prompts = [self._lookup_ids(r) if want is None else self._lookup_ids(r)[: w + 1]
+                   for r, w in zip(reqs, want or [None] * len(reqs))]
+        got = blocks.reserve_round([(r.id, r.need, p) for r, p in zip(reqs, prompts)])
+        if want is not None and list(got) != list(want):
+            raise RuntimeError(f"prefix cache diverged from rank 0: requests {list(ids)} hit {list(got)} cached "
+                               f"rows here, {list(want)} on rank 0 (block tables must be identical on every rank)")
+        for req, cached in zip(reqs, got):
             self.waiting.remove(req)
             req.run = req.decoder._start(req.prompt, req.eos, cache=SeqView(self.cache, req.id),
                                          tokenizer=req.tokenizer)
@@ -587,6 +643,7 @@ class BatchEngine:
         if run.proc is not None:
             run.proc.extend(emitted)
         dec.grammar_commit(run, it.prop, emitted)  # lp.grammar: forced-draft count, dead end
+        _count_drafts(req.stats, it.prop.candidates, len(emitted))
         lps = None
         if dec.cfg.logprobs:
             lps = _logprobs(it.raw, it.layout, path, len(emitted), dec.cfg.top_logprobs)
@@ -613,6 +670,19 @@ class BatchEngine:
         self._results[req.id] = GenerationResult(list(req.run.out), stats, req.run.finish,
                                                  list(req.run.logprobs) if req.decoder.cfg.logprobs else None,
                                                  list(req.prompt_lps) if req.prompt_logprobs is not None else None)
+
+
+def _count_drafts(stats: GenerationStats, candidates, emitted: int) -> None:
+    """One decode step's speculative-decoding counters (GenerationStats: num_drafts, ...)."""
+    if candidates:
+        stats.num_drafts += 1
+        stats.num_draft_tokens += max(len(c) for c in candidates)
+    accepted = max(emitted - 1, 0)
+    stats.num_accepted_tokens += accepted
+    if len(stats.accepted_per_pos) < accepted:
+        stats.accepted_per_pos.extend([0] * (accepted - len(stats.accepted_per_pos)))
+    for i in range(accepted):
+        stats.accepted_per_pos[i] += 1
 
 
 def generate_batch(decoder: LookaheadDecoder, prompts: Sequence[Sequence[int]], eos_token_ids=None, tokenizer=None,

@@ -86,6 +86,14 @@ class GenerationStats:
     records: list[StepRecord] = field(default_factory=list)
     cached_tokens: int = 0  # prompt rows reused from lp.engine.batch's prefix cache (not computed)
     forced_tokens: int = 0  # output tokens accepted from the grammar's forced drafts (lp.grammar)
+    # speculative-decoding counters as vLLM's (lp.engine.batch fills them): a "draft" is a step that
+    # verified at least one candidate, its draft tokens the longest candidate's length (the most it
+    # could accept); accepted: the published tokens past the step's own one, accepted_per_pos[i]:
+    # steps that accepted at least i + 1 of them
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def compression_ratio(self) -> float:

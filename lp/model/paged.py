@@ -28,7 +28,8 @@ never (step rows) x (all slots).
 After verification, ``commit`` keeps a prefix of each sequence and moves its accepted
 rows next to it (one gather/scatter per layer for the whole batch).
 
-Automatic prefix caching (``prefix_cache=True``, one process): a full block whose rows are
+Automatic prefix caching (``prefix_cache=True``; under LP every rank's table makes the same
+calls, so all hold the same digests): a full block whose rows are
 all committed is immutable from then on, so it is registered under a chain digest of the
 token ids of every row up to its end (sha256 over the parent block's digest and its own
 ids: equal digests mean the same tokens at the same positions, hence the same K/V).
@@ -119,14 +120,20 @@ class BlockTable:
         most ``len(prompt) - 1`` rows (none when prefix caching is off)."""
         if not self.prefix_cache or not self.by_digest:
             return []
-        bs, hits, parent = self.block_size, [], b""
-        for i in range((len(prompt) - 1) // bs):
-            parent = _digest(parent, prompt[i * bs : (i + 1) * bs])
-            block = self.by_digest.get(parent)
+        hits = []
+        for d in self.chain(prompt, (len(prompt) - 1) // self.block_size):
+            block = self.by_digest.get(d)
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def chain(self, tokens: Sequence[int], blocks: int):
+        """The chain digests of the first ``blocks`` full blocks of ``tokens``, lazily."""
+        bs, parent = self.block_size, b""
+        for i in range(blocks):
+            parent = _digest(parent, tokens[i * bs : (i + 1) * bs])
+            yield parent
 
     def claim(self, seq: int, prompt: Sequence[int]) -> None:
         """Pin the blocks ``prompt`` hits for ``seq``'s coming ``reserve`` (so another
@@ -253,7 +260,8 @@ class BlockTable:
 
     @property
     def blocks_in_use(self) -> int:
-        return sum(len(t) for t in self.tables.values())
+        """Distinct blocks the sequences' tables use (a shared prefix-cache block counts once)."""
+        return len({b for t in self.tables.values() for b in t})
 
 
 def _digest(parent: bytes, ids: Sequence[int]) -> bytes:

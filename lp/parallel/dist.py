@@ -347,7 +347,8 @@ def _pad(values: list[int], size: int) -> list[int]:
 # Separate from the per-step exchange above. Rank 0 (the HTTP server) sends one
 # fixed-shape int64 header by broadcast, then, when the header announces a payload,
 # one int64 broadcast of that payload (lp.server.engine.pack_step: the joining
-# requests' token ids and settings, the aborted and the admitted ids). No pickled
+# requests' token ids and settings, the aborted and the admitted ids, the prefix-cache hit
+# rows of each admitted one). No pickled
 # objects. The other ranks block in ``recv()`` with the process group's bounded timeout (parallel.timeout_s): rank 0
 # sends an IDLE header every few seconds when no request is queued and a SHUTDOWN
 # header on exit, so a missing header means a dead rank 0 and the wait ends in

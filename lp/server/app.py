@@ -14,9 +14,11 @@ with Retry-After; a request that can never fit the K/V pool a 400. With an API k
 (``server.api_key`` or env ``LP_API_KEY``) the /v1 routes need ``Authorization: Bearer
 <key>`` (401 otherwise). Only verified tokens are streamed; a client that disconnects (streaming:
 a failed write, noticed within ~1 s thanks to SSE keep-alive comments; non-streaming:
-polled every ~1 s, tokens arriving or not) cancels its job at the next decoding step. ``n`` > 1 (not streamed) submits one job
-per choice and answers them together. Completions with ``echo`` and ``logprobs`` carry the
-prompt's own logprobs first (the engine's prompt logprobs); with ``server.prefix_cache``
+polled every ~1 s, tokens arriving or not) cancels its job at the next decoding step. ``n`` > 1 submits one job
+per choice and answers them together (streamed: their chunks interleaved, each carrying its
+choice's ``index``, one usage chunk and one [DONE] at the end). Completions with ``echo`` and
+``logprobs`` carry the prompt's own logprobs first (the engine's prompt logprobs; streamed: the
+echo chunk carries them); with ``server.prefix_cache``
 usage carries ``prompt_tokens_details.cached_tokens``.
 """
 
@@ -123,15 +125,24 @@ class _ApiKey:
 _CANCELLED = dict(status=503, type="server_error", code="cancelled")  # a generation cut by the server's shutdown
 
 
-def _echo_logprobs(tok, prep, res, lps) -> dict:
-    """Completions with echo + logprobs: the prompt's tokens first (the first one's logprob
-    and top_logprobs null, as OpenAI's), then the completion's, offsets over the echoed text."""
-    first, *rest = res.prompt_logprobs
+def _prompt_part(tok, prep, prompt_lps) -> tuple[dict, int]:
+    """The echoed prompt's logprobs (the first token's logprob and top_logprobs null, as
+    OpenAI's) and the text offset after them."""
+    first, *rest = prompt_lps
     head = completion_logprobs(tok, [TokenLogprob(prep.prompt_ids[0], None)], 0)
     head["top_logprobs"] = [None]
     offset = len(tok.decode([prep.prompt_ids[0]]))
-    body = completion_logprobs(tok, [*rest, *lps], offset)
-    return {k: head[k] + body[k] for k in head}
+    body = completion_logprobs(tok, rest, offset)
+    offset += sum(len(t) for t in body["tokens"])
+    return {k: head[k] + body[k] for k in head}, offset
+
+
+def _echo_logprobs(tok, prep, res, lps) -> dict:
+    """Completions with echo + logprobs: the prompt's tokens first, then the completion's,
+    offsets over the echoed text."""
+    part, offset = _prompt_part(tok, prep, res.prompt_logprobs)
+    body = completion_logprobs(tok, lps, offset)
+    return {k: part[k] + body[k] for k in part}
 
 
 def _usage(ctx, prep, res) -> dict:
@@ -182,6 +193,8 @@ class _Completions:
             self.metrics.requests.labels(endpoint, "invalid").inc()
             log.warning("400 %s: %s: %s", endpoint, type(e).__name__, e)
             return _error(ApiError(f"The input could not be processed: {type(e).__name__}: {e}", code="invalid_value"))
+        if prep.n > 1 and prep.stream:
+            return self._stream_choices(kind, endpoint, prep)
         if prep.n > 1:
             return await self._choices(request, kind, endpoint, prep)
         job = self._job(endpoint, prep, prep.decoding)
@@ -204,14 +217,9 @@ class _Completions:
     async def _choices(self, request, kind, endpoint, prep):
         """``n`` > 1 (not streamed): one job per choice (choice i sampled with seed + i; greedy
         ones are alike), answered together: choices in order, usage counting the prompt once."""
-        jobs = [self._job(endpoint, prep, dataclasses.replace(prep.decoding, seed=prep.decoding.seed + i)
-                          if prep.decoding.do_sample else prep.decoding) for i in range(prep.n)]
-        for k, job in enumerate(jobs):
-            refused = self._submit(job, endpoint)
-            if refused is not None:
-                for j in jobs[:k]:
-                    j.cancel()
-                return refused
+        jobs, refused = self._choice_jobs(endpoint, prep)
+        if refused is not None:
+            return refused
         rid = new_id(kind)
         try:
             answers = await asyncio.gather(*(self._whole(request, job, kind, rid, Detokenizer(
@@ -230,6 +238,64 @@ class _Completions:
         use["total_tokens"] = use["prompt_tokens"] + use["completion_tokens"]
         out["lookahead"] = {**out["lookahead"], "choices": [b["lookahead"] for b in bodies]}
         return JSONResponse(out)
+
+    def _choice_jobs(self, endpoint, prep):
+        """One job per choice (choice i sampled with seed + i; greedy ones are alike), all
+        submitted; -> (jobs, None) or (None, the refusal) with the submitted ones cancelled."""
+        jobs = [self._job(endpoint, prep, dataclasses.replace(prep.decoding, seed=prep.decoding.seed + i)
+                          if prep.decoding.do_sample else prep.decoding) for i in range(prep.n)]
+        for k, job in enumerate(jobs):
+            refused = self._submit(job, endpoint)
+            if refused is not None:
+                for j in jobs[:k]:
+                    j.cancel()
+                return None, refused
+        return jobs, None
+
+    def _stream_choices(self, kind, endpoint, prep):
+        """``n`` > 1 streamed: the choices' streams interleaved as their tokens come, every chunk
+        carrying its choice's ``index``; one usage chunk (the prompt once, every choice's
+        completion tokens) and one ``[DONE]`` at the end."""
+        jobs, refused = self._choice_jobs(endpoint, prep)
+        if refused is not None:
+            return refused
+        rid = new_id(kind)
+
+        async def merged():
+            queue, ends = asyncio.Queue(), [None] * len(jobs)
+
+            async def pump(i, job):
+                try:
+                    detok = Detokenizer(self.ctx.tokenizer, prep.decoding.stop_strings)
+                    async for event in self._stream(job, kind, rid, detok, prep, index=i, ends=ends):
+                        await queue.put(event)
+                finally:
+                    await queue.put(None)
+
+            tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+            try:
+                left = len(tasks)
+                while left:
+                    event = await queue.get()
+                    if event is None:
+                        left -= 1
+                    else:
+                        yield event
+                results = [e for e in ends if e is not None]
+                if prep.include_usage and len(results) == len(jobs):
+                    use = _usage(self.ctx, prep, results[0])
+                    use["completion_tokens"] = sum(len(r.output_ids) for r in results)
+                    use["total_tokens"] = use["prompt_tokens"] + use["completion_tokens"]
+                    yield _sse(usage_chunk(kind, rid, self.ctx.model_id, use))
+                yield "data: [DONE]\n\n"
+            finally:
+                for t in tasks:
+                    t.cancel()
+                for job in jobs:
+                    job.cancel()
+
+        return StreamingResponse(merged(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def _submit(self, job: Job, endpoint: str):
         """Queue the job; None, or the error response when the engine refuses it."""
@@ -301,41 +367,57 @@ class _Completions:
         finally:
             job.cancel()  # no-op once done; stops the decode if this handler is torn down
 
-    async def _stream(self, job, kind, rid, detok, prep):
+    async def _stream(self, job, kind, rid, detok, prep, index: int = 0, ends: list | None = None):
+        """One choice's server-sent events. ``index``: the choice's index in every chunk;
+        ``ends`` (n > 1): no usage chunk and no [DONE] here (the merged stream sends them),
+        the result goes to ``ends[index]``. Echo with logprobs: the echoed prompt's chunk waits
+        for the prompt's logprobs (the ``prompt_logprobs`` event, before any token)."""
         model_id = self.ctx.model_id
         done = False
         lps, offset = [], 0  # logprobs waiting for their tokens' chunk; completions' text offset
         held = [] if prep.tools is not None else None  # tools: the answer is text or a call, known at the end
+
+        def sse(obj) -> str:
+            for c in obj.get("choices", ()):
+                c["index"] = index
+            return _sse(obj)
+
         try:
-            yield _sse(chunk(kind, rid, model_id, "", role=True))
-            if prep.echo_text is not None:
-                yield _sse(chunk(kind, rid, model_id, prep.echo_text))
+            yield sse(chunk(kind, rid, model_id, "", role=True))
+            if prep.echo_text is not None and prep.prompt_logprobs is None:
+                yield sse(chunk(kind, rid, model_id, prep.echo_text))
             while True:
                 try:
                     ev, data = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
                 except asyncio.TimeoutError:
                     yield ": keep-alive\n\n"  # a write to a vanished client fails here
                     continue
-                if ev == "logprobs":
+                if ev == "prompt_logprobs":  # echo + logprobs: the prompt, with its logprobs, first
+                    part, offset = _prompt_part(self.ctx.tokenizer, prep, data)
+                    yield sse(chunk(kind, rid, model_id, prep.echo_text, logprobs=part))
+                elif ev == "logprobs":
                     lps = data
                 elif ev == "tokens":
                     delta = detok.push(data)
                     if held is not None:
                         held.append(delta)
                     elif lps:
-                        yield _sse(chunk(kind, rid, model_id, delta, logprobs=self._logprobs(kind, lps, offset)))
+                        yield sse(chunk(kind, rid, model_id, delta, logprobs=self._logprobs(kind, lps, offset)))
                         offset += sum(len(self.ctx.tokenizer.decode([t.token])) for t in lps)
                         lps = []
                     elif delta:
-                        yield _sse(chunk(kind, rid, model_id, delta))
+                        yield sse(chunk(kind, rid, model_id, delta))
                 elif ev == "error":
                     done = True
                     yield _sse(data.body())
-                    yield "data: [DONE]\n\n"
+                    if ends is None:
+                        yield "data: [DONE]\n\n"
                     return
                 elif ev == "done":
                     done = True
-                    for event in self._stream_end(data, kind, rid, detok, prep, held):
+                    if ends is not None and data.result.finish_reason != "cancelled":
+                        ends[index] = data.result
+                    for event in self._stream_end(data, kind, rid, detok, prep, held, sse, ends is None):
                         yield event
                     return
         finally:
@@ -343,12 +425,14 @@ class _Completions:
                 log.info("client of %s went away; cancelling its generation", rid)
             job.cancel()
 
-    def _stream_end(self, out, kind, rid, detok, prep, held=None):
-        """The last events of a stream: the text's tail, the finish chunk, usage, [DONE]."""
+    def _stream_end(self, out, kind, rid, detok, prep, held=None, sse=_sse, last: bool = True):
+        """The last events of a stream: the text's tail, the finish chunk, then (``last``: not
+        one choice of several) usage and [DONE]."""
         model_id, res = self.ctx.model_id, out.result
         if res.finish_reason == "cancelled":
             yield _sse(ApiError("The request was cancelled (server shutting down).", **_CANCELLED).body())
-            yield "data: [DONE]\n\n"
+            if last:
+                yield "data: [DONE]\n\n"
             return
         tail = detok.finish()
         finish = res.finish_reason
@@ -360,14 +444,16 @@ class _Completions:
             if calls:
                 c = chunk(kind, rid, model_id, None)
                 c["choices"][0]["delta"]["tool_calls"] = calls
-                yield _sse(c)
+                yield sse(c)
                 finish, tail = "tool_calls", ""
             else:
                 tail = text
         if tail:
-            yield _sse(chunk(kind, rid, model_id, tail))
-        yield _sse(chunk(kind, rid, model_id, None if kind == "chat" else "", finish,
-                         lookahead=self._info(out, prep)))
+            yield sse(chunk(kind, rid, model_id, tail))
+        yield sse(chunk(kind, rid, model_id, None if kind == "chat" else "", finish,
+                        lookahead=self._info(out, prep)))
+        if not last:
+            return
         if prep.include_usage:
             yield _sse(usage_chunk(kind, rid, model_id, _usage(self.ctx, prep, res)))
         yield "data: [DONE]\n\n"

@@ -3,8 +3,9 @@ in one process or as rank 0 of Lookahead Parallelism.
 
 Contract: ``BatchedEngine`` faces the HTTP side with ``submit``, ``queue_depth``, ``ready``,
 ``stop``, ``request_stop``, ``workers``, ``max_queue``, ``failed`` and the job events of
-``lp.server.engine.Job`` (``("tokens", ids)`` per step, then ``("done", Outcome)`` or
-``("error", ApiError)``). Scheduling is per iteration: at every step boundary the thread
+``lp.server.engine.Job`` (``("prompt_logprobs", [TokenLogprob])`` once the prompt is in for a
+job asking for them, ``("logprobs", ...)`` and ``("tokens", ids)`` per step, then
+``("done", Outcome)`` or ``("error", ApiError)``). Scheduling is per iteration: at every step boundary the thread
 hands newly submitted jobs to the batch engine (FIFO; they start when ``server.max_batch``
 and the K/V reservation allow, their prompts fed in chunks of ``server.max_prefill_tokens``
 rows inside the same forward as the others' decode rows), aborts cancelled ones (their
@@ -17,7 +18,9 @@ that can never fit ``server.kv_tokens``) and raises ``QueueFull`` when
 Under LP (``group``) every rank holds the same batch: joins, aborts and admissions are
 decided by rank 0 only and ride with the step. Before each step rank 0 sends one STEP
 message through ``lp.parallel.dist.RequestChannel`` (``lp.server.engine.pack_step``: the requests
-that joined, each with rank 0's request id, the ids aborted, the ids the step admits),
+that joined, each with rank 0's request id, the ids aborted, the ids the step admits and the
+prompt rows each finds in rank 0's prefix cache; every rank holds the same block tables and
+checks its own hits agree),
 then every rank runs the same ``BatchEngine.step``; the other ranks run ``worker_loop``,
 which replays the message and steps. With nothing to do rank 0 sends an IDLE header every
 ``heartbeat_s``, and SHUTDOWN on ``stop()``. A dead or stuck worker surfaces as
@@ -128,12 +131,12 @@ class BatchedEngine:
                 for job in new:
                     self._join(job)
                 self._reap_cancelled()
-                admit = None
+                admit = cached = None
                 if self.channel is not None:
-                    admit = self._announce()
+                    admit, cached = self._announce()
                     last = time.monotonic()
                 if self.batch.has_work:
-                    self._step(admit)
+                    self._step(admit, cached)
                 self._gauges()
         except WorkerFailure as e:
             self._fatal(f"worker failure: {e}")
@@ -149,18 +152,20 @@ class BatchedEngine:
                 except WorkerFailure as e:
                     log.error("could not send shutdown to the workers: %s", e)
 
-    def _announce(self) -> list[int]:
-        """LP: the step's joins, aborts and admissions to every rank (one STEP message), or
-        an IDLE heartbeat when nothing changed and nothing runs. -> the ids the step admits."""
+    def _announce(self) -> tuple[list[int], list[int] | None]:
+        """LP: the step's joins, aborts and admissions (with their prefix-cache hits) to every
+        rank (one STEP message), or an IDLE heartbeat when nothing changed and nothing runs.
+        -> the ids the step admits and their cached rows."""
         run = self.batch.has_work
         admit = self.batch.admissions() if run else []
         if not (run or self._joined or self._aborted):
             self.channel.send(RequestChannel.IDLE)
-            return admit
-        fields, payload = pack_step(self._joined, self._aborted, admit, run)
+            return admit, None
+        cached = self.batch.cached_rows(admit)  # rank 0's prefix-cache hits ride with the admissions
+        fields, payload = pack_step(self._joined, self._aborted, admit, run, cached)
         self._joined, self._aborted = [], []
         self.channel.send(RequestChannel.STEP, fields, payload)
-        return admit
+        return admit, cached
 
     def _fatal(self, msg: str) -> None:
         log.error("[lp.serve] %s; shutting down the server", msg)
@@ -208,8 +213,8 @@ class BatchedEngine:
                 self._count(job, "cancelled")
                 job.emit("error", ApiError("cancelled", status=499, type="cancelled"))
 
-    def _step(self, admit: list[int] | None) -> None:
-        outs = self.batch.step(admit)
+    def _step(self, admit: list[int] | None, cached: list[int] | None = None) -> None:
+        outs = self.batch.step(admit, cached)
         now = time.perf_counter()
         for r in self.batch.running:
             job = self._jobs.get(r.id)
@@ -221,6 +226,9 @@ class BatchedEngine:
                 continue
             if job.started is None:
                 job.started = now
+            if job.prompt_logprobs is not None and not job.prompt_sent:  # the prompt is in: its logprobs first
+                job.prompt_sent = True
+                job.emit("prompt_logprobs", self.batch.prompt_logprobs(o.request_id))
             if o.new_tokens:
                 if job.first_token is None:
                     job.first_token = now
@@ -280,7 +288,7 @@ def worker_loop(engine: BatchEngine, tokenizer, eos: list[int], base, group) -> 
         if kind == RequestChannel.SHUTDOWN:
             log.info("rank %d: shutdown from rank 0 after %d step(s)", group.rank, steps)
             return
-        joins, aborts, admits, run = unpack_step(fields, payload, base)
+        joins, aborts, admits, cached, run = unpack_step(fields, payload, base)
         for rid, prompt_ids, d in joins:  # rank 0 accepted them: the same checks pass here
             engine.add(prompt_ids, d, eos, tokenizer, request_id=rid)
         for rid in aborts:
@@ -288,7 +296,7 @@ def worker_loop(engine: BatchEngine, tokenizer, eos: list[int], base, group) -> 
             engine.result(rid)
         assert run == engine.has_work, (run, engine.has_work)
         if run:
-            for out in engine.step(admits):
+            for out in engine.step(admits, cached):  # rank 0's prefix-cache hits: a RuntimeError if not ours
                 if out.finished:
                     engine.result(out.request_id)  # rank 0 answers; nothing kept here
             steps += 1

@@ -49,8 +49,10 @@ class ServerConfig:
     # automatic prefix caching: a request reuses the K/V blocks of the longest block-aligned
     # prefix of its prompt that an earlier request committed (a chat's system prompt and
     # earlier turns); cached blocks no request holds are evicted LRU when the pool is full.
-    # usage.prompt_tokens_details.cached_tokens says how many were reused. One process only.
-    prefix_cache: bool = False
+    # usage.prompt_tokens_details.cached_tokens says how many were reused. On by default, under
+    # LP and LP x TP too (every rank the same block tables, rank 0's hits ride with the step);
+    # false to compare.
+    prefix_cache: bool = True
     # when set (or env LP_API_KEY), /v1 routes need "Authorization: Bearer <key>", else 401
     api_key: str | None = None
 
@@ -101,9 +103,6 @@ class ServeConfig:
         self.decoding.validate()
         self.parallel.validate()
         self.server.validate()
-        if self.server.prefix_cache and ((self.parallel.workers or 1) > 1 or self.parallel.tp > 1):
-            raise ValueError("server.prefix_cache is not supported with LP workers or tensor parallelism yet "
-                             "(parallel.workers / parallel.tp > 1): set server.prefix_cache=false")
         if self.decoding.mode != "lookahead":
             raise ValueError(f"lp.serve decodes with lookahead only; decoding.mode must be 'lookahead', got {self.decoding.mode!r}")
         return self

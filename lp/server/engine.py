@@ -53,6 +53,7 @@ class Job:
     first_token: float | None = None
     prompt_logprobs: int | None = None  # lp.engine.batch's add(prompt_logprobs=...) (completions echo + logprobs)
     prompt_only: bool = False  # add(prompt_only=True): echo with max_tokens 0
+    prompt_sent: bool = False  # its ("prompt_logprobs", ...) event went out (lp.server.batched)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -138,21 +139,25 @@ def unpack_request(fields: list[int], payload: list[int], base: DecodingConfig) 
 
 
 def pack_step(joins: list[tuple[int, list[int], DecodingConfig]], aborts: list[int], admits: list[int],
-              run: bool) -> tuple[list[int], list[int]]:
+              run: bool, cached: list[int] | None = None) -> tuple[list[int], list[int]]:
     """Header fields and payload of one step's changes (rank 0 -> every rank): ``joins`` =
-    [(request id, prompt ids, decoding)], the aborted ids, the ids the step admits, and
-    whether a step runs. Payload: per join [id, n_fields, fields..., n_payload, payload...],
-    then the aborted ids, then the admitted ids."""
+    [(request id, prompt ids, decoding)], the aborted ids, the ids the step admits, the
+    prompt rows each admitted one finds in rank 0's prefix cache (``cached``, None: none,
+    lp.engine.batch ``cached_rows``), and whether a step runs. Payload: per join
+    [id, n_fields, fields..., n_payload, payload...], then the aborted ids, then the admitted
+    ids, then their cached rows."""
+    cached = [0] * len(admits) if cached is None else list(cached)
+    assert len(cached) == len(admits), (admits, cached)
     payload = []
     for rid, prompt_ids, d in joins:
         fields, body = pack_request(prompt_ids, d)
         payload += [rid, len(fields), *fields, len(body), *body]
-    payload += list(aborts) + list(admits)
+    payload += list(aborts) + list(admits) + cached
     return [len(joins), len(aborts), len(admits), int(run)], payload
 
 
 def unpack_step(fields: list[int], payload: list[int], base: DecodingConfig):
-    """-> (joins [(id, prompt ids, decoding)], aborted ids, admitted ids, run)."""
+    """-> (joins [(id, prompt ids, decoding)], aborted ids, admitted ids, their cached rows, run)."""
     n_joins, n_aborts, n_admits, run = fields[:4]
     joins, i = [], 0
     for _ in range(n_joins):
@@ -164,5 +169,6 @@ def unpack_step(fields: list[int], payload: list[int], base: DecodingConfig):
         joins.append((rid, *unpack_request(req_fields, body, base)))
     aborts = payload[i : i + n_aborts]
     admits = payload[i + n_aborts : i + n_aborts + n_admits]
-    assert i + n_aborts + n_admits == len(payload), (i, n_aborts, n_admits, len(payload))
-    return joins, aborts, admits, bool(run)
+    cached = payload[i + n_aborts + n_admits : i + n_aborts + 2 * n_admits]
+    assert i + n_aborts + 2 * n_admits == len(payload), (i, n_aborts, n_admits, len(payload))
+    return joins, aborts, admits, cached, bool(run)

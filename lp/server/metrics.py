@@ -2,7 +2,9 @@
 
 Contract: one ``ServerMetrics`` per server, on its own CollectorRegistry (several servers
 in one process, e.g. tests, do not collide). The engine records per-request decode
-figures; the app records HTTP outcomes. ``render()`` returns (body, content type).
+figures (``observe_result``, from the request's lp.engine.decoder.GenerationStats: prefix-cache
+queries and hits in prompt tokens, vLLM's speculative-decoding counters with lp's prefix);
+the app records HTTP outcomes. ``render()`` returns (body, content type).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
-    def __init__(self, workers: int = 1):
+    def __init__(self, workers: int = 1, prefix_cache: bool = False):
+        self.prefix_cache = prefix_cache
         r = self.registry = CollectorRegistry()
         self.requests = Counter("lp_requests", "Requests by endpoint and outcome "
                                 "(stop, length, cancelled, rejected_queue_full, invalid, error)",
@@ -34,7 +37,8 @@ class ServerMetrics:
                                    registry=r)
         self.step_rows = Histogram("lp_step_rows", "Packed rows of each batched step (all sequences)",
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
-        self.kv_blocks = Gauge("lp_kv_blocks_in_use", "Blocks of the paged K/V cache in use", registry=r)
+        self.kv_blocks = Gauge("lp_kv_blocks_in_use", "Blocks of the paged K/V cache the running sequences use "
+                               "(a shared prefix-cache block once)", registry=r)
         self.kv_blocks_total = Gauge("lp_kv_blocks_total", "Blocks of the paged K/V cache", registry=r)
         self.prefix_hit_tokens = Counter("lp_prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the "
                                          "prefix cache (server.prefix_cache)", registry=r)
@@ -42,6 +46,19 @@ class ServerMetrics:
                                           "(held by a running request or evictable)", registry=r)
         self.prefix_evictions = Counter("lp_prefix_cache_evicted_blocks", "Cached blocks evicted to make room "
                                         "(server.prefix_cache)", registry=r)
+        self.prefix_queries = Counter("lp_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(vLLM's prefix_cache_queries; server.prefix_cache)", registry=r)
+        self.prefix_hits = Counter("lp_prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                   "(vLLM's prefix_cache_hits; server.prefix_cache)", registry=r)
+        # speculative decoding as vLLM names it (lp.engine.decoder.GenerationStats): a draft is a
+        # step verifying candidates, its draft tokens the longest candidate's length
+        self.spec_drafts = Counter("lp_spec_decode_num_drafts", "Decode steps that verified draft candidates",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("lp_spec_decode_num_draft_tokens", "Draft tokens proposed (per step: "
+                                         "the longest candidate's length)", registry=r)
+        self.spec_accepted = Counter("lp_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_accepted_pos = Counter("lp_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
+                                         "each position of the draft (0: the first)", ["position"], registry=r)
         self._evicted = 0
         self.workers = Gauge("lp_workers", "LP workers decoding each request", registry=r)
         self.workers.set(workers)
@@ -50,7 +67,15 @@ class ServerMetrics:
         st = result.stats
         self.requests.labels(endpoint, result.finish_reason).inc()
         self.prompt_tokens.inc(prompt_len)
-        self.prefix_hit_tokens.inc(getattr(st, "cached_tokens", 0))
+        self.prefix_hit_tokens.inc(st.cached_tokens)
+        if self.prefix_cache:
+            self.prefix_queries.inc(prompt_len)
+            self.prefix_hits.inc(st.cached_tokens)
+        self.spec_drafts.inc(st.num_drafts)
+        self.spec_draft_tokens.inc(st.num_draft_tokens)
+        self.spec_accepted.inc(st.num_accepted_tokens)
+        for pos, n in enumerate(st.accepted_per_pos):
+            self.spec_accepted_pos.labels(str(pos)).inc(n)
         self.completion_tokens.inc(len(result.output_ids))
         self.steps.inc(st.steps)
         if st.steps:

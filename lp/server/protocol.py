@@ -274,9 +274,6 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
     stream = bool(req.stream)
     echo_text, prompt_logprobs = None, None
     if isinstance(req, CompletionRequest) and req.echo:
-        if d.logprobs and stream:
-            raise ApiError("Invalid value for 'echo': echo with logprobs (prompt logprobs) is not supported when "
-                           "streaming; set stream to false.", param="echo", code="unsupported_parameter")
         if d.logprobs:
             prompt_logprobs = d.top_logprobs
         p = req.prompt
@@ -289,13 +286,10 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
 
 def _choices(req: _Common, lim) -> int:
     """``n``: choices per request, each decoded as its own sequence (sampled ones with seeds
-    seed, seed + 1, ...), at most server.max_n; not streamed yet."""
+    seed, seed + 1, ...), at most server.max_n; streamed too (chunks carry their choice's index)."""
     n = 1 if req.n is None else req.n
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= getattr(lim, "max_n", 1):
         raise _bad("n", f"expected an integer in [1, {getattr(lim, 'max_n', 1)}]", req.n)
-    if n > 1 and req.stream:
-        raise ApiError("Invalid value for 'n': n > 1 is not supported when streaming yet; set stream to false.",
-                       param="n", code="unsupported_parameter")
     return n
 
 
