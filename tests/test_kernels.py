@@ -227,6 +227,11 @@ def test_compiled_step_decodes_exactly_like_generate(tiny_factory):
     # the prefill (an empty cache), the first step, then one dynamic graph for every later step
     assert 1 <= stats["unique_graphs"] <= 3, dict(stats)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    graphs = stats["unique_graphs"]
+    cfg.max_new_tokens = 40  # another generation, another length: its buffers fall in the same buckets
+    again = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT[2:])
+    assert again.output_ids == hf_greedy(model, REPETITIVE_PROMPT[2:], 40)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a new generation recompiled"
     assert hf_greedy(model, REPETITIVE_PROMPT, 48) == ref  # the user's generate stays eager and unchanged
     with pytest.raises(ValueError, match="model.compile must be one of auto, on, off"):
         ModelRunner(model, compile="yes")

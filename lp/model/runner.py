@@ -82,6 +82,10 @@ def resolve_linears(name: str, model, device: torch.device, quant: str) -> str:
     return "packed" if 0 < size < 0.5 * _available_bytes() else "plain"
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def _available_bytes() -> float:
     try:
         with open("/proc/meminfo") as f:
@@ -192,7 +196,7 @@ class ModelRunner:
         if compile not in COMPILE:
             raise ValueError(f"model.compile must be one of {', '.join(COMPILE)}, got {compile!r}")
         # auto stays eager: on this project's CPU the compiled step measured no faster than the
-        # eager one with packed linears (bench/results/compile) and costs minutes to compile
+        # eager one with packed linears (bench/results/step_cost) and costs minutes to compile
         self.compiled = compile == "on"
         if self.compiled and (cuda_graphs or static_shapes):
             raise ValueError("model.compile=on and model.cuda_graphs=true are two ways to the same static step: pick one")
@@ -221,6 +225,11 @@ class ModelRunner:
             capacity = self.max_positions or 4096
         if self._static is not None:
             return self._static.new_cache(capacity, max_step_rows)
+        if self.compiled:
+            # buffer shapes are part of a compiled graph's guards (their strides): powers of two
+            # bound the graphs to a few per process instead of one per generation's length
+            capacity = _pow2(capacity)
+            max_step_rows = _pow2(max_step_rows) if max_step_rows else 0
         if self.attention in ("sdpa", "eager", "rowexact"):
             shape = (1, 1, max(max_step_rows, 1), capacity)
             if self._mask is None or self._mask.shape != shape:
