@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import sys
 from pathlib import Path
 
@@ -202,14 +203,27 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=N
     server = _Server(uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, access_log=s.access_log,
                                     timeout_graceful_shutdown=5, lifespan="off"))
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
-    engine.start()
     d = cfg.decoding
     log.info("[lp.serve] model %s loaded (%s, %s), %d worker(s) x tp %d, W/N/G default %s/%s/%s; http://%s:%d",
              ctx.model_id, str(model.dtype).replace("torch.", ""), runner.device, world, cfg.parallel.tp, d.W, d.N, d.G, s.host, s.port)
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:  # stopped (a signal, a fatal engine error) or never started (the port taken)
+            engine.request_stop()
+
+    # HTTP in a thread, decoding on this one: the thread that loaded and timed the model owns
+    # torch's OpenMP pool (a second pool ran 30% slower: BatchedEngine.run)
+    http_thread = threading.Thread(target=http, name="lp-http", daemon=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    http_thread.start()
     try:
-        server.run()
+        engine.run()
     finally:
-        engine.stop(timeout=cfg.parallel.timeout_s)
+        server.should_exit = True
+        http_thread.join(timeout=cfg.parallel.timeout_s)
     if engine.failed is not None:
         log.error("[lp.serve] stopped after a failure: %s", engine.failed)
         sys.stderr.flush()
