@@ -8,7 +8,8 @@ embedding (LM head) is marked to compute one row as two. While the
 switch is off, a swapped layer runs ``nn.Linear.forward`` unchanged, so the user's
 ``model.generate`` computes exactly what it did. ``ModelRunner`` turns the switch on for
 its own forwards whose row count the calibration (lp.model.calibrate) found faster this way, or
-for every count with ``model.small_rows=on``.
+for every count with ``model.small_rows=on``; ``pack(model)`` gives the swapped layers their
+oneDNN-packed weights, which the switch's ``packed`` selects (``model.linears=packed``).
 
 Why: for x of 2-16 rows and a weight W stored [out, in], MKL's sgemm is several times
 slower in the ``x @ W.T`` layout than as ``(W @ x.T).T`` on some CPUs. Measured on the
