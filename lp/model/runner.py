@@ -175,6 +175,11 @@ class ModelRunner:
             self._static = StaticStepper(self, capture=cuda_graphs)
         self._mask = None  # [1, 1, Q_cap, K_cap] additive, 0 = visible
         self._dirty = (0, 0)  # columns holding the last step's local block
+        self._setup_linears(model, small_rows, linears)
+        self._setup_compile(model, compile, cuda_graphs or static_shapes)
+
+    def _setup_linears(self, model, small_rows: str, linears: str) -> None:
+        """The linear kernels of lp's forwards (lp.model.kernels): small-row matmuls, packed weights."""
         # small-row matmuls (lp.model.kernels): "on" for every step; "auto" for the row
         # counts in small_rows, those lp.model.calibrate measured faster (CPU only, none until
         # calibrated); see uses_small_rows
@@ -193,12 +198,15 @@ class ModelRunner:
             if self.linears == "packed" and not kernels.pack(model):
                 raise ValueError("model.linears=packed found no plain float linear to pack (a quantized model, or "
                                  "tensor-parallel shards): use model.linears=auto or plain")
+
+    def _setup_compile(self, model, compile: str, static: bool) -> None:
+        """``model.compile``: this runner's forward, eager or under torch.compile."""
         if compile not in COMPILE:
             raise ValueError(f"model.compile must be one of {', '.join(COMPILE)}, got {compile!r}")
         # auto stays eager: on this project's CPU the compiled step measured no faster than the
         # eager one with packed linears (bench/results/step_cost) and costs minutes to compile
         self.compiled = compile == "on"
-        if self.compiled and (cuda_graphs or static_shapes):
+        if self.compiled and static:
             raise ValueError("model.compile=on and model.cuda_graphs=true are two ways to the same static step: pick one")
         self._forward = self._compiled_forward if self.compiled else model
         self._compiled = None
