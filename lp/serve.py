@@ -89,6 +89,12 @@ def run(cfg: ServeConfig) -> int:
 
         log.info("[lp.serve] rank %d: t(Q) for the draft budget: %s", rank, cache_path(runner))
         row_cost_curve(runner)
+    if runner.compiled:
+        from lp.engine.batch import compile_batched_step
+
+        log.info("[lp.serve] rank %d: model.compile=on: compiling the batched step (minutes the first time; "
+                 "inductor caches its kernels on disk for the next start)", rank)
+        log.info("[lp.serve] rank %d: compiled in %.0f s", rank, compile_batched_step(runner, cfg.server.max_prefill_tokens))
     try:
         if group is not None:
             n_params = sum(p.numel() for p in model.parameters())

@@ -331,3 +331,40 @@ def test_spec_decode_counters_literal_steps():
     _count_drafts(st, [(8,)], 2)
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (3, 8, 3)
     assert st.accepted_per_pos == [2, 1]
+
+
+def test_compiled_batched_step_equals_generate(tiny_factory):
+    """model.compile=on under continuous batching: the batched step under torch.compile (the
+    attention one opaque lp::paged_attention call per layer, where every sequence's rows and keys
+    are given by tensors) decodes every sequence exactly like generate while sequences join and
+    leave, with no graph break, two graphs (one for one-row steps, one dynamic graph for every
+    other; the first step, which allocates the pool, runs eager), and a second batch of other
+    sizes compiles nothing new."""
+    import torch._dynamo
+
+    model = tiny_factory("llama")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    runner = ModelRunner(model, small_rows="off", linears="packed", compile="on")
+    engine = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=4, max_prefill_tokens=16)
+    cfgs = {"A": DecodingConfig(max_new_tokens=30, **TREE), "B": DecodingConfig(max_new_tokens=40, W=3, N=3, G=3),
+            "C": DecodingConfig(max_new_tokens=20, **TREE), "D": DecodingConfig(max_new_tokens=25, W=1, N=2, G=0)}
+    prompts = {"A": PROMPTS[0], "B": PROMPTS[1], "C": PROMPTS[3], "D": PROMPTS[4]}
+    ids, outs = {}, {}
+
+    def join(name):
+        return lambda: ids.__setitem__(name, engine.add(prompts[name], cfgs[name]))
+
+    _drain(engine, outs, {0: lambda: (join("A")(), join("B")()), 2: join("C"), 5: join("D")})
+    for name in "ABCD":
+        assert outs[ids[name]] == hf_greedy(model, prompts[name], cfgs[name].max_new_tokens), name
+    stats = torch._dynamo.utils.counters["stats"]
+    assert stats["calls_captured"] > 0, "the batched step never ran compiled"
+    assert stats["unique_graphs"] <= 2, dict(stats)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    graphs = stats["unique_graphs"]
+    ids, outs = {}, {}
+    _drain(engine, outs, {0: lambda: (join("C")(), join("D")()), 3: join("A")})
+    for name in "ACD":
+        assert outs[ids[name]] == hf_greedy(model, prompts[name], cfgs[name].max_new_tokens), name
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "another batch recompiled"

@@ -482,42 +482,68 @@ class BatchEngine:
         if runner.attention == "sdpa":
             # one sdpa call per sequence over its own keys, read in place from the paged pool
             # (lp.model.attention.batch_sdpa_forward); the model's mask argument is a placeholder
-            spans = self._sdpa_spans(items, pos)
-            mask, extra, impl = self._placeholder, {"lp_spans": spans}, BATCH_SDPA
+            mask, extra, impl = self._placeholder, self._sdpa_spans(items, pos), BATCH_SDPA
         else:  # eager and flex: one call over the gathered keys, the mask hiding other sequences
             mask, extra, impl = self._gathered_mask(items, pos), {}, None
+        keep_K, pos_1Q = torch.cat(keep), torch.cat(pos)[None]
+        kept = keep_K.numel()
+        # model.compile=on: the compiled forward once the pool exists (the first step allocates it
+        # eagerly); the span tensors keep its graph the same from step to step, and a step that
+        # keeps one row keeps it twice (torch.compile would specialize a graph on the size 1)
+        compiled = runner.compiled and impl == BATCH_SDPA and bool(self.cache.keys)
+        if compiled:
+            if kept == 1:
+                keep_K = keep_K.repeat(2)
+            _mark_dynamic(ids_1Q, pos_1Q, keep_K, extra)
         with runner._kernel(qo, impl):
-            out = runner.model(input_ids=ids_1Q, position_ids=torch.cat(pos)[None], attention_mask=mask,
-                               **{runner._cache_kw: self.cache}, use_cache=True, logits_to_keep=torch.cat(keep),
-                               **extra)
-        return out.logits[0].float()
+            out = (runner._forward if compiled else runner.model)(
+                input_ids=ids_1Q, position_ids=pos_1Q, attention_mask=mask,
+                **{runner._cache_kw: self.cache}, use_cache=True, logits_to_keep=keep_K, **extra)
+        return out.logits[0, :kept].float()
 
-    def _sdpa_spans(self, items: list[_Item], pos: list) -> list[tuple]:
-        """Per sequence (row offset, rows, where its keys are in the pool, keys, (full mask,
-        sliding mask)); a mask is None where every key is visible (a one-row step)."""
+    def _sdpa_spans(self, items: list[_Item], pos: list) -> dict:
+        """The span table, flat masks and flat slots of lp.model.attention.paged_attention: per
+        sequence its rows, where its keys are in the pool and its (full, sliding) additive masks
+        (none where every key is visible: a one-row step). Every tensor holds at least two
+        entries (a padding span of 0 rows, zeros), so a compiled step never meets the sizes 0 and
+        1 that torch.compile would specialize on."""
+        from lp.model.attention import QO, ROWS, FIRST, KEYS, MASK, SLIDING, SLOTS
+
         runner, dev = self.runner, self.runner.device
         places = self.cache.plan([(it.req.id, it.layout.num_rows) for it in items], dev, gather=False)
-        spans, qo = [], 0
+        rows, masks, slots, qo, at = [], [], [], 0, 0
         for it, (length, where) in zip(items, places):
             sk = it.layout.skeleton
-            q = sk.num_rows
+            q, k = sk.num_rows, length + sk.num_rows
             depths_Q, _, local_add_QQ, _ = runner._tensors(sk)
             pos_Q = depths_Q + length
             pos.append(pos_Q)
+            span = [0] * 7
+            span[QO], span[ROWS], span[KEYS], span[MASK], span[SLIDING], span[SLOTS] = qo, q, k, -1, -1, -1
+            if isinstance(where, int):
+                span[FIRST] = where
+            else:
+                span[FIRST], span[SLOTS] = -1, sum(t.numel() for t in slots)
+                slots.append(where)
             full = None
             if q > 1:
-                full = torch.zeros((1, 1, q, length + q), dtype=runner.dtype, device=dev)
-                full[0, 0, :, length:] = local_add_QQ
-            sliding = None
+                full = torch.zeros((q, k), dtype=runner.dtype, device=dev)
+                full[:, length:] = local_add_QQ
+                span[MASK], at = at, at + q * k
+                masks.append(full.view(-1))
             if runner.sliding_window is not None:
                 key_pos = torch.cat([torch.arange(length, device=dev), pos_Q])
                 far = (pos_Q[:, None] - key_pos[None, :]) >= runner.sliding_window
-                base = full if full is not None else torch.zeros((1, 1, q, length + q), dtype=runner.dtype,
-                                                                 device=dev)
-                sliding = base.masked_fill(far[None, None], torch.finfo(runner.dtype).min)
-            spans.append((qo, q, where, length + q, full, sliding))
+                base = full if full is not None else torch.zeros((q, k), dtype=runner.dtype, device=dev)
+                span[SLIDING], at = at, at + q * k
+                masks.append(base.masked_fill(far, torch.finfo(runner.dtype).min).view(-1))
+            rows.append(span)
             qo += q
-        return spans
+        rows += [[qo, 0, 0, 0, -1, -1, -1]] * max(0, 2 - len(rows))
+        masks.append(torch.zeros(2, dtype=runner.dtype, device=dev))
+        slots.append(torch.zeros(2, dtype=torch.long, device=dev))
+        return {"lp_spans": torch.tensor(rows, dtype=torch.long), "lp_masks": torch.cat(masks),
+                "lp_slots": torch.cat(slots)}
 
     @functools.cached_property
     def _placeholder(self) -> torch.Tensor:
@@ -685,6 +711,20 @@ def _count_drafts(stats: GenerationStats, candidates, emitted: int) -> None:
         stats.accepted_per_pos[i] += 1
 
 
+def _mark_dynamic(ids_1Q, pos_1Q, keep_K, extra: dict) -> None:
+    """The sizes that change from step to step, dynamic in the compiled graph from its first
+    compile (not only after a recompile): the rows (from two on; one-row steps get their own
+    graph), the kept rows, the span table, the flat masks and slots."""
+    import torch._dynamo
+
+    if ids_1Q.shape[1] > 1:
+        torch._dynamo.maybe_mark_dynamic(ids_1Q, 1)
+        torch._dynamo.maybe_mark_dynamic(pos_1Q, 1)
+    torch._dynamo.maybe_mark_dynamic(keep_K, 0)
+    for t in extra.values():
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 def generate_batch(decoder: LookaheadDecoder, prompts: Sequence[Sequence[int]], eos_token_ids=None, tokenizer=None,
                    configs: Sequence[DecodingConfig] | None = None, max_batch: int | None = None,
                    kv_tokens: int | None = None, max_prefill_tokens: int | None = None) -> list[GenerationResult]:
@@ -708,3 +748,20 @@ def generate_batch(decoder: LookaheadDecoder, prompts: Sequence[Sequence[int]], 
     while engine.has_work:
         engine.step()
     return [engine.result(i) for i in ids]
+
+
+def compile_batched_step(runner: ModelRunner, max_prefill_tokens: int = 64) -> float:
+    """model.compile=on: compile the batched step's graphs now (a multi-row step and a one-row
+    step, over a small pool of their own: pool sizes are dynamic) so the first requests do not
+    wait for them; returns the seconds it took (0 when the runner is not compiled)."""
+    if not runner.compiled:
+        return 0.0
+    t0 = time.perf_counter()
+    prompt = [10 + i % 7 for i in range(40)]  # repetitive: tree drafts, hence multi-row steps
+    engine = BatchEngine(runner, kv_tokens=512, max_batch=1, max_prefill_tokens=max_prefill_tokens)
+    tree = DecodingConfig(max_new_tokens=8, drafts="suffix", draft_budget="all", max_draft_rows=8, W=2, N=3, G=3)
+    for cfg in (tree, DecodingConfig(max_new_tokens=4, W=1, N=2, G=0)):  # then one-row steps
+        engine.add(prompt, cfg)
+        while engine.has_work:
+            engine.step()
+    return time.perf_counter() - t0

@@ -16,9 +16,11 @@ exploit that shape; ``lp.model.runner.ModelRunner`` builds their masks and selec
 
   ``attention_mask`` is the additive [1, 1, Q, Q] local block. Sliding-window models
   are refused (the prefix would need a mask).
-* ``lp_batch_sdpa``: a batched step of several sequences (lp.engine.batch): sdpa per sequence
+* ``lp_batch_sdpa``: a batched step of several sequences (lp.engine.batch): one custom op
+  per layer (``lp::paged_attention``, opaque to torch.compile) that runs sdpa per sequence
   over its own keys, read in place from the paged pool (lp.model.paged), with its own mask
-  (none for a one-row sequence).
+  (none for a one-row sequence); where everything is lies in three tensors (a span table, a
+  flat mask and a flat slot list), so a compiled step's graph does not change with the batch.
 
 All return ``(out [B, Q, H, D], None)`` like transformers' own attention functions.
 
@@ -126,29 +128,61 @@ def cascade_attention_forward(module, query, key, value, attention_mask, scaling
     return out.transpose(1, 2).contiguous(), None
 
 
+# columns of a batched step's span table (``lp_spans`` [S, 7] int64, one row per sequence)
+QO, ROWS, FIRST, KEYS, MASK, SLIDING, SLOTS = range(7)
+
+
+@torch.library.custom_op("lp::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: torch.Tensor,
+                    masks: torch.Tensor, slots: torch.Tensor, scale: float, sliding: bool) -> torch.Tensor:
+    """Every sequence of a batched step against its own keys in the paged pool, one call per
+    layer (an op opaque to torch.compile: the graph is the same whatever the batch's shape).
+
+    query [1, H, Q, D] (sequence after sequence); key / value the whole pool [1, H_kv, slots, D];
+    ``spans`` [S, 7] int64 per sequence (columns QO .. SLOTS): its first row, its rows, its first
+    pool slot (-1: fragmented, its slot indices are ``slots[SLOTS : SLOTS + keys]``), its keys, the
+    offset of its [rows, keys] additive mask in the flat ``masks`` (-1: none, every key visible)
+    and of its sliding-window mask (-1: none; read when ``sliding``). A row with 0 rows is
+    padding. Returns [1, Q, H, D], contiguous."""
+    groups = query.shape[1] // key.shape[1]
+    outs = []
+    for qo, q, first, k, mask_at, sliding_at, slots_at in spans.tolist():
+        if q == 0:
+            continue
+        if first >= 0:
+            k_BHKD, v_BHKD = key[:, :, first : first + k], value[:, :, first : first + k]
+        else:
+            where = slots[slots_at : slots_at + k]
+            k_BHKD, v_BHKD = key.index_select(2, where), value.index_select(2, where)
+        at = sliding_at if sliding and sliding_at >= 0 else mask_at
+        mask = masks[at : at + q * k].view(1, 1, q, k) if at >= 0 else None
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, qo : qo + q], k_BHKD, v_BHKD, attn_mask=mask, scale=scale, enable_gqa=groups > 1))
+    out_BHQD = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out_BHQD.transpose(1, 2).contiguous()
+
+
+@paged_attention.register_fake
+def _paged_attention_shape(query, key, value, spans, masks, slots, scale, sliding):
+    b, h, q, d = query.shape
+    return query.new_empty(b, q, h, d)
+
+
 def batch_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, lp_spans=None,
-                       sliding_window=None, **kwargs):
+                       lp_masks=None, lp_slots=None, sliding_window=None, **kwargs):
     """A batched step (lp.engine.batch): the step's rows are sequence after sequence; ``key`` and
-    ``value`` are the whole paged pool (lp.model.paged, ``gather=False``); ``lp_spans`` = [(row
-    offset, rows, where the keys are: first slot or slot indices, keys, full mask, sliding
-    mask)] per sequence. Each sequence runs its own sdpa over its own keys (a slice of the
+    ``value`` are the whole paged pool (lp.model.paged, ``gather=False``); ``lp_spans``,
+    ``lp_masks``, ``lp_slots`` say where each sequence's rows, keys and masks are
+    (``paged_attention``). Each sequence runs its own sdpa over its own keys (a slice of the
     pool when its blocks are contiguous), so attention costs sum_s rows_s x keys_s, not
     (all rows) x (all keys). ``attention_mask`` is a placeholder; a layer that passes
     ``sliding_window`` (Gemma 3's local layers, Mistral) takes the sliding mask."""
     if kwargs.get("softcap") is not None:
         raise ValueError("batched steps do not support attention logit soft-capping; use model.attention=eager")
-    groups = query.shape[1] // key.shape[1]
-    outs = []
-    for qo, q, where, k, full, sliding in lp_spans:
-        if isinstance(where, int):
-            k_BHKD, v_BHKD = key[:, :, where : where + k], value[:, :, where : where + k]
-        else:
-            k_BHKD, v_BHKD = key.index_select(2, where), value.index_select(2, where)
-        mask = sliding if sliding_window is not None and sliding is not None else full
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, qo : qo + q], k_BHKD, v_BHKD, attn_mask=mask, scale=scaling, enable_gqa=groups > 1))
-    out_BHQD = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out_BHQD.transpose(1, 2).contiguous(), None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out_BQHD = torch.ops.lp.paged_attention(query, key, value, lp_spans, lp_masks, lp_slots, float(scale),
+                                            sliding_window is not None)
+    return out_BQHD, None
 
 
 BATCH_SDPA = "lp_batch_sdpa"
