@@ -175,18 +175,19 @@ class ModelRunner:
             self._static = StaticStepper(self, capture=cuda_graphs)
         self._mask = None  # [1, 1, Q_cap, K_cap] additive, 0 = visible
         self._dirty = (0, 0)  # columns holding the last step's local block
-        self._setup_linears(model, small_rows, linears)
+        self._setup_linears(model, small_rows, linears, compile == "on")
         self._setup_compile(model, compile, cuda_graphs or static_shapes)
 
-    def _setup_linears(self, model, small_rows: str, linears: str) -> None:
+    def _setup_linears(self, model, small_rows: str, linears: str, compiled: bool = False) -> None:
         """The linear kernels of lp's forwards (lp.model.kernels): small-row matmuls, packed weights."""
         # small-row matmuls (lp.model.kernels): "on" for every step; "auto" for the row
         # counts in small_rows, those lp.model.calibrate measured faster (CPU only, none until
         # calibrated); see uses_small_rows
         if small_rows not in ("auto", "on", "off"):
             raise ValueError(f"model.small_rows must be auto, on or off, got {small_rows!r}")
-        # quantized linears (lp.model.quant) run their own kernels: auto steps aside for them
-        off = self.device.type != "cpu" or self.quant != "none"
+        # quantized linears (lp.model.quant) run their own kernels: auto steps aside for them; so it
+        # does for a compiled step (timing each Q both ways would compile a graph per variant)
+        off = self.device.type != "cpu" or self.quant != "none" or compiled
         self.small_rows_mode = "off" if (small_rows == "auto" and off) else small_rows
         self.small_rows: frozenset[int] = frozenset()
         self._small = None
