@@ -21,6 +21,7 @@ Servers:
     lp              python -m lp.serve (continuous batching, server.max_batch as configured)
     lp_max_batch1   python -m lp.serve server.max_batch=1 (one sequence at a time)
     lp_plain        python -m lp.serve model.linears=plain (torch's own linears: lp before issue 26)
+    lp_ar           python -m lp.serve decoding.mode=ar (lp's own one-token steps, no drafts)
     lp_compiled     python -m lp.serve model.compile=on (the batched step under torch.compile; its
                     start-up compiles it, minutes the first time)
     transformers_cb transformers serve --continuous-batching (transformers' paged-cache batching)
@@ -46,7 +47,7 @@ from pathlib import Path
 
 from bench.serve_load import ServerProcess, free_port, machine, pct
 
-SERVERS = ("lp", "lp_max_batch1", "lp_plain", "lp_compiled", "transformers_cb", "transformers", "vllm", "vllm_ngram")
+SERVERS = ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "transformers_cb", "transformers", "vllm", "vllm_ngram")
 WORKLOADS = ("chat", "code")
 ROOT = Path(__file__).resolve().parent.parent
 # vllm_ngram: vLLM 0.32's n-gram drafter (prompt lookup): up to 5 tokens proposed from the
@@ -81,8 +82,9 @@ def server_command(kind: str, port: int, model_path: Path, threads: int, lp_over
         spec = ["--speculative-config", json.dumps(NGRAM_SPEC)] if kind == "vllm_ngram" else []
         return [str(vllm_exe(vllm_venv)), "serve", str(model_path), "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", "--generation-config", "vllm", "--uvicorn-log-level", "warning", *spec]
-    if kind in ("lp", "lp_max_batch1", "lp_plain", "lp_compiled"):
+    if kind in ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled"):
         extra = {"lp_max_batch1": ["server.max_batch=1"], "lp_plain": ["model.linears=plain"],
+                 "lp_ar": ["decoding.mode=ar"],
                  "lp_compiled": ["model.compile=on"]}.get(kind, [])
         return [sys.executable, "-m", "lp.serve", f"server.port={port}", "model.dtype=float32",
                 f"model.threads={threads}", "server.log_level=warning", "server.max_queue=256",

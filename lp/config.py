@@ -17,7 +17,9 @@ from omegaconf import MISSING  # noqa: F401  (re-exported for schemas)
 
 @dataclass
 class DecodingConfig:
-    mode: str = "lookahead"  # lookahead | ar (plain transformers generate)
+    # lookahead | ar: lp's own step (the same kernels, packed or compiled), one token per step, no
+    # drafts or window: the fair plain baseline | hf: transformers generate, the reference
+    mode: str = "lookahead"
     # W/N/G/window_policy left None are filled for the hardware: see hardware_defaults()
     W: int | None = None  # window columns
     N: int | None = None  # n-gram size: N-1 trajectory levels, candidates of N-1 tokens
@@ -76,10 +78,16 @@ class DecodingConfig:
             auto["drafts"] = "pool"  # ... and its verification branch
         return dataclasses.replace(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
 
+    def plain(self) -> "DecodingConfig":
+        """``mode=ar``: a copy that decodes one token per step (no window, no drafts)."""
+        import dataclasses
+
+        return dataclasses.replace(self, W=1, N=2, G=0, window_policy="off", drafts="pool")
+
     def validate(self) -> "DecodingConfig":
         need = field_check("decoding")
 
-        need(self.mode in ("lookahead", "ar"), "mode", "'lookahead' or 'ar'", self.mode)
+        need(self.mode in ("lookahead", "ar", "hf"), "mode", "'lookahead', 'ar' or 'hf'", self.mode)
         need(self.drafts in (None, "suffix", "pool"), "drafts", "'suffix' or 'pool'", self.drafts)
         need(_is_int(self.max_draft_len) and self.max_draft_len >= 1, "max_draft_len", "an integer >= 1",
              self.max_draft_len)

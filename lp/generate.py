@@ -6,7 +6,8 @@ torchrun only rank 0 prints, streams and writes ``output=``; the other ranks
 run with Hydra's output and logging off, so one run dir is written.
 
     python -m lp.generate prompt="Write a haiku about caches" decoding.W=7 decoding.G=7
-    python -m lp.generate decoding.mode=ar            # plain transformers generate
+    python -m lp.generate decoding.mode=ar            # lp's own step, one token per step (no drafts)
+    python -m lp.generate decoding.mode=hf            # plain transformers generate (the reference)
     python launch/lp_run.py parallel.workers=2 ...    # LP on 2 workers (torchrun)
 """
 
@@ -88,8 +89,8 @@ def run(cfg: GenerateConfig) -> dict | None:
 
     cfg.validate()
     rank, world, _ = torchrun_env()
-    if cfg.decoding.mode == "ar" and world > 1:
-        raise ValueError("decoding.mode=ar runs in one process; launch it without torchrun")
+    if cfg.decoding.mode in ("ar", "hf") and world > 1:
+        raise ValueError(f"decoding.mode={cfg.decoding.mode} runs in one process; launch it without torchrun")
     pin_worker(cfg.model.cpus, cfg.model.threads)  # before the first parallel region: OpenMP inherits it
     device = worker_device(cfg.model.device)
     group = init_worker_group(cfg.parallel, device)
@@ -114,13 +115,13 @@ def run(cfg: GenerateConfig) -> dict | None:
         eos = eos_ids(model, tokenizer)
         streamer = TextStreamer(tokenizer, skip_prompt=True) if (lead and cfg.stream) else None
         dcfg = cfg.decoding
-        if dcfg.mode == "ar":
-            ids, stats = _run_ar(model, tokenizer, prompt_ids, dcfg, eos, streamer)
-        else:
+        if dcfg.mode == "hf":
+            ids, stats = _run_hf(model, tokenizer, prompt_ids, dcfg, eos, streamer)
+        else:  # lookahead, or ar: lp's own one-token steps on the same runner
             on_step = _step_logger() if (lead and cfg.log_steps) else None
             runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
                                  linears=cfg.model.linears, compile=cfg.model.compile)
-            decoder = LookaheadDecoder(runner, dcfg, group)
+            decoder = LookaheadDecoder(runner, dcfg.plain() if dcfg.mode == "ar" else dcfg, group)
             dcfg = decoder.cfg  # W/N/G resolved for the hardware
             res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)
             ids, stats = res.output_ids, res.stats.summary()
@@ -166,7 +167,7 @@ def _report(cfg: GenerateConfig, dcfg: DecodingConfig, result: dict) -> None:
         f"{result['decode_time_s']:.2f} s, {result['tokens_per_second']:.1f} tok/s",
         flush=True,
     )
-    if dcfg.mode == "lookahead":
+    if dcfg.mode != "hf":
         print(
             f"[lp] forward {result['forward_time_s']:.2f} s, exchange {result['exchange_time_s']:.3f} s, "
             f"host {result['host_time_s']:.3f} s, rows/step per rank {result['mean_rows_per_rank']}, "
@@ -178,11 +179,11 @@ def _report(cfg: GenerateConfig, dcfg: DecodingConfig, result: dict) -> None:
         Path(cfg.output).write_text(json.dumps(result) + "\n")
 
 
-def _run_ar(model, tokenizer, prompt_ids, dcfg: DecodingConfig, eos, streamer):
+def _run_hf(model, tokenizer, prompt_ids, dcfg: DecodingConfig, eos, streamer):
     from lp.model.hf_generate import generate_kwargs
 
     if dcfg.logprobs:
-        raise ValueError("decoding.logprobs is reported by decoding.mode=lookahead only")
+        raise ValueError("decoding.logprobs is reported by lp's own steps (decoding.mode=lookahead or ar), not by hf")
     kwargs = dict(max_new_tokens=dcfg.max_new_tokens, do_sample=dcfg.do_sample, eos_token_id=eos,
                   **generate_kwargs(dcfg, len(prompt_ids)))
     if dcfg.do_sample:

@@ -227,6 +227,13 @@ def test_health_models_and_offline_cli(one, refs, smollm2):
     assert res["prompt_ids"] == ids
     assert res["output_ids"] == new
     assert res["text"] == text
+    # decoding.mode=ar: lp's own step, one token and one row a step; hf: transformers generate
+    for mode in ("ar", "hf"):
+        res = run(GenerateConfig(model=ModelConfig(dtype="float32"), prompt=CHAT[0], stream=False,
+                                 decoding=DecodingConfig(max_new_tokens=M, mode=mode)))
+        assert res["output_ids"] == new and res["mode"] == mode, mode
+        if mode == "ar":
+            assert res["steps"] == len(new) and res["mean_rows"] == 1.0, res
 
 
 @pytest.mark.parametrize("i", range(len(CHAT)))

@@ -183,7 +183,8 @@ def test_server_config_validation():
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             ServerConfig(**kw).validate()
     with pytest.raises(ValueError, match="decoding.mode"):
-        ServeConfig(decoding=DecodingConfig(mode="ar")).validate()
+        ServeConfig(decoding=DecodingConfig(mode="hf")).validate()
+    ServeConfig(decoding=DecodingConfig(mode="ar")).validate()  # lp's own one-token steps
 
 
 def test_server_draft_store_is_one_shared_store():

@@ -1,4 +1,4 @@
-"""The same logits settings for transformers ``generate`` (``decoding.mode=ar``, the tests' reference).
+"""The same logits settings for transformers ``generate`` (``decoding.mode=hf``, the tests' reference).
 
 Contract: ``generate_kwargs(cfg, prompt_len)`` returns ``model.generate`` kwargs that apply cfg's
 logit_bias, repetition penalty, min_p and OpenAI frequency/presence penalties as transformers'

@@ -103,6 +103,7 @@ class ServeConfig:
         self.decoding.validate()
         self.parallel.validate()
         self.server.validate()
-        if self.decoding.mode != "lookahead":
-            raise ValueError(f"lp.serve decodes with lookahead only; decoding.mode must be 'lookahead', got {self.decoding.mode!r}")
+        if self.decoding.mode not in ("lookahead", "ar"):
+            raise ValueError("lp.serve decodes with lp's own steps; decoding.mode must be 'lookahead' or 'ar' "
+                             f"(one token a step, no drafts), got {self.decoding.mode!r}")
         return self
