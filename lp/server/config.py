@@ -40,7 +40,7 @@ class ServerConfig:
     # decoded together, slots of the paged K/V cache (per layer; a request reserves prompt +
     # max_tokens + its largest step, waits while that does not fit, 400 if it never can),
     # prompt rows fed per step (longer prompts are fed in chunks beside the others' decode rows)
-    max_batch: int = 8
+    max_batch: int = 32
     kv_tokens: int = 16384
     # on a GPU instead of kv_tokens: the pool fills this fraction of the memory free after
     # loading (the smallest across LP ranks); refused on the CPU
