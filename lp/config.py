@@ -233,9 +233,17 @@ class GenerateConfig:
         self.model.validate()
         self.decoding.validate()
         self.parallel.validate()
+        check_model_parallel(self.model, self.parallel)
         if self.prompt is not None and self.prompt_file is not None:
             raise ValueError("set only one of prompt and prompt_file")
         return self
+
+
+def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Settings of ``model`` and ``parallel`` that are each valid but not together."""
+    if model.compile == "on" and parallel.tp > 1:
+        raise ValueError("model.compile=on compiles whole (unsharded) replicas; with parallel.tp > 1 use "
+                         "model.compile=auto or off")
 
 
 def hardware_defaults(device_type: str, dtype_name: str, amx: bool) -> dict:

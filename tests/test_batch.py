@@ -368,3 +368,17 @@ def test_compiled_batched_step_equals_generate(tiny_factory):
     for name in "ACD":
         assert outs[ids[name]] == hf_greedy(model, prompts[name], cfgs[name].max_new_tokens), name
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "another batch recompiled"
+
+
+def test_ar_mode_in_a_batch_is_one_token_a_step(tiny_factory):
+    """decoding.mode=ar beside a drafting request: both equal generate, the ar one publishes
+    exactly one token a step (no drafts, no window); mode=hf has no batched engine."""
+    model = tiny_factory("llama")
+    dec = LookaheadDecoder(ModelRunner(model), DecodingConfig(max_new_tokens=20))
+    cfgs = [DecodingConfig(max_new_tokens=20, mode="ar"), DecodingConfig(max_new_tokens=20, **TREE)]
+    ar, tree = generate_batch(dec, [REPETITIVE_PROMPT, REPETITIVE_PROMPT], configs=cfgs)
+    want = hf_greedy(model, REPETITIVE_PROMPT, 20)
+    assert ar.output_ids == want and tree.output_ids == want
+    assert ar.stats.steps == 20 and tree.stats.steps < 20  # the repetitive prompt: drafts land
+    with pytest.raises(ValueError, match="decoding.mode must be 'lookahead' or 'ar'"):
+        generate_batch(dec, [REPETITIVE_PROMPT], configs=[DecodingConfig(max_new_tokens=4, mode="hf")])

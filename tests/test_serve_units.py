@@ -185,6 +185,12 @@ def test_server_config_validation():
     with pytest.raises(ValueError, match="decoding.mode"):
         ServeConfig(decoding=DecodingConfig(mode="hf")).validate()
     ServeConfig(decoding=DecodingConfig(mode="ar")).validate()  # lp's own one-token steps
+    from lp.config import GenerateConfig, ModelConfig, ParallelConfig
+
+    for cls in (ServeConfig, GenerateConfig):  # a compiled step over tensor-parallel shards: refused up front
+        with pytest.raises(ValueError, match="model.compile=on compiles whole"):
+            cls(model=ModelConfig(compile="on"), parallel=ParallelConfig(tp=2)).validate()
+        cls(model=ModelConfig(compile="on")).validate()
 
 
 def test_server_draft_store_is_one_shared_store():

@@ -231,9 +231,11 @@ class BatchEngine:
     def check(self, prompt: list[int], cfg: DecodingConfig, tokenizer=None) -> tuple[LookaheadDecoder, int]:
         """Validate a request without queueing it (no state changes; a server calls it from
         its HTTP thread): its decoder and the K/V rows it reserves, or a ValueError."""
+        if cfg.mode not in ("lookahead", "ar"):
+            raise ValueError(f"decoding.mode must be 'lookahead' or 'ar' for a batched engine, got {cfg.mode!r}")
+        if cfg.mode == "ar":  # one token a step, no drafts
+            cfg = cfg.plain()
         dec = LookaheadDecoder(self.runner, cfg, self.group, draft_store=self.draft_store, tq_curve=self.tq)
-        if dec.cfg.mode != "lookahead":
-            raise ValueError("decoding.mode must be 'lookahead' for a batched engine")
         dec._check_request(prompt)
         if dec.cfg.stop_strings and tokenizer is None:
             raise ValueError("decoding.stop_strings needs a tokenizer to decode the output")

@@ -52,7 +52,6 @@ from collections.abc import Sequence
 from collections import OrderedDict
 
 import torch
-import torch._dynamo
 from transformers.cache_utils import Cache
 
 
@@ -334,6 +333,8 @@ class PagedCache(Cache):
             self.keys.append(key_states.new_zeros(h, self.kv_tokens, d))
             self.values.append(value_states.new_zeros(h, self.kv_tokens, value_states.shape[-1]))
             # model.compile=on (whose first step, eager, allocates the pool): one graph for any pool size
+            import torch._dynamo
+
             torch._dynamo.maybe_mark_dynamic(self.keys[-1], 1)
             torch._dynamo.maybe_mark_dynamic(self.values[-1], 1)
         keys, values = self.keys[layer_idx], self.values[layer_idx]

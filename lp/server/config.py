@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lp.config import DecodingConfig, ModelConfig, ParallelConfig, _is_int, field_check
+from lp.config import DecodingConfig, ModelConfig, ParallelConfig, _is_int, check_model_parallel, field_check
 
 
 @dataclass
@@ -103,6 +103,7 @@ class ServeConfig:
         self.decoding.validate()
         self.parallel.validate()
         self.server.validate()
+        check_model_parallel(self.model, self.parallel)
         if self.decoding.mode not in ("lookahead", "ar"):
             raise ValueError("lp.serve decodes with lp's own steps; decoding.mode must be 'lookahead' or 'ar' "
                              f"(one token a step, no drafts), got {self.decoding.mode!r}")
