@@ -28,9 +28,13 @@ publish, collect). What is shared is the step:
               prompt logprobs also keeps the logits of its prompt rows (read before its
               verdict's rows), and a ``prompt_only`` one finishes when its prompt is in
               the cache, with no new token
-    forward   one packed forward: the paged cache writes the rows into their slots and
-              gathers each sequence's used slots; the mask lets a row see its own
-              sequence's prefix and its own ancestors only, at its own positions
+    forward   one packed forward: the paged cache writes the rows into their slots; with
+              sdpa each layer's attention is one lp::paged_attention call (every
+              sequence's rows against its own keys in the pool, where they are given by
+              tensors), with eager / flex the used slots are gathered and the mask lets a
+              row see its own sequence's prefix and its own ancestors only; under
+              ``model.compile=on`` this forward runs compiled (two graphs:
+              ``compile_batched_step`` builds them before serving)
     verify    ONE device->host read (the argmaxes of every kept row; sampled sequences
               read their rows' probabilities), then each sequence's verdict
     commit    accepted rows compacted next to each prefix, the rest freed (one
@@ -482,8 +486,8 @@ class BatchEngine:
             keep.append(keep_t + qo)
             qo += it.layout.num_rows
         if runner.attention == "sdpa":
-            # one sdpa call per sequence over its own keys, read in place from the paged pool
-            # (lp.model.attention.batch_sdpa_forward); the model's mask argument is a placeholder
+            # one lp::paged_attention call per layer: each sequence's sdpa over its own keys, read in
+            # place from the paged pool (lp.model.attention); the model's mask argument is a placeholder
             mask, extra, impl = self._placeholder, self._sdpa_spans(items, pos), BATCH_SDPA
         else:  # eager and flex: one call over the gathered keys, the mask hiding other sequences
             mask, extra, impl = self._gathered_mask(items, pos), {}, None
