@@ -190,12 +190,12 @@ class ModelRunner:
         off = self.device.type != "cpu" or self.quant != "none" or compiled
         self.small_rows_mode = "off" if (small_rows == "auto" and off) else small_rows
         self.small_rows: frozenset[int] = frozenset()
-        self._small = None
+        self._switch = None
         self.linears = resolve_linears(linears, model, self.device, self.quant)
         if self.small_rows_mode != "off" or self.linears == "packed":
             from lp.model import kernels
 
-            self._small = kernels.install(model)
+            self._switch = kernels.install(model)
             if self.linears == "packed" and not kernels.pack(model):
                 raise ValueError("model.linears=packed found no plain float linear to pack (a quantized model, or "
                                  "tensor-parallel shards): use model.linears=auto or plain")
@@ -349,7 +349,7 @@ class ModelRunner:
 
     def uses_small_rows(self, rows: int) -> bool:
         """Whether a forward of ``rows`` rows runs small-row matmuls (lp.model.kernels)."""
-        if self._small is None or rows < 1:
+        if self._switch is None or rows < 1:
             return False
         if self.small_rows_mode == "on":
             return True
@@ -373,16 +373,16 @@ class ModelRunner:
             for c in self._configs:
                 c._attn_implementation_internal = impl
         if small:
-            self._small.on = True
+            self._switch.on = True
         if packed:
-            self._small.packed = True
+            self._switch.packed = True
         try:
             yield
         finally:
             if small:
-                self._small.on = False
+                self._switch.on = False
             if packed:
-                self._small.packed = False
+                self._switch.packed = False
             if swap:
                 for c, v in zip(self._configs, saved):
                     c._attn_implementation_internal = v
