@@ -79,7 +79,8 @@ class DecodingConfig:
         return dataclasses.replace(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
 
     def plain(self) -> "DecodingConfig":
-        """``mode=ar``: a copy that decodes one token per step (no window, no drafts)."""
+        """``mode=ar``: a copy that decodes one token per step (no window, no drafts); the decoder
+        (lp.engine.decoder.LookaheadDecoder) applies it wherever the config comes from."""
         import dataclasses
 
         return dataclasses.replace(self, W=1, N=2, G=0, window_policy="off", drafts="pool")

@@ -121,8 +121,8 @@ def run(cfg: GenerateConfig) -> dict | None:
             on_step = _step_logger() if (lead and cfg.log_steps) else None
             runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
                                  linears=cfg.model.linears, compile=cfg.model.compile)
-            decoder = LookaheadDecoder(runner, dcfg.plain() if dcfg.mode == "ar" else dcfg, group)
-            dcfg = decoder.cfg  # W/N/G resolved for the hardware
+            decoder = LookaheadDecoder(runner, dcfg, group)
+            dcfg = decoder.cfg  # W/N/G resolved for the hardware (mode=ar: one-token steps)
             res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)
             ids, stats = res.output_ids, res.stats.summary()
             if res.logprobs is not None:

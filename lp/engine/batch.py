@@ -237,8 +237,6 @@ class BatchEngine:
         its HTTP thread): its decoder and the K/V rows it reserves, or a ValueError."""
         if cfg.mode not in ("lookahead", "ar"):
             raise ValueError(f"decoding.mode must be 'lookahead' or 'ar' for a batched engine, got {cfg.mode!r}")
-        if cfg.mode == "ar":  # one token a step, no drafts
-            cfg = cfg.plain()
         dec = LookaheadDecoder(self.runner, cfg, self.group, draft_store=self.draft_store, tq_curve=self.tq)
         dec._check_request(prompt)
         if dec.cfg.stop_strings and tokenizer is None:

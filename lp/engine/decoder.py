@@ -278,7 +278,10 @@ class LookaheadDecoder:
         from lp.model.loader import cpu_has_amx_bf16
 
         dtype_name = str(runner.dtype).replace("torch.", "")
-        self.cfg = cfg.validate().with_hardware_defaults(runner.device.type, dtype_name, cpu_has_amx_bf16())
+        cfg = cfg.validate()
+        if cfg.mode == "ar":  # lp's own one-token steps: no window, no drafts, whatever else is set
+            cfg = cfg.plain()
+        self.cfg = cfg.with_hardware_defaults(runner.device.type, dtype_name, cpu_has_amx_bf16())
         self.group = group  # lp.parallel.dist.WorkerGroup or None
         from lp.grammar.matcher import grammar_of
 

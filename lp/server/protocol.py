@@ -377,8 +377,6 @@ def _decoding(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: 
                        "response_format / structured_outputs.", param="tool_choice", code="invalid_value")
     upd.update(calls)
     d = dataclasses.replace(ctx.base, **upd)
-    if d.mode == "ar":  # the server's decoding.mode=ar: one token a step, whatever the request's lookahead says
-        d = d.plain()
     try:
         return d.validate()
     except ValueError as e:  # should not happen after the checks above; still a client error
