@@ -1,8 +1,9 @@
-"""Continuous batching behind lp.serve: one decode thread stepping a ``lp.engine.batch.BatchEngine``,
-in one process or as rank 0 of Lookahead Parallelism.
+"""Continuous batching behind lp.serve: one decode loop (``run``, on the thread that loaded the
+model) stepping a ``lp.engine.batch.BatchEngine``, in one process or as rank 0 of Lookahead
+Parallelism.
 
 Contract: ``BatchedEngine`` faces the HTTP side with ``submit``, ``queue_depth``, ``ready``,
-``stop``, ``request_stop``, ``workers``, ``max_queue``, ``failed`` and the job events of
+``request_stop``, ``workers``, ``max_queue``, ``failed`` and the job events of
 ``lp.server.engine.Job`` (``("prompt_logprobs", [TokenLogprob])`` once the prompt is in for a
 job asking for them, ``("logprobs", ...)`` and ``("tokens", ids)`` per step, then
 ``("done", Outcome)`` or ``("error", ApiError)``). Scheduling is per iteration: at every step boundary the thread
@@ -23,7 +24,7 @@ prompt rows each finds in rank 0's prefix cache; every rank holds the same block
 checks its own hits agree),
 then every rank runs the same ``BatchEngine.step``; the other ranks run ``worker_loop``,
 which replays the message and steps. With nothing to do rank 0 sends an IDLE header every
-``heartbeat_s``, and SHUTDOWN on ``stop()``. A dead or stuck worker surfaces as
+``heartbeat_s``, and SHUTDOWN once ``request_stop`` ends the loop. A dead or stuck worker surfaces as
 ``WorkerFailure`` on rank 0 within ``parallel.timeout_s`` (the step's exchange or the
 channel): the engine logs it, fails every request with 503 and calls ``on_fatal``.
 """
@@ -66,17 +67,13 @@ class BatchedEngine:
         self._cond = threading.Condition()
         self.stopping = False
         self.failed: str | None = None
-        self._thread = threading.Thread(target=self._loop, name="lp-decode", daemon=True)
+        self._thread: threading.Thread | None = None  # the thread in run()
 
     # -- API for the HTTP side ---------------------------------------------
 
     @property
     def ready(self) -> bool:
-        return self._thread.is_alive() and not self.stopping and self.failed is None
-
-    def start(self) -> "BatchedEngine":
-        self._thread.start()
-        return self
+        return self._thread is not None and self._thread.is_alive() and not self.stopping and self.failed is None
 
     def run(self) -> None:
         """Run the decode loop in the calling thread until ``request_stop`` or a failure
@@ -112,13 +109,6 @@ class BatchedEngine:
         with self._cond:
             self.stopping = True
             self._cond.notify()
-
-    def stop(self, timeout: float) -> None:
-        self.request_stop()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.error("decode thread did not stop within %.0f s", timeout)
 
     # -- the decode thread ---------------------------------------------------
 
