@@ -37,13 +37,19 @@ def test_install_keeps_parameters_tying_and_the_models_own_output():
     torch.testing.assert_close(on, before, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
-def test_small_rows_linear_equals_f_linear(rows):
+def _swapped_layer(rows: int):
+    """One bias-free 96 -> 200 linear swapped by ``install``: (layer, its switch, x of ``rows``
+    rows, F.linear's output on x)."""
     torch.manual_seed(rows)
     layer = nn.Linear(96, 200, bias=False)
     x = torch.randn(1, rows, 96)
     ref = F.linear(x, layer.weight)
-    switch = install(nn.Sequential(layer))
+    return layer, install(nn.Sequential(layer)), x, ref
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
+def test_small_rows_linear_equals_f_linear(rows):
+    layer, switch, x, ref = _swapped_layer(rows)
     switch.on = True
     out = layer(x)
     assert out.shape == ref.shape
@@ -52,11 +58,14 @@ def test_small_rows_linear_equals_f_linear(rows):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", [dict(small_rows="on"), dict(small_rows="off", linears="packed")],
+                         ids=["small_rows", "packed"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
-def test_decoding_through_small_rows_equals_generate(tiny_factory, family):
+def test_decoding_through_lp_linears_equals_generate(tiny_factory, family, kernels):
+    """Small-row matmuls, or oneDNN-packed linears, in every lp step: generate's tokens."""
     model = tiny_factory(family)
     ref = hf_greedy(model, REPETITIVE_PROMPT, 40)
-    runner = ModelRunner(model, small_rows="on")
+    runner = ModelRunner(model, **kernels)
     cfg = DecodingConfig(max_new_tokens=40, drafts="suffix", draft_budget="all", max_draft_rows=12, W=2, N=3, G=3,
                          window_policy="with_candidates")
     res = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT)
@@ -144,11 +153,7 @@ def _ops_run(runner, rows: int) -> set[str]:
 def test_packed_linear_equals_f_linear_and_the_model_keeps_its_own(rows):
     from lp.model.kernels import pack
 
-    torch.manual_seed(rows)
-    layer = nn.Linear(96, 200, bias=False)
-    x = torch.randn(1, rows, 96)
-    ref = F.linear(x, layer.weight)
-    switch = install(nn.Sequential(layer))
+    layer, switch, x, ref = _swapped_layer(rows)
     assert pack(layer) == 1 and layer.packed_weight.layout == torch._mkldnn
     assert torch.equal(layer(x), ref)  # switch off: nn.Linear's own kernel, bit for bit
     switch.packed = True
@@ -174,19 +179,6 @@ def test_runner_forwards_run_the_packed_kernel_only_where_chosen(tiny_factory):
     with profile() as prof:
         model(input_ids=torch.tensor([REPETITIVE_PROMPT[:6]]))
     assert "mkldnn::_linear_pointwise" not in {e.key for e in prof.key_averages()}
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
-def test_decoding_through_packed_linears_equals_generate(tiny_factory, family):
-    model = tiny_factory(family)
-    ref = hf_greedy(model, REPETITIVE_PROMPT, 40)
-    runner = ModelRunner(model, small_rows="off", linears="packed")
-    cfg = DecodingConfig(max_new_tokens=40, drafts="suffix", draft_budget="all", max_draft_rows=12, W=2, N=3, G=3,
-                         window_policy="with_candidates")
-    res = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT)
-    assert res.output_ids == ref
-    assert res.stats.compression_ratio > 1.0
-    assert hf_greedy(model, REPETITIVE_PROMPT, 40) == ref  # the user's generate is unchanged
 
 
 def test_linears_auto_packs_float_models_and_a_copy_packs_again(tiny_factory):
