@@ -162,8 +162,8 @@ class ModelConfig:
     # linear kernels of lp's forwards (lp.model.kernels): auto (CPU: oneDNN-prepacked weights when
     # the packed copy fits in half the free memory) | packed | plain (torch's F.linear)
     linears: str = "auto"
-    # the packed step under torch.compile/inductor (lp.model.runner): auto (eager: measured no faster on
-    # the CPU, see bench/results/step_cost) | on | off; one sequence's steps (the batch stays eager)
+    # lp's packed forward under torch.compile/inductor (lp.model.runner), one sequence's steps and the
+    # batched step of lp.serve: auto (eager: every new process would pay the compile) | on | off
     compile: str = "auto"
     # quantized weights (lp.model.quant), applied identically on every LP worker: none | int8 (CPU:
     # int8 weights x per-row int8 activations over fbgemm; CUDA: torchao int8 weight-only) |

@@ -204,8 +204,9 @@ class ModelRunner:
         """``model.compile``: this runner's forward, eager or under torch.compile."""
         if compile not in COMPILE:
             raise ValueError(f"model.compile must be one of {', '.join(COMPILE)}, got {compile!r}")
-        # auto stays eager: on this project's CPU the compiled step measured no faster than the
-        # eager one with packed linears (bench/results/step_cost) and costs minutes to compile
+        # auto stays eager: a compile costs every new process 35 s to minutes, for a 7-15% faster
+        # server on this project's CPU (bench/results/vs_vllm_compiled2; one sequence's step:
+        # bench/results/step_cost)
         self.compiled = compile == "on"
         if self.compiled and static:
             raise ValueError("model.compile=on and model.cuda_graphs=true are two ways to the same static step: pick one")
