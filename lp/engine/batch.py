@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lp.model.attention import BATCH_SDPA
+from lp.model.attention import BATCH_SDPA, FIRST, KEYS, MASK, QO, ROWS, SLIDING, SLOTS
 from lp.config import DecodingConfig
 from lp.engine.decoder import (
     GenerationResult,
@@ -511,8 +511,6 @@ class BatchEngine:
         (none where every key is visible: a one-row step). Every tensor holds at least two
         entries (a padding span of 0 rows, zeros), so a compiled step never meets the sizes 0 and
         1 that torch.compile would specialize on."""
-        from lp.model.attention import QO, ROWS, FIRST, KEYS, MASK, SLIDING, SLOTS
-
         runner, dev = self.runner, self.runner.device
         places = self.cache.plan([(it.req.id, it.layout.num_rows) for it in items], dev, gather=False)
         rows, masks, slots, qo, at = [], [], [], 0, 0
