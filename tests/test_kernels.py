@@ -187,9 +187,10 @@ def test_linears_auto_packs_float_models_and_a_copy_packs_again(tiny_factory):
     model = tiny_factory("llama")
     assert ModelRunner(model).linears == "packed"  # the CPU, fp32, a few MB
     clone = copy.deepcopy(model)  # an opaque oneDNN tensor cannot be copied: the copy drops it
-    assert all(m.packed_weight is None for m in clone.modules() if isinstance(m, SmallRowsLinear))
+    assert all(m.packed_weight is None and m.fused is None for m in clone.modules() if isinstance(m, SmallRowsLinear))
     again = ModelRunner(clone, linears="packed")
-    assert all(m.packed_weight is not None for m in clone.modules() if isinstance(m, SmallRowsLinear))
+    assert all(m.packed_weight is not None or m.fused is not None
+               for m in clone.modules() if isinstance(m, SmallRowsLinear))
     assert "mkldnn::_linear_pointwise" in _ops_run(again, 2)
 
 
@@ -227,3 +228,35 @@ def test_compiled_step_decodes_exactly_like_generate(tiny_factory):
     assert hf_greedy(model, REPETITIVE_PROMPT, 48) == ref  # the user's generate stays eager and unchanged
     with pytest.raises(ValueError, match="model.compile must be one of auto, on, off"):
         ModelRunner(model, compile="yes")
+
+
+def test_fused_siblings_are_one_matmul_and_equal_their_separate_products(tiny_factory):
+    """pack stacks q/k/v and gate/up into one packed weight per group: one oneDNN call a group,
+    every member's output equal to its own product, whatever order and input it is called with."""
+    from torch.profiler import profile
+
+    from lp.lookahead.layout import chain_layout
+
+    model = tiny_factory("llama")
+    runner = ModelRunner(model, small_rows="off", linears="packed")
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert attn.q_proj.fused is attn.k_proj.fused is attn.v_proj.fused is not None
+    assert mlp.gate_proj.fused is mlp.up_proj.fused is not None and mlp.down_proj.fused is None
+    assert attn.q_proj.fused is not mlp.gate_proj.fused and attn.o_proj.packed_weight is not None
+    with profile() as prof:
+        runner.forward(chain_layout([3, 4, 5]), runner.new_cache(16, 3))
+    calls = {e.key: e.count for e in prof.key_averages()}["mkldnn::_linear_pointwise"]
+    layers = model.config.num_hidden_layers
+    assert calls == 4 * layers + 1, calls  # qkv, o, gate-up, down a layer, and the head
+    switch = attn.q_proj.switch
+    x, other = torch.randn(5, model.config.hidden_size), torch.randn(5, model.config.hidden_size)
+    switch.packed = True
+    try:
+        # called in another order, and a member on another input between two of one input
+        got = [attn.v_proj(x), attn.k_proj(other), attn.q_proj(x), attn.k_proj(x), mlp.up_proj(x), mlp.gate_proj(x)]
+    finally:
+        switch.packed = False
+    want = [attn.v_proj(x), attn.k_proj(other), attn.q_proj(x), attn.k_proj(x), mlp.up_proj(x), mlp.gate_proj(x)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
