@@ -67,7 +67,8 @@ class SmallRowsLinear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN layout (pack), read while switch.packed
     packed_key = -1  # its index in PACKED: how a compiled graph (lp.model.compiled) names it
     fused: "FusedGroup | None" = None  # packed together with its siblings of one input (pack)
-    fused_index = -1  # its slice of the group's output
+    fused_index = -1  # its part of the group
+    fused_columns = (0, 0)  # its columns of the group's product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         switch = self.switch
@@ -89,6 +90,7 @@ class SmallRowsLinear(nn.Linear):
         state.pop("packed_weight", None)
         state.pop("fused", None)  # holds the group's packed weight
         state.pop("fused_index", None)
+        state.pop("fused_columns", None)
         return state
 
     def _small_rows(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -157,45 +159,58 @@ def packed_bytes(model: nn.Module) -> int:
 
 
 # children of one module that read the same input, packed as one weight (their rows stacked):
-# attention's q/k/v and a gated MLP's gate/up
+# attention's q/k/v and a gated MLP's gate/up (lp.model.quant fuses the same for int8)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+class SharedProduct:
+    """One product for the parts of a fused linear that read the same input tensor one after
+    the other (the HF forwards call q, k, v, and gate, up, on one tensor in a row): the first
+    part computes it, the others reuse it; a part asking again, or another input, starts a new
+    round. Once every part has had it, no activation is held. A plain object, not a module
+    (an nn.Module attribute write costs microseconds)."""
+
+    def __init__(self, parts: int):
+        self.parts = parts
+        self._x = self._y = None
+        self._served: set[int] = set()
+
+    def get(self, x: torch.Tensor, part: int, compute) -> torch.Tensor:
+        if x is not self._x or part in self._served:
+            self._x, self._y, self._served = x, compute(x), set()
+        self._served.add(part)
+        y = self._y
+        if len(self._served) == self.parts:
+            self._x = self._y = None
+        return y
+
+
 class FusedGroup:
-    """Sibling linears of one input computed as one packed matmul: the first member called
-    computes every member's output and keeps the others' until they are called with the same
-    input tensor (the HF forwards call q, k, v, and gate, up, on one tensor in a row). A member
-    called with another input (or again) computes the group again for it. The stacked product is the same
-    dot products as the separate ones (measured bit-equal here, oneDNN, 1-16 rows, fp32); one
-    call instead of three (two) saves ~1 ms of a SmolLM2 step's ~14 ms of linears at one row
-    (2-core EPYC, measured), and 90 custom-op hops of a compiled step."""
+    """Sibling linears of one input (FUSED) computed as one packed matmul over their stacked
+    weights (``SharedProduct``), each member returning its columns. The stacked product is the
+    same dot products as the separate ones (measured bit-equal here, oneDNN, 1-16 rows, fp32);
+    one call instead of three (two) saves ~1 ms of a SmolLM2 step's ~14 ms of linears at one
+    row (2-core EPYC, measured), and 90 custom-op hops of a compiled step."""
 
     def __init__(self, members: list[SmallRowsLinear]):
-        self.sizes = [m.out_features for m in members]
+        sizes = [m.out_features for m in members]
+        self.out_features = sum(sizes)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in members]), None)
         self.key = len(PACKED)
         PACKED.append(weakref.ref(self.weight))
-        self.input = None  # the input whose outputs wait in kept
-        self.kept: dict[int, torch.Tensor] = {}
+        self.share = SharedProduct(len(members))
         for i, m in enumerate(members):
             m.fused, m.fused_index = self, i
+            m.fused_columns = (sum(sizes[:i]), sum(sizes[: i + 1]))
 
     def output(self, member: SmallRowsLinear, x: torch.Tensor) -> torch.Tensor:
-        index = member.fused_index
-        if self.input is x and index in self.kept:
-            y = self.kept.pop(index)
-            if not self.kept:
-                self.input = None
-            return y
-        total = sum(self.sizes)
+        start, stop = member.fused_columns
+        return self.share.get(x, member.fused_index, self._product)[..., start:stop]
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            y = packed_linear(x, self.key, total)
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        parts = y.split(self.sizes, dim=-1)
-        self.input = x
-        self.kept = {i: p for i, p in enumerate(parts) if i != index}
-        return parts[index]
+            return packed_linear(x, self.key, self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
 
 
 def _fuse(model: nn.Module) -> None:

@@ -52,6 +52,8 @@ import warnings
 import torch
 from torch import nn
 
+from lp.model.kernels import FUSED, SharedProduct
+
 log = logging.getLogger(__name__)
 
 QUANTS = ("none", "int8", "int4", "auto")
@@ -122,9 +124,7 @@ class RowInt8Linear(nn.Module):
         self._packed = torch.ops.quantized.linear_prepack(w_q, None)
         # the input buffer: [rows, I] scaled activations, then the two pinning columns +C, -C
         self._buf = torch.cat([torch.zeros(1, self.in_features), torch.tensor([[_C, -_C]])], dim=1)
-        # SharedInputPart: [the last shared input, its product, the parts served] in a plain
-        # list (an nn.Module attribute write costs microseconds, three per part per step)
-        self._share = [None, None, set()]
+        self._share = SharedProduct(len(self.splits))  # for SharedInputPart
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # five small ops around the kernel: each costs a few microseconds on the CPU, as
@@ -149,15 +149,8 @@ class RowInt8Linear(nn.Module):
 
     def shared(self, x: torch.Tensor, part: int) -> torch.Tensor:
         """The fused product for ``x``, computed once for the parts that read the same
-        input tensor one after the other (a part asking twice means a new round)."""
-        share = self._share
-        if x is not share[0] or part in share[2]:
-            share[0], share[1], share[2] = x, self(x), set()
-        share[2].add(part)
-        y = share[1]
-        if len(share[2]) == len(self.splits):
-            share[0] = share[1] = None  # every part has its columns: hold no activations
-        return y
+        input tensor one after the other (lp.model.kernels.SharedProduct)."""
+        return self._share.get(x, part, self)
 
     def extra_repr(self) -> str:
         fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
@@ -185,7 +178,6 @@ class SharedInputPart(nn.Module):
         return f"columns {self.start}:{self.stop} of a fused int8 linear"
 
 
-FUSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears that read the same input
 
 
 def _is_linear(m) -> bool:
@@ -196,7 +188,7 @@ def _fuse_shared_inputs(model: nn.Module) -> int:
     """Stack q/k/v and gate/up of every attention and MLP block into one RowInt8Linear each."""
     count = 0
     for parent in list(model.modules()):
-        for names in FUSE:
+        for names in FUSED:  # linears that read the same input
             parts = [getattr(parent, n, None) for n in names]
             if not all(_is_linear(p) for p in parts) or len({p.in_features for p in parts}) != 1:
                 continue
