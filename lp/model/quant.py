@@ -178,8 +178,6 @@ class SharedInputPart(nn.Module):
         return f"columns {self.start}:{self.stop} of a fused int8 linear"
 
 
-
-
 def _is_linear(m) -> bool:
     return type(m) is nn.Linear or (isinstance(m, nn.Linear) and type(m).__name__ == "SmallRowsLinear")
 
