@@ -35,6 +35,8 @@ import warnings
 
 import torch
 
+from lp.model.kernels import opaque_op
+
 FLEX = "lp_flex"
 CASCADE = "lp_cascade"
 
@@ -132,7 +134,13 @@ def cascade_attention_forward(module, query, key, value, attention_mask, scaling
 QO, ROWS, FIRST, KEYS, MASK, SLIDING, SLOTS = range(7)
 
 
-@torch.library.custom_op("lp::paged_attention", mutates_args=())
+def _paged_attention_shape(query, key, value, spans, masks, slots, scale, sliding):
+    b, h, q, d = query.shape
+    return query.new_empty(b, q, h, d)
+
+
+@opaque_op("paged_attention(Tensor query, Tensor key, Tensor value, Tensor spans, Tensor masks, Tensor slots, "
+           "float scale, bool sliding) -> Tensor", _paged_attention_shape)
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: torch.Tensor,
                     masks: torch.Tensor, slots: torch.Tensor, scale: float, sliding: bool) -> torch.Tensor:
     """Every sequence of a batched step against its own keys in the paged pool, one call per
@@ -160,12 +168,6 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             query[:, :, qo : qo + q], k_BHKD, v_BHKD, attn_mask=mask, scale=scale, enable_gqa=groups > 1))
     out_BHQD = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out_BHQD.transpose(1, 2).contiguous()
-
-
-@paged_attention.register_fake
-def _paged_attention_shape(query, key, value, spans, masks, slots, scale, sliding):
-    b, h, q, d = query.shape
-    return query.new_empty(b, q, h, d)
 
 
 def batch_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, lp_spans=None,

@@ -131,17 +131,37 @@ def install(model: nn.Module) -> SmallRows:
 PACKED: list = []  # weak references: a dropped model frees its packed copy
 
 
-@torch.library.custom_op("lp::packed_linear", mutates_args=())
+_LIB = torch.library.Library("lp", "FRAGMENT")
+
+
+def opaque_op(schema: str, fake):
+    """Register the decorated function as ``torch.ops.lp.<name>`` (``schema``), opaque to
+    torch.compile (``fake`` gives its output's shape), and return that op. A compiled graph
+    calls it through the dispatcher straight into Python, where ``torch.library.custom_op``
+    adds its own wrappers (dynamo off and on, alias checks) to every call: a compiled SmolLM2
+    one-row step calls 151 such ops, and their own time fell from 1.9 to 1.0 ms a step
+    (torch.profiler, 63 steps, 2-core EPYC)."""
+    name = schema.split("(")[0]
+
+    def register(fn):
+        _LIB.define(schema)
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"lp::{name}")(fake)
+        return getattr(torch.ops.lp, name).default
+
+    return register
+
+
+def _packed_linear_shape(x, key, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@opaque_op("packed_linear(Tensor x, int key, int out_features) -> Tensor", _packed_linear_shape)
 def packed_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     """``x @ W.T`` on the packed weight ``PACKED[key]`` (an op opaque to torch.compile)."""
     weight = PACKED[key]()
     assert weight is not None, f"packed weight {key} was freed with its model"
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
-@packed_linear.register_fake
-def _packed_linear_shape(x, key, out_features):
-    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def packable(module: nn.Module) -> bool:
