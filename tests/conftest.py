@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lp.model.runner import ModelRunner
-from tests.helpers import TINY_VOCAB, make_tiny_model
+from tests.helpers import SMALL_VOCAB, TINY_VOCAB, hf_greedy, make_tiny_model
 
 # Worker processes (torchrun, lp.serve, scripts under tests/) import this checkout's lp,
 # whatever checkout an editable install points at
@@ -62,3 +62,14 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_runner(smollm2):
     return ModelRunner(smollm2[0])
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """A 12-token tiny Llama with a wide init (peaked, varied next-token distributions), its
+    runner, and a prompt of 5 seed tokens + 20 greedy ones: the model of the sampling
+    distribution tests (test_sampling_dist, test_processors)."""
+    model = make_tiny_model("llama", vocab=SMALL_VOCAB, initializer_range=0.2)
+    seed_prompt = [1, 2, 3, 4, 5]
+    prompt = seed_prompt + hf_greedy(model, seed_prompt, 20)
+    return model, ModelRunner(model), prompt

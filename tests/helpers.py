@@ -9,6 +9,7 @@ from lp.engine.decoder import LookaheadDecoder
 from lp.model.runner import ModelRunner
 
 TINY_VOCAB = 128
+SMALL_VOCAB = 12  # the sampling-distribution tests' model (conftest small_vocab)
 
 # A prompt that repeats itself, so that prompt n-grams become accepted candidates.
 REPETITIVE_PROMPT = [5, 17, 33, 9, 5, 17, 33, 9, 5, 17, 33, 9, 5, 17, 40, 3, 5, 17, 33, 9, 5, 17]

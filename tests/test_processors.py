@@ -16,7 +16,6 @@ from lp.model.runner import ModelRunner
 from lp.lookahead.processors import RowProcessor, row_extras
 from lp.lookahead.sampling import warp
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, lookahead
-from tests.test_sampling_dist import small_vocab  # noqa: F401  (fixture)
 
 MAX_NEW = 32
 

@@ -33,19 +33,17 @@ import pytest
 
 from lp.config import DecodingConfig
 from lp.engine.decoder import LookaheadDecoder
-from lp.model.runner import ModelRunner
 from tests.helpers import (
+    SMALL_VOCAB,
     conditional_fit,
     exact_next_probs,
     fit_verdict,
-    hf_greedy,
     kept_mass_verify_node,
-    make_tiny_model,
     no_renorm_verify_node,
     plant_verifier,
 )
 
-VOCAB = 12
+VOCAB = SMALL_VOCAB  # the conftest small_vocab model's
 NEW = 3
 DRAWS = 1000
 BUG_DRAWS = 500  # the planted bug is rejected at p < 1e-20 already at this size
@@ -63,14 +61,6 @@ CASES = {
     "tree-plain": (TREE, None, dict(temperature=1.0)),
     "tree-padded-temp-topk": (dict(TREE, draft_budget="auto"), PADDED, dict(temperature=0.8, top_k=4)),
 }
-
-
-@pytest.fixture(scope="module")
-def small_vocab():
-    model = make_tiny_model("llama", vocab=VOCAB, initializer_range=0.2)
-    seed_prompt = [1, 2, 3, 4, 5]
-    prompt = seed_prompt + hf_greedy(model, seed_prompt, 20)
-    return model, ModelRunner(model), prompt
 
 
 def lookahead_draws(runner, prompt, n, shape, tq_curve=None, first_seed=0, **kw):
