@@ -35,14 +35,14 @@ def cache_path(runner) -> Path:
     tp = tp_degree(runner.model)  # a TP step (all-reduces included) is not a one-device step
     name = (f"{digest}-{runner.device.type}-{dtype}-t{torch.get_num_threads()}{f'-tp{tp}' if tp > 1 else ''}"
             f"-{runner.attention}"
-            f"-small{runner.small_rows_mode}-lin{getattr(runner, 'linears', 'plain')}{'-compiled' if getattr(runner, 'compiled', False) else ''}{_quant_tag(runner)}-{VERSION}.json")
+            f"-small{runner.small_rows_mode}-lin{runner.linears}{'-compiled' if runner.compiled else ''}"
+            f"{_quant_tag(runner)}-{VERSION}.json")
     return default_cache_dir() / "tq" / name
 
 
 def _quant_tag(runner) -> str:
     """``-int8`` / ``-int4`` for a quantized model (lp.model.quant): curves of different quants never mix."""
-    quant = getattr(runner, "quant", "none")
-    return "" if quant == "none" else f"-{quant}"
+    return "" if runner.quant == "none" else f"-{runner.quant}"
 
 
 def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False) -> list[tuple[int, float]]:
