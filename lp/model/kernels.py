@@ -79,9 +79,7 @@ class SmallRowsLinear(nn.Linear):
         if switch.packed and self.fused is not None:
             return self.fused.output(self, x)
         if switch.packed and self.packed_weight is not None:
-            if torch.compiler.is_compiling():  # dynamo cannot trace an opaque tensor: an opaque op
-                return packed_linear(x, self.packed_key, self.out_features)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+            return packed_matmul(x, self.packed_weight, self.packed_key, self.out_features)
         return F.linear(x, self.weight)
 
     def __getstate__(self):
@@ -164,6 +162,14 @@ def packed_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
+def packed_matmul(x: torch.Tensor, weight: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` on a packed weight (``PACKED[key]`` is ``weight``): eager, oneDNN's kernel on
+    it; while compiling, the opaque ``packed_linear`` (dynamo cannot trace an opaque tensor)."""
+    if torch.compiler.is_compiling():
+        return packed_linear(x, key, out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
 def packable(module: nn.Module) -> bool:
     """A swapped layer whose plain float weight oneDNN can prepack (on the CPU; not a DTensor
     shard of lp.parallel.tp, not a quantized tensor of lp.model.quant)."""
@@ -228,9 +234,7 @@ class FusedGroup:
         return self.share.get(x, member.fused_index, self._product)[..., start:stop]
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return packed_linear(x, self.key, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        return packed_matmul(x, self.weight, self.key, self.out_features)
 
 
 def _fuse(model: nn.Module) -> None:
