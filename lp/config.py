@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omegaconf import MISSING  # noqa: F401  (re-exported for schemas)
 
@@ -70,20 +70,16 @@ class DecodingConfig:
 
     def with_hardware_defaults(self, device_type: str, dtype_name: str, amx: bool) -> "DecodingConfig":
         """A copy with every unset W/N/G/window_policy taken from ``hardware_defaults``."""
-        import dataclasses
-
         auto = hardware_defaults(device_type, dtype_name, amx)
         if not (self.W is None and self.N is None and self.G is None):
             auto["window_policy"] = "always"  # an explicit shape gets the paper's always-on window
             auto["drafts"] = "pool"  # ... and its verification branch
-        return dataclasses.replace(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
+        return replace(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
 
     def plain(self) -> "DecodingConfig":
         """``mode=ar``: a copy that decodes one token per step (no window, no drafts); the decoder
         (lp.engine.decoder.LookaheadDecoder) applies it wherever the config comes from."""
-        import dataclasses
-
-        return dataclasses.replace(self, W=1, N=2, G=0, window_policy="off", drafts="pool")
+        return replace(self, W=1, N=2, G=0, window_policy="off", drafts="pool")
 
     def validate(self) -> "DecodingConfig":
         need = field_check("decoding")
