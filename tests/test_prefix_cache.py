@@ -62,6 +62,40 @@ def test_block_table_hits_refs_and_lru_eviction():
     assert bt.available == 6
 
 
+def test_a_hit_is_copied_into_one_contiguous_run_when_the_pool_has_room():
+    """Pool of 16 blocks of 4. A's 3 full blocks are cached (0-2) and B holds 3-4, so a prompt
+    hitting A's blocks whose new blocks land after B's would be fragmented: with room, C
+    owns one contiguous run instead, its first 3 blocks a copy of the cached ones (``copies``;
+    the cached blocks stay registered and evictable, C holds none of them). A round whose
+    reservations need the free blocks (D, then E) shares D's hits as before: copying them
+    would leave E too few free blocks and evict cached ones. A sequence that leaves drops
+    its pending copy."""
+    from tests.helpers import assert_block_invariants
+
+    bt = BlockTable(16, 4, prefix_cache=True)
+    a = list(range(100, 113))
+    bt.reserve(0, 12, a)
+    bt.grow(0, 12)
+    bt.lengths[0] = 12
+    bt.register(0, a)
+    bt.reserve(1, 8)  # B: blocks 3-4
+    bt.release(0)
+    assert bt.tables[1] == [] and bt.owned[1] == [3, 4] and list(bt.evictable) == [0, 1, 2]
+    assert bt.reserve(2, 16, a + [7]) == 12  # C: 4 blocks, 3 of them cached
+    assert bt.owned[2] == [5, 6, 7, 8] and bt.tables[2] == [5, 6, 7] and bt.first_slot(2) == 20
+    assert bt.copies == [(2, [0, 1, 2], [5, 6, 7])]
+    assert list(bt.evictable) == [0, 1, 2] and all(bt.refs[b] == 0 for b in (0, 1, 2))
+    assert_block_invariants(bt)
+    # 7 free blocks; D needs 1 new (+3 to copy its hits), E 4: D's hits are shared
+    assert bt.reserve_round([(3, 16, a + [8]), (4, 16, [])]) == [12, 0]
+    assert bt.tables[3] == [0, 1, 2] and bt.owned[3][:3] == [0, 1, 2] and len(bt.copies) == 1
+    assert all(bt.refs[b] == 1 for b in (0, 1, 2)) and bt.evictions == 0
+    assert_block_invariants(bt)
+    for seq in (1, 2, 3, 4):
+        bt.release(seq)
+    assert bt.available == 16 and not bt.copies
+
+
 def test_a_round_pins_every_hit_before_evicting():
     """Pool of 6 blocks of 4: Y's 3 cached blocks are the least recently released, one more
     cached block after them, 2 free. A round admitting X (3 new blocks: one must be evicted)

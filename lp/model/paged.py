@@ -40,7 +40,11 @@ with that many rows committed. A registered block is shared (a reference count);
 sequence holds it, it stays registered but evictable (LRU), and is evicted only when a
 reservation finds no free block -- so ``can_reserve`` counts free + evictable blocks. A
 sequence never writes a shared block: its writes go past its committed rows, and a
-shared block lies wholly before them.
+shared block lies wholly before them. Hits and new blocks rarely form one run, and the
+attention gathers a fragmented sequence's keys every layer of every step: so while the
+free list has room to spare, the sequence owns one contiguous run and its hit blocks are
+copied into it once before the next forward (``BlockTable.copies``, ``PagedCache.plan``),
+still no recompute; under pressure the hits are shared.
 
 Legend: H_kv key/value heads, D head size, Q rows of the step, K gathered key rows.
 """
@@ -88,6 +92,7 @@ class BlockTable:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, held by none, LRU first
         self.digests: dict[int, list[bytes]] = {}  # per sequence: the chain digest of each full committed block
         self._claimed: dict[int, list[int]] = {}  # per sequence: hit blocks pinned before its reservation
+        self.copies: list[tuple[int, list[int], list[int]]] = []  # (seq, cached blocks, its own) to copy
         self.hit_blocks = 0  # blocks reused so far (metrics)
         self.evictions = 0
 
@@ -145,9 +150,18 @@ class BlockTable:
             self.refs[b] = self.refs.get(b, 0) + 1
         self._claimed[seq] = hits
 
-    def reserve(self, seq: int, tokens: int, prompt: Sequence[int] = ()) -> int:
+    def reserve(self, seq: int, tokens: int, prompt: Sequence[int] = (), spare: int | None = None) -> int:
         """Book ``seq``'s worst case of ``tokens`` rows, reusing the registered blocks its
-        ``prompt`` hits; returns the rows already committed (hit blocks x block size)."""
+        ``prompt`` hits; returns the rows already committed (hit blocks x block size).
+
+        Hit blocks and new ones rarely form one run, and attention gathers a fragmented
+        sequence's keys every layer of every step. So when ``spare`` free blocks (default:
+        those this reservation leaves free; ``reserve_round``: those no reservation of the
+        round needs) can hold the hits, the sequence takes one contiguous run of all its
+        blocks instead and the cached rows are copied into its first blocks (``copies``,
+        done by ``PagedCache.plan`` before the next forward writes anything): the prompt's
+        K/V is still reused, not recomputed, and the hit blocks stay registered, evictable
+        once no other sequence holds them."""
         assert seq not in self.tables, seq
         if seq not in self._claimed:
             self.claim(seq, prompt)
@@ -157,10 +171,19 @@ class BlockTable:
         if n > len(self.free):
             self._evict(n - len(self.free))
         run = self._first_fit(n)
+        own = list(hits)
+        if hits and not _one_run(hits + (run or [])) and len(hits) <= (len(self.free) - n if spare is None else spare):
+            whole = self._first_fit(n + len(hits))
+            if whole is not None:
+                own, run = whole[: len(hits)], whole[len(hits):]
+                self.copies.append((seq, hits, own))
+                self.free.difference_update(own)
+                for b in hits:
+                    self._unref(b)
         if run is None:  # fragmented: any n free blocks (attention gathers this sequence's rows)
             run = sorted(self.free)[:n]
         self.free.difference_update(run)
-        self.owned[seq], self.tables[seq], self.lengths[seq] = hits + run, list(hits), len(hits) * self.block_size
+        self.owned[seq], self.tables[seq], self.lengths[seq] = own + run, list(own), len(hits) * self.block_size
         if self.prefix_cache:
             self.digests[seq] = [self.digest_of[b] for b in hits]
         self.hit_blocks += len(hits)
@@ -172,7 +195,14 @@ class BlockTable:
         starts with committed."""
         for seq, _, prompt in round_:
             self.claim(seq, prompt)
-        return [self.reserve(seq, tokens, prompt) for seq, tokens, prompt in round_]
+        spare = len(self.free) - sum(blocks_for(t, self.block_size) - len(self._claimed[s]) for s, t, _ in round_)
+        rows = []
+        for seq, tokens, prompt in round_:
+            copies = len(self.copies)
+            rows.append(self.reserve(seq, tokens, prompt, spare=spare))
+            if len(self.copies) > copies:
+                spare -= len(self.copies[-1][1])
+        return rows
 
     def _evict(self, n: int) -> None:
         """The ``n`` least recently released registered blocks become free (unregistered)."""
@@ -197,6 +227,13 @@ class BlockTable:
             if d not in self.by_digest and block not in self.digest_of:
                 self.by_digest[d], self.digest_of[block], self.refs[block] = block, d, 1
 
+    def _unref(self, block: int) -> None:
+        """One sequence fewer holds a registered block: evictable once none does."""
+        self.refs[block] -= 1
+        assert self.refs[block] >= 0, block
+        if self.refs[block] == 0:
+            self.evictable[block] = None  # most recently released last
+
     def _first_fit(self, n: int) -> list[int] | None:
         start, size = None, 0
         for b in sorted(self.free):
@@ -215,12 +252,10 @@ class BlockTable:
         freed = []
         for b in self.owned.pop(seq):
             if b in self.digest_of:
-                self.refs[b] -= 1
-                assert self.refs[b] >= 0, b
-                if self.refs[b] == 0:
-                    self.evictable[b] = None  # most recently released last
+                self._unref(b)
             else:
                 freed.append(b)
+        self.copies = [c for c in self.copies if c[0] != seq]
         if self.on_release is not None:
             self.on_release(freed)
         self.free.update(freed)
@@ -262,6 +297,10 @@ class BlockTable:
     def blocks_in_use(self) -> int:
         """Distinct blocks the sequences' tables use (a shared prefix-cache block counts once)."""
         return len({b for t in self.tables.values() for b in t})
+
+
+def _one_run(blocks: list[int]) -> bool:
+    return blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == sorted(blocks)
 
 
 def _digest(parent: bytes, ids: Sequence[int]) -> bytes:
@@ -310,6 +349,7 @@ class PagedCache(Cache):
         ``gather=False``: ``update`` returns the whole pool (no copy); a sequence's keys are
         the pool's rows from its first slot on (an int: its blocks are one contiguous run)
         or a LongTensor of its slots (fragmented: the attention gathers them)."""
+        self._copy_cached()
         write, read, spans = [], [], []
         for seq, q in items:
             length = self.blocks.lengths[seq]
@@ -326,6 +366,20 @@ class PagedCache(Cache):
         self._write = torch.tensor(write, dtype=torch.long, device=device)
         self._read = torch.tensor(read, dtype=torch.long, device=device) if gather else None
         return spans
+
+    @torch.inference_mode()
+    def _copy_cached(self) -> None:
+        """The cached rows of ``BlockTable.copies`` into the blocks their sequences own."""
+        copies, self.blocks.copies = self.blocks.copies, []
+        if not copies:
+            return
+        assert self.keys, "prefix-cache hits before any K/V was written"
+        bs, dev = self.blocks.block_size, self.keys[0].device
+        src = torch.tensor([b * bs + i for _, hits, _ in copies for b in hits for i in range(bs)], device=dev)
+        dst = torch.tensor([b * bs + i for _, _, own in copies for b in own for i in range(bs)], device=dev)
+        for keys, values in zip(self.keys, self.values):
+            keys.index_copy_(1, dst, keys.index_select(1, src))
+            values.index_copy_(1, dst, values.index_select(1, src))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == len(self.keys):
