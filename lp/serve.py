@@ -95,6 +95,14 @@ def run(cfg: ServeConfig) -> int:
         log.info("[lp.serve] rank %d: model.compile=on: compiling the batched step (minutes the first time; "
                  "inductor caches its kernels on disk for the next start)", rank)
         log.info("[lp.serve] rank %d: compiled in %.0f s", rank, compile_batched_step(runner, cfg.server.max_prefill_tokens))
+    if cfg.decoding.draft_budget == "auto":  # after compiling: the costs of the step the server runs
+        from lp.engine.batch_cost import batch_step_cost
+        from lp.engine.batch_cost import cache_path as batch_cost_path
+
+        log.info("[lp.serve] rank %d: batched-step costs for the draft budget: %s", rank, batch_cost_path(runner))
+        cost = batch_step_cost(runner)
+        log.info("[lp.serve] rank %d: %.2f ms a sequence, %.2f ms a drafting sequence", rank, 1e3 * cost.seq_s,
+                 1e3 * cost.draft_s)
     try:
         if group is not None:
             n_params = sum(p.numel() for p in model.parameters())

@@ -382,3 +382,48 @@ def test_ar_mode_in_a_batch_is_one_token_a_step(tiny_factory):
     assert ar.stats.steps == 20 and tree.stats.steps < 20  # the repetitive prompt: drafts land
     with pytest.raises(ValueError, match="decoding.mode must be 'lookahead' or 'ar'"):
         generate_batch(dec, [REPETITIVE_PROMPT], configs=[DecodingConfig(max_new_tokens=4, mode="hf")])
+
+
+@pytest.mark.parametrize("draft_s", [0.0, 1.0])
+def test_batch_cost_prices_a_sequence_that_starts_drafting(tiny_factory, draft_s):
+    """The joint budget adds the batched step's own costs (``BatchCost``) to t(rows): on a
+    flat curve three repetitive sequences draft; with a draft cost of a second per drafting
+    sequence none does (one row per sequence every step: the window rides along only with
+    drafts). Outputs == generate either way."""
+    from lp.drafts.select import BatchCost
+
+    model = tiny_factory("llama")
+    flat = [(1, 0.010), (2, 0.0101), (64, 0.0102)]
+    engine = BatchEngine(ModelRunner(model), kv_tokens=2048, block_size=8, max_batch=3, tq_curve=flat,
+                         batch_cost=BatchCost(seq_s=0.001, draft_s=draft_s))
+    cfg = DecodingConfig(max_new_tokens=24, **{**TREE, "draft_budget": "auto", "window_policy": "with_candidates"})
+    prompts = [REPETITIVE_PROMPT, REPETITIVE_PROMPT[3:], REPETITIVE_PROMPT[5:]]
+    ids = [engine.add(p, cfg) for p in prompts]
+    rows = []
+    while engine.has_work:
+        before = len(engine.running)
+        engine.step()
+        rows.append((engine.last_rows, before))
+    for i, p in zip(ids, prompts):
+        assert engine.result(i).output_ids == hf_greedy(model, p, 24)
+    steps = rows[1:]  # after the prefill
+    if draft_s:
+        assert all(r == n for r, n in steps), steps
+    else:
+        assert any(r > n for r, n in steps), steps
+
+
+def test_batch_step_cost_is_measured_once_and_cached(tiny_factory, monkeypatch, tmp_path):
+    """lp.engine.batch_cost: a first call measures (non-negative seconds) and writes its own
+    file beside the t(Q) one; a second call reads it back without measuring."""
+    from lp.engine import batch_cost
+    from lp.model.calibrate import cache_path
+
+    monkeypatch.setenv("LP_CACHE", str(tmp_path))
+    runner = ModelRunner(tiny_factory("llama"))
+    got = batch_cost.batch_step_cost(runner, rounds=1)
+    assert got.seq_s >= 0 and got.draft_s >= 0
+    path = batch_cost.cache_path(runner)
+    assert path.is_file() and path != cache_path(runner) and path.parent == cache_path(runner).parent
+    monkeypatch.setattr(batch_cost, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert batch_cost.batch_step_cost(runner) == got

@@ -143,8 +143,19 @@ class TreeRequest:
     extra_rows: int = 0  # its rows that ride along only when it verifies something
 
 
-def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pad: bool = False
-                 ) -> list[list[tuple[int, ...]]]:
+@dataclass(frozen=True)
+class BatchCost:
+    """What a batched step of S sequences costs beyond the one-sequence t(rows) (seconds,
+    measured by lp.engine.batch_cost): ``seq_s`` per sequence after the first (each reads
+    its own keys in its own attention call), ``draft_s`` per sequence that verifies drafts
+    (its rows run attention's multi-row path under a tree mask; the mask is built and read)."""
+
+    seq_s: float = 0.0
+    draft_s: float = 0.0
+
+
+def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pad: bool = False,
+                 batch: BatchCost | None = None, seqs: int | None = None) -> list[list[tuple[int, ...]]]:
     """One draft budget for a batched step: the trie nodes of every sequence compete for
     the step's rows. Nodes are taken by decreasing P across the batch (each sequence's
     parents before its children) and the count k that maximizes the batch's expected
@@ -153,6 +164,9 @@ def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pa
     grows, its base rows climb the curve and extra nodes must pay more: drafts shrink by
     themselves, no batch-size threshold. ``pad``: price k >= 1 on the curve's envelope and
     fill the step with the next most likely nodes up to the cheapest measured size.
+    ``batch``: add a batched step's own costs (``BatchCost``: per sequence of the step,
+    ``seqs`` of them, default the requests; per sequence that drafts), so a sequence starts
+    drafting only when its nodes pay for that too.
 
         >>> from lp.drafts.budget import AcceptanceModel
         >>> a = AcceptanceModel()
@@ -163,6 +177,11 @@ def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pa
         [[(5, 6, 7, 8)], []]
         >>> select_trees([sure, weak], None)
         [[(5, 6, 7, 8)], [(4, 9)]]
+        >>> flat = [(1, 0.020), (2, 0.0205), (16, 0.027)]  # rows nearly free
+        >>> select_trees([sure, weak], flat)
+        [[(5, 6, 7, 8)], [(4,)]]
+        >>> select_trees([sure, weak], flat, batch=BatchCost(seq_s=0.001, draft_s=0.004))  # drafting is not
+        [[(5, 6, 7, 8)], []]
     """
     tries, orders, probs = [], [], []
     for r in requests:
@@ -186,16 +205,19 @@ def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pa
     k = len(merged)
     if curve is not None:
         price = envelope(curve) if pad else curve
+        batch = batch or BatchCost()
+        fixed_s = batch.seq_s * ((len(requests) if seqs is None else seqs) - 1)
         gain, rows, started = float(len(requests)), base, set()
-        best_rate, k = gain / cost(curve, base), 0
+        best_rate, k = gain / (cost(curve, base) + fixed_s), 0
         for n, (i, node) in enumerate(merged, start=1):
             if i not in started:
                 started.add(i)
                 rows += requests[i].extra_rows
             rows += 1
             gain += probs[i][node]
-            if gain / cost(price, rows) > best_rate:
-                best_rate, k = gain / cost(price, rows), n
+            rate = gain / (cost(price, rows) + fixed_s + batch.draft_s * len(started))
+            if rate > best_rate:
+                best_rate, k = rate, n
         if pad and k:
             started = {i for i, _ in merged[:k]}
             rows = base + sum(requests[i].extra_rows for i in started) + k

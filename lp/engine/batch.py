@@ -84,7 +84,7 @@ from lp.engine.decoder import (
     _record,
     _select_candidates,
 )
-from lp.drafts.select import TreeRequest, select_tree, select_trees
+from lp.drafts.select import BatchCost, TreeRequest, select_tree, select_trees
 from lp.lookahead.layout import build_tree_layout
 from lp.model.runner import ModelRunner
 from lp.model.paged import PagedCache, SeqView, blocks_for
@@ -152,7 +152,7 @@ class BatchEngine:
 
     def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = 16, max_batch: int = 8,
                  max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None, draft_policy: str = "budget",
-                 static_batch: int = 4, group=None, prefix_cache: bool = False):
+                 static_batch: int = 4, group=None, prefix_cache: bool = False, batch_cost: BatchCost | None = None):
         if runner.attention == "flash" or runner._static is not None:
             raise ValueError("batched steps need model.attention=sdpa, eager or flex (no cascade kernel, no "
                              "static shapes / CUDA graphs)")
@@ -175,6 +175,9 @@ class BatchEngine:
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.tq = tq_curve
+        # a batched step's own costs for the joint budget: measured with a measured curve, none
+        # with a given one (unless given too)
+        self.batch_cost = batch_cost if batch_cost is not None or tq_curve is None else BatchCost()
         self.draft_store = draft_store
         self.group = group  # lp.parallel.dist.WorkerGroup: every rank builds this engine and runs the same steps
         self.workers = group.lp_size if group is not None else 1
@@ -197,6 +200,8 @@ class BatchEngine:
         self.tq, small = self.group.share_curve(curve, self.runner.small_rows)
         if self.runner.small_rows_mode == "auto":
             self.runner.small_rows = small
+        mine = self.batch_cost or _measured_batch_cost(self.runner)
+        self.batch_cost = BatchCost(*self.group.share_floats([mine.seq_s, mine.draft_s]))
 
     # -- requests -----------------------------------------------------------------
 
@@ -221,6 +226,7 @@ class BatchEngine:
             from lp.model.calibrate import row_cost_curve
 
             self.tq = row_cost_curve(self.runner)
+            self.batch_cost = self.batch_cost or _measured_batch_cost(self.runner)
         dec.tq = self.tq
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
@@ -348,7 +354,7 @@ class BatchEngine:
             return []
         t0 = time.perf_counter()
         items = self._schedule()
-        self._propose([it for it in items if not it.chunk], sum(it.chunk for it in items))
+        self._propose([it for it in items if not it.chunk], sum(it.chunk for it in items), len(items))
         for it in items:
             run = it.req.run
             if it.chunk:
@@ -434,9 +440,10 @@ class BatchEngine:
                 budget = 0
         return items
 
-    def _propose(self, items: list[_Item], chunk_rows: int) -> None:
+    def _propose(self, items: list[_Item], chunk_rows: int, seqs: int) -> None:
         """Each sequence's proposal; one draft budget over the batch's budgeted trees
-        (``chunk_rows``: the step's prefill-chunk rows, priced with the rest). The
+        (``chunk_rows``: the step's prefill-chunk rows, priced with the rest; ``seqs``: the
+        step's sequences, prefill chunks included, for ``batch_cost``). The
         ``draft_policy`` alternatives (bench/batch.py compares them): ``static`` drafts as a
         batch of one while at most ``static_batch`` sequences decode and not at all above;
         ``none`` never drafts."""
@@ -468,7 +475,7 @@ class BatchEngine:
         if joint:
             reqs = [TreeRequest(it.opts.scored, it.req.run.acceptance, it.opts.base, it.req.decoder.draft_rows,
                                 it.opts.extra) for it in joint]
-            for it, cands in zip(joint, select_trees(reqs, self.tq, fixed, pad=True)):
+            for it, cands in zip(joint, select_trees(reqs, self.tq, fixed, pad=True, batch=self.batch_cost, seqs=seqs)):
                 it.prop = it.req.decoder.proposal(it.req.run, it.opts, cands)
 
     @torch.inference_mode()
@@ -711,6 +718,12 @@ def _count_drafts(stats: GenerationStats, candidates, emitted: int) -> None:
         stats.accepted_per_pos.extend([0] * (accepted - len(stats.accepted_per_pos)))
     for i in range(accepted):
         stats.accepted_per_pos[i] += 1
+
+
+def _measured_batch_cost(runner: ModelRunner) -> BatchCost:
+    from lp.engine.batch_cost import batch_step_cost  # it builds a BatchEngine of its own
+
+    return batch_step_cost(runner)
 
 
 def _mark_dynamic(ids_1Q, pos_1Q, keep_K, extra: dict) -> None:

@@ -308,6 +308,15 @@ class WorkerGroup:
         curve = [(int(vals[1 + 3 * i]), vals[2 + 3 * i]) for i in range(n)]
         return curve, frozenset(int(vals[1 + 3 * i]) for i in range(n) if vals[3 + 3 * i] > 0.5)
 
+    def share_floats(self, values: list[float]) -> list[float]:
+        """Rank 0's ``values`` on every rank (one broadcast)."""
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        try:
+            dist.broadcast(t, src=0)
+        except Exception as e:
+            raise WorkerFailure(f"broadcast failed ({type(e).__name__}: {e})") from e
+        return t.cpu().tolist()
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (e.g. the K/V slots each GPU has room for)."""
         t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
