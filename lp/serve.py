@@ -96,11 +96,10 @@ def run(cfg: ServeConfig) -> int:
                  "inductor caches its kernels on disk for the next start)", rank)
         log.info("[lp.serve] rank %d: compiled in %.0f s", rank, compile_batched_step(runner, cfg.server.max_prefill_tokens))
     if cfg.decoding.draft_budget == "auto":  # after compiling: the costs of the step the server runs
-        from lp.engine.batch_cost import batch_step_cost
         from lp.engine.batch_cost import cache_path as batch_cost_path
 
         log.info("[lp.serve] rank %d: batched-step costs for the draft budget: %s", rank, batch_cost_path(runner))
-        cost = batch_step_cost(runner)
+        cost = _batch_cost(cfg, runner)
         log.info("[lp.serve] rank %d: %.2f ms a sequence, %.2f ms a drafting sequence", rank, 1e3 * cost.seq_s,
                  1e3 * cost.draft_s)
     try:
@@ -139,7 +138,17 @@ def _batch_engine(cfg: ServeConfig, runner, group):
     s = cfg.server
     return BatchEngine(runner, kv_tokens(cfg, runner, group), max_batch=s.max_batch,
                        max_prefill_tokens=s.max_prefill_tokens, draft_store=_draft_store(cfg), group=group,
-                       prefix_cache=s.prefix_cache)
+                       prefix_cache=s.prefix_cache, batch_cost=_batch_cost(cfg, runner))
+
+
+def _batch_cost(cfg: ServeConfig, runner):
+    """The batched step's own costs for the draft budget (lp.engine.batch_cost: measured once at
+    start-up, then read from its cache); None without the budget."""
+    if cfg.decoding.draft_budget != "auto":
+        return None
+    from lp.engine.batch_cost import batch_step_cost
+
+    return batch_step_cost(runner)
 
 
 def kv_tokens(cfg: ServeConfig, runner, group) -> int:
@@ -195,7 +204,7 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=N
     try:  # continuous batching (lp.engine.batch), under LP too: every rank holds the same batch
         engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, kv_tokens(cfg, runner, group),
                                s.max_prefill_tokens, metrics, draft_store=_draft_store(cfg), group=group,
-                               heartbeat_s=heartbeat, prefix_cache=s.prefix_cache)
+                               heartbeat_s=heartbeat, prefix_cache=s.prefix_cache, batch_cost=_batch_cost(cfg, runner))
     except WorkerFailure as e:
         log.error("[lp.serve] rank 0: worker failure: %s; stopping", e)
         os._exit(3)

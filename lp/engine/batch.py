@@ -175,9 +175,9 @@ class BatchEngine:
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.tq = tq_curve
-        # a batched step's own costs for the joint budget: measured with a measured curve, none
-        # with a given one (unless given too)
-        self.batch_cost = batch_cost if batch_cost is not None or tq_curve is None else BatchCost()
+        # a batched step's own costs for the joint budget (lp.engine.batch_cost measures them;
+        # lp.serve passes them): none unless given
+        self.batch_cost = batch_cost or BatchCost()
         self.draft_store = draft_store
         self.group = group  # lp.parallel.dist.WorkerGroup: every rank builds this engine and runs the same steps
         self.workers = group.lp_size if group is not None else 1
@@ -200,8 +200,7 @@ class BatchEngine:
         self.tq, small = self.group.share_curve(curve, self.runner.small_rows)
         if self.runner.small_rows_mode == "auto":
             self.runner.small_rows = small
-        mine = self.batch_cost or _measured_batch_cost(self.runner)
-        self.batch_cost = BatchCost(*self.group.share_floats([mine.seq_s, mine.draft_s]))
+        self.batch_cost = BatchCost(*self.group.share_floats([self.batch_cost.seq_s, self.batch_cost.draft_s]))
 
     # -- requests -----------------------------------------------------------------
 
@@ -226,7 +225,6 @@ class BatchEngine:
             from lp.model.calibrate import row_cost_curve
 
             self.tq = row_cost_curve(self.runner)
-            self.batch_cost = self.batch_cost or _measured_batch_cost(self.runner)
         dec.tq = self.tq
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
@@ -718,12 +716,6 @@ def _count_drafts(stats: GenerationStats, candidates, emitted: int) -> None:
         stats.accepted_per_pos.extend([0] * (accepted - len(stats.accepted_per_pos)))
     for i in range(accepted):
         stats.accepted_per_pos[i] += 1
-
-
-def _measured_batch_cost(runner: ModelRunner) -> BatchCost:
-    from lp.engine.batch_cost import batch_step_cost  # it builds a BatchEngine of its own
-
-    return batch_step_cost(runner)
 
 
 def _mark_dynamic(ids_1Q, pos_1Q, keep_K, extra: dict) -> None:

@@ -2,7 +2,9 @@
 
 Contract: ``batch_step_cost(runner)`` returns a ``lp.drafts.select.BatchCost`` (seconds): the
 joint draft budget of a batched step (``BatchEngine._propose``) adds ``seq_s`` per sequence
-after the first and ``draft_s`` per sequence that verifies drafts to t(rows). Measured on
+after the first and ``draft_s`` per sequence that verifies drafts to t(rows). The engine only
+takes it (``BatchEngine(batch_cost=)``; lp.serve measures it at start-up and passes it):
+measuring builds a BatchEngine of its own, so the engine cannot call it. Measured on
 the batch engine's own forward: S sequences with a 128-token prefix, a step of one row each
 (T1) and of two rows each (a one-node draft tree: T2), each the fastest of ``repeats``,
 interleaved with the chain step's t(S) and t(2S) (lp.model.calibrate.measure) over ``rounds``
