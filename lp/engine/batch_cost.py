@@ -22,8 +22,6 @@ first draft node costs ~2.5x what the curve alone says.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 
@@ -48,23 +46,17 @@ def batch_step_cost(runner, refresh: bool = False, rounds: int = 3) -> BatchCost
     """The cached costs, measured on first use (a few seconds; see the module doc)."""
     path = cache_path(runner)
     cached = None
-    if path.is_file() and not refresh:
+    saved = None if refresh else calibrate.read_cached(path)
+    if saved is not None:
         try:
-            saved = json.loads(path.read_text())
-            if not (saved.get("busy") and calibrate._load() < 0.75 * (os.cpu_count() or 1)):
-                cached = BatchCost(float(saved["seq_s"]), float(saved["draft_s"]))
-        except (ValueError, KeyError, TypeError, AttributeError):
+            cached = BatchCost(float(saved["seq_s"]), float(saved["draft_s"]))
+        except (KeyError, TypeError, ValueError):
             pass
     if calibrate.tp_all(runner.model, cached is not None):  # under TP the forwards are collective
         return cached
     load = calibrate._load()
     got = measure(runner, rounds)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{time.time_ns()}.tmp")
-    busy = max(load, calibrate._load()) > (os.cpu_count() or 1)
-    tmp.write_text(json.dumps({"seq_s": got.seq_s, "draft_s": got.draft_s, "seqs": SEQS, "prefix": PREFIX,
-                               "loadavg": load, "busy": busy}))
-    tmp.replace(path)
+    calibrate.write_cached(path, {"seq_s": got.seq_s, "draft_s": got.draft_s, "seqs": SEQS, "prefix": PREFIX}, load)
     return got
 
 

@@ -49,15 +49,13 @@ def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False) -> li
     """The curve (cached); with ``model.small_rows=auto`` it also sets ``runner.small_rows``
     to the row counts that ran faster with small-row matmuls (lp.model.kernels)."""
     path = cache_path(runner)
-    cores = os.cpu_count() or 1
     cached = None
-    if path.is_file() and not refresh:
+    saved = None if refresh else read_cached(path)
+    if saved is not None:
         try:
-            saved = json.loads(path.read_text())
-            if not (saved.get("busy") and _load() < 0.75 * cores):
-                cached = ([(int(q), float(t)) for q, t in saved["curve"]],
-                          frozenset(int(q) for q in saved["small_rows"]))
-        except (ValueError, KeyError, TypeError, AttributeError):
+            cached = ([(int(q), float(t)) for q, t in saved["curve"]],
+                      frozenset(int(q) for q in saved["small_rows"]))
+        except (KeyError, TypeError, ValueError):
             pass
     # under TP the forwards are collective: the worker's tp ranks read or measure together
     if tp_all(runner.model, cached is not None):
@@ -68,13 +66,32 @@ def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False) -> li
     curve, small = measure(runner, qs, repeats)
     if runner.small_rows_mode == "auto":
         runner.small_rows = small
+    write_cached(path, {"curve": curve, "small_rows": sorted(small), "prefix": PREFIX, "repeats": repeats}, load)
+    return curve
+
+
+def read_cached(path: Path) -> dict | None:
+    """A cached measurement's JSON object; None when absent, unreadable, or taken while the
+    machine was busy and it is quiet now (then it is measured again)."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if not isinstance(saved, dict) or (saved.get("busy") and _load() < 0.75 * (os.cpu_count() or 1)):
+        return None
+    return saved
+
+
+def write_cached(path: Path, payload: dict, load: float) -> None:
+    """Write a measurement atomically, with the load average before it (``load``) and whether
+    the machine was busy during it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{time.time_ns()}.tmp")
-    busy = max(load, _load()) > cores
-    tmp.write_text(json.dumps({"curve": curve, "small_rows": sorted(small), "prefix": PREFIX, "repeats": repeats,
-                               "loadavg": load, "busy": busy}))
+    busy = max(load, _load()) > (os.cpu_count() or 1)
+    tmp.write_text(json.dumps({**payload, "loadavg": load, "busy": busy}))
     tmp.replace(path)
-    return curve
 
 
 def tp_degree(model) -> int:
