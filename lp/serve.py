@@ -95,13 +95,7 @@ def run(cfg: ServeConfig) -> int:
         log.info("[lp.serve] rank %d: model.compile=on: compiling the batched step (minutes the first time; "
                  "inductor caches its kernels on disk for the next start)", rank)
         log.info("[lp.serve] rank %d: compiled in %.0f s", rank, compile_batched_step(runner, cfg.server.max_prefill_tokens))
-    if cfg.decoding.draft_budget == "auto":  # after compiling: the costs of the step the server runs
-        from lp.engine.batch_cost import cache_path as batch_cost_path
-
-        log.info("[lp.serve] rank %d: batched-step costs for the draft budget: %s", rank, batch_cost_path(runner))
-        cost = _batch_cost(cfg, runner)
-        log.info("[lp.serve] rank %d: %.2f ms a sequence, %.2f ms a drafting sequence", rank, 1e3 * cost.seq_s,
-                 1e3 * cost.draft_s)
+    batch_cost = _batch_cost(cfg, runner, rank)  # after compiling: the costs of the step the server runs
     try:
         if group is not None:
             n_params = sum(p.numel() for p in model.parameters())
@@ -110,8 +104,8 @@ def run(cfg: ServeConfig) -> int:
         log.error("[lp.serve] rank %d: %s; stopping this worker", rank, e)
         os._exit(3)
     if rank != 0:
-        return _serve_worker(cfg, runner, tokenizer, eos, group)
-    return _serve_http(cfg, runner, tokenizer, eos, group, model, memory)
+        return _serve_worker(cfg, runner, tokenizer, eos, group, batch_cost)
+    return _serve_http(cfg, runner, tokenizer, eos, group, model, memory, batch_cost)
 
 
 def _memory_plan(cfg: ServeConfig, path, device):
@@ -130,7 +124,7 @@ def _memory_plan(cfg: ServeConfig, path, device):
                        kv_tokens=pool, cuda_graphs=cfg.model.cuda_graphs, quant=cfg.model.quant)
 
 
-def _batch_engine(cfg: ServeConfig, runner, group):
+def _batch_engine(cfg: ServeConfig, runner, group, batch_cost=None):
     """The batch engine every rank holds (its sizes from server.*; under LP a collective:
     every rank builds it at the same point, rank 0's t(Q) curve is shared)."""
     from lp.engine.batch import BatchEngine
@@ -138,17 +132,21 @@ def _batch_engine(cfg: ServeConfig, runner, group):
     s = cfg.server
     return BatchEngine(runner, kv_tokens(cfg, runner, group), max_batch=s.max_batch,
                        max_prefill_tokens=s.max_prefill_tokens, draft_store=_draft_store(cfg), group=group,
-                       prefix_cache=s.prefix_cache, batch_cost=_batch_cost(cfg, runner))
+                       prefix_cache=s.prefix_cache, batch_cost=batch_cost)
 
 
-def _batch_cost(cfg: ServeConfig, runner):
-    """The batched step's own costs for the draft budget (lp.engine.batch_cost: measured once at
-    start-up, then read from its cache); None without the budget."""
+def _batch_cost(cfg: ServeConfig, runner, rank: int):
+    """The batched step's own costs for the draft budget (lp.engine.batch_cost: measured once per
+    machine, then read from its cache), logged; None without the budget."""
     if cfg.decoding.draft_budget != "auto":
         return None
-    from lp.engine.batch_cost import batch_step_cost
+    from lp.engine.batch_cost import batch_step_cost, cache_path
 
-    return batch_step_cost(runner)
+    log.info("[lp.serve] rank %d: batched-step costs for the draft budget: %s", rank, cache_path(runner))
+    cost = batch_step_cost(runner)
+    log.info("[lp.serve] rank %d: %.2f ms a sequence, %.2f ms a drafting sequence", rank, 1e3 * cost.seq_s,
+             1e3 * cost.draft_s)
+    return cost
 
 
 def kv_tokens(cfg: ServeConfig, runner, group) -> int:
@@ -166,11 +164,11 @@ def kv_tokens(cfg: ServeConfig, runner, group) -> int:
     return slots
 
 
-def _serve_worker(cfg: ServeConfig, runner, tokenizer, eos, group) -> int:
+def _serve_worker(cfg: ServeConfig, runner, tokenizer, eos, group, batch_cost=None) -> int:
     from lp.server.batched import worker_loop
 
     try:
-        engine = _batch_engine(cfg, runner, group)
+        engine = _batch_engine(cfg, runner, group, batch_cost)
         log.info("[lp.serve] rank %d ready, waiting for requests from rank 0", group.rank)
         worker_loop(engine, tokenizer, eos, cfg.decoding, group)
     except WorkerFailure as e:
@@ -189,7 +187,7 @@ def _draft_store(cfg: ServeConfig):
     return DraftStore(cfg.decoding.draft_store_tokens) if cfg.server.draft_store else None
 
 
-def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=None) -> int:
+def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=None, batch_cost=None) -> int:
     import uvicorn
 
     from lp.server.app import create_app
@@ -204,7 +202,7 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=N
     try:  # continuous batching (lp.engine.batch), under LP too: every rank holds the same batch
         engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, kv_tokens(cfg, runner, group),
                                s.max_prefill_tokens, metrics, draft_store=_draft_store(cfg), group=group,
-                               heartbeat_s=heartbeat, prefix_cache=s.prefix_cache, batch_cost=_batch_cost(cfg, runner))
+                               heartbeat_s=heartbeat, prefix_cache=s.prefix_cache, batch_cost=batch_cost)
     except WorkerFailure as e:
         log.error("[lp.serve] rank 0: worker failure: %s; stopping", e)
         os._exit(3)
