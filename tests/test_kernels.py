@@ -221,6 +221,7 @@ def test_compiled_step_decodes_exactly_like_generate(tiny_factory):
     assert stats["unique_graphs"] <= 3, dict(stats)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     graphs = stats["unique_graphs"]
+    assert not _aliasing_guards(model), "a compiled step re-checks in Python what every linear shares"
     cfg.max_new_tokens = 40  # another generation, another length: its buffers fall in the same buckets
     again = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT[2:])
     assert again.output_ids == hf_greedy(model, REPETITIVE_PROMPT[2:], 40)
@@ -228,6 +229,18 @@ def test_compiled_step_decodes_exactly_like_generate(tiny_factory):
     assert hf_greedy(model, REPETITIVE_PROMPT, 48) == ref  # the user's generate stays eager and unchanged
     with pytest.raises(ValueError, match="model.compile must be one of auto, on, off"):
         ModelRunner(model, compile="yes")
+
+
+def _aliasing_guards(model) -> list[str]:
+    """The compiled forward's guards that dynamo evaluates in Python (LAMBDA_GUARD) on the
+    layers' shared switch, fused group or packed weight: one object reached from many modules
+    is an aliasing guard per module, ~1 us each on every call (lp.model.kernels keys them)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    lines = [line for entry in _debug_get_cache_entry_list(model.forward.__func__.__code__)
+             for line in str(entry.guard_manager).splitlines() if "LAMBDA_GUARD" in line]
+    assert lines, "no guard found: the cache entries moved"  # the inspection itself still works
+    return [line for line in lines if any(k in line for k in (".switch", ".fused", "packed_weight", "_group"))]
 
 
 def test_fused_siblings_are_one_matmul_and_equal_their_separate_products(tiny_factory):

@@ -38,6 +38,7 @@ GEMV is as fast). The calibration times Q = 1 both ways like any other Q.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -51,44 +52,71 @@ LINEARS = ("auto", "packed", "plain")
 class SmallRows:
     """The switch shared by all swapped layers of one model: ``on`` small-row matmuls (2+
     rows, and the head's one row), else ``packed`` oneDNN's prepacked kernel where a layer
-    holds a packed weight, else ``nn.Linear``'s own."""
+    holds a packed weight, else ``nn.Linear``'s own. Registered in ``SWITCHES`` under its
+    ``key``; a copy (``copy.deepcopy`` of a model) is a new switch, off."""
 
     def __init__(self):
         self.on = False
         self.packed = False
+        self.key = next(_KEYS)
+        SWITCHES[self.key] = self
+
+    def __deepcopy__(self, memo):
+        return SmallRows()
+
+
+# The layers read their switch and their fused group out of these module-level dicts by an
+# int key, not as attributes of their own: a compiled step guards every object it reaches,
+# and one object reached from two modules is an aliasing guard evaluated in Python on every
+# call (210 for the one switch of SmolLM2's linears, 90 for the fused groups, 118 more for
+# packed weights' sizes: ~1 ms of guards a compiled step); one dict entry read from 211
+# modules is one source, checked once, in C++. Dicts (not lists): a list's length is guarded,
+# and a model packed later would recompile every earlier graph.
+_KEYS = itertools.count()
+SWITCHES: dict[int, SmallRows] = {}
+OFF = SmallRows()  # the switch of a layer that has none (a copy before ``install``): always off
+GROUPS: dict = {}  # fused_key -> weak reference to its FusedGroup (its members hold it)
 
 
 class SmallRowsLinear(nn.Linear):
     """An ``nn.Linear`` (no bias) that computes ``(W @ x.T).T`` when its switch is on and x has
     2 or more rows."""
 
-    switch: SmallRows
+    switch_key = OFF.key  # its SmallRows in SWITCHES (install)
     pad_one_row = False  # the LM head: one row runs as two (a GEMM), see the module doc
-    packed_weight: torch.Tensor | None = None  # oneDNN layout (pack), read while switch.packed
-    packed_key = -1  # its index in PACKED: how a compiled graph (lp.model.compiled) names it
-    fused: "FusedGroup | None" = None  # packed together with its siblings of one input (pack)
+    packed_weight: torch.Tensor | None = None  # oneDNN layout (pack): holds it; read through PACKED
+    packed_key = -1  # its index in PACKED: how the forward (and a compiled graph) names it
+    fused_key = -1  # its FusedGroup in GROUPS, packed together with its siblings of one input
     fused_index = -1  # its part of the group
     fused_columns = (0, 0)  # its columns of the group's product
 
+    @property
+    def switch(self) -> SmallRows:
+        return SWITCHES[self.switch_key]
+
+    @property
+    def fused(self) -> "FusedGroup | None":
+        return GROUPS[self.fused_key]() if self.fused_key >= 0 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        switch = self.switch
+        switch = SWITCHES[self.switch_key]
         if switch.on:
             y = self._small_rows(x)
             if y is not None:
                 return y
-        if switch.packed and self.fused is not None:
-            return self.fused.output(self, x)
-        if switch.packed and self.packed_weight is not None:
-            return packed_matmul(x, self.packed_weight, self.packed_key, self.out_features)
+        if switch.packed and self.fused_key >= 0:
+            return GROUPS[self.fused_key]().output(self, x)
+        if switch.packed and self.packed_key >= 0:
+            return packed_matmul(x, self.packed_key, self.out_features)
         return F.linear(x, self.weight)
 
     def __getstate__(self):
-        # an opaque oneDNN tensor has no storage to copy or pickle: a copy packs again (pack)
+        # an opaque oneDNN tensor has no storage to copy or pickle: a copy packs again (pack),
+        # and runs on its own model's switch once installed
         state = super().__getstate__()
-        state.pop("packed_weight", None)
-        state.pop("fused", None)  # holds the group's packed weight
-        state.pop("fused_index", None)
-        state.pop("fused_columns", None)
+        for name in ("packed_weight", "packed_key", "_group", "fused_key", "fused_index", "fused_columns",
+                     "switch_key"):
+            state.pop(name, None)
         return state
 
     def _small_rows(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -108,15 +136,15 @@ class SmallRowsLinear(nn.Linear):
 
 def install(model: nn.Module) -> SmallRows:
     switch = getattr(model, "_lp_small_rows", None)
-    if switch is not None:
-        return switch
-    switch = SmallRows()
+    if switch is None or SWITCHES.get(switch.key) is not switch:  # not yet, or an unpickled copy
+        switch = SmallRows()
     for module in model.modules():
         # plain float weights only: a quantized linear (torchao tensor subclass, lp.model.quant)
         # runs its own kernel
         if type(module) is nn.Linear and module.bias is None and type(module.weight) is nn.Parameter:
             module.__class__ = SmallRowsLinear  # same object: same Parameters, hooks, tying
-            module.switch = switch
+        if isinstance(module, SmallRowsLinear):  # a copied model's layers lost their switch
+            module.switch_key = switch.key
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, SmallRowsLinear):
         head.pad_one_row = True
@@ -162,12 +190,13 @@ def packed_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def packed_matmul(x: torch.Tensor, weight: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    """``x @ W.T`` on a packed weight (``PACKED[key]`` is ``weight``): eager, oneDNN's kernel on
-    it; while compiling, the opaque ``packed_linear`` (dynamo cannot trace an opaque tensor)."""
+def packed_matmul(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` on the packed weight ``PACKED[key]``: eager, oneDNN's kernel on it; while
+    compiling, the opaque ``packed_linear`` (dynamo cannot trace an opaque tensor, and a graph
+    that never reaches the tensor guards nothing of it)."""
     if torch.compiler.is_compiling():
         return packed_linear(x, key, out_features)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, PACKED[key](), None, "none", [], "")
 
 
 def packable(module: nn.Module) -> bool:
@@ -225,8 +254,11 @@ class FusedGroup:
         self.key = len(PACKED)
         PACKED.append(weakref.ref(self.weight))
         self.share = SharedProduct(len(members))
+        self.group_key = next(_KEYS)
+        GROUPS[self.group_key] = weakref.ref(self, lambda _, key=self.group_key: GROUPS.pop(key, None))
         for i, m in enumerate(members):
-            m.fused, m.fused_index = self, i
+            m._group = self  # what keeps the group alive (the forward reads it from GROUPS)
+            m.fused_key, m.fused_index = self.group_key, i
             m.fused_columns = (sum(sizes[:i]), sum(sizes[: i + 1]))
 
     def output(self, member: SmallRowsLinear, x: torch.Tensor) -> torch.Tensor:
@@ -234,7 +266,7 @@ class FusedGroup:
         return self.share.get(x, member.fused_index, self._product)[..., start:stop]
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_matmul(x, self.weight, self.key, self.out_features)
+        return packed_matmul(x, self.key, self.out_features)
 
 
 def _fuse(model: nn.Module) -> None:
