@@ -158,6 +158,10 @@ class ModelConfig:
     # linear kernels of lp's forwards (lp.model.kernels): auto (CPU: oneDNN-prepacked weights when
     # the packed copy fits in half the free memory) | packed | plain (torch's F.linear)
     linears: str = "auto"
+    # the LM head of greedy steps (lp.model.head): auto (a bf16 screen proving each row's argmax,
+    # exact fp32 logits for the tokens it keeps, where the bf16 head measures faster) | screen |
+    # exact (the fp32 head's 49k logits every row)
+    head: str = "auto"
     # lp's packed forward under torch.compile/inductor (lp.model.runner), one sequence's steps and the
     # batched step of lp.serve: auto (eager: every new process would pay the compile) | on | off
     compile: str = "auto"
@@ -181,6 +185,8 @@ class ModelConfig:
             raise ValueError(f"model.small_rows must be auto, on or off, got {self.small_rows!r}")
         if self.linears not in ("auto", "packed", "plain"):
             raise ValueError(f"model.linears must be auto, packed or plain, got {self.linears!r}")
+        if self.head not in ("auto", "screen", "exact"):
+            raise ValueError(f"model.head must be auto, screen or exact, got {self.head!r}")
         if self.cpus not in ("auto", "off") and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(self.cpus)):
             raise ValueError(f"model.cpus must be auto, off or a core list such as 0-3 or 0,2; got {self.cpus!r}")
         if self.compile not in ("auto", "on", "off"):

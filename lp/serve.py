@@ -80,7 +80,8 @@ def run(cfg: ServeConfig) -> int:
     if tokenizer is None:
         raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")
     runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
-                         linears=cfg.model.linears, compile=cfg.model.compile)
+                         linears=cfg.model.linears, compile=cfg.model.compile,
+                         head=cfg.model.head)
     eos = eos_ids(model, tokenizer)
     if cfg.decoding.draft_budget == "auto":
         # the draft budget's t(Q) curve, measured now on every rank at once (once per machine,

@@ -86,6 +86,7 @@ from lp.engine.decoder import (
 )
 from lp.drafts.select import BatchCost, TreeRequest, select_tree, select_trees
 from lp.lookahead.layout import build_tree_layout
+from lp.model.head import argmax_rows
 from lp.model.runner import ModelRunner
 from lp.model.paged import PagedCache, SeqView, blocks_for
 from lp.lookahead.processors import row_extras
@@ -131,6 +132,17 @@ class _Item:
     raw: object = None  # this sequence's raw logits [kept rows, V] (for logprobs)
     prompt_rows: int = 0  # leading rows whose logits give prompt logprobs (kept before the layout's own)
     new_tokens: list[int] = field(default_factory=list)
+
+
+def _argmax_only(it: _Item) -> bool:
+    """Whether this item's logits feed only an argmax (lp.model.head): a prefill chunk's are
+    never read; a greedy row's are unless processors, logprobs or prompt logprobs read them."""
+    if it.prompt_rows:
+        return False
+    if it.chunk:
+        return True
+    run, cfg = it.req.run, it.req.decoder.cfg
+    return not cfg.do_sample and run.proc is None and not cfg.logprobs
 
 
 class BatchEngine:
@@ -504,7 +516,7 @@ class BatchEngine:
             if kept == 1:
                 keep_K = keep_K.repeat(2)
             _mark_dynamic(ids_1Q, pos_1Q, keep_K, extra)
-        with runner._kernel(qo, impl):
+        with runner._kernel(qo, impl, argmax_only=all(map(_argmax_only, items))):
             out = (runner._forward if compiled else runner.model)(
                 input_ids=ids_1Q, position_ids=pos_1Q, attention_mask=mask,
                 **{runner._cache_kw: self.cache}, use_cache=True, logits_to_keep=keep_K, **extra)
@@ -605,7 +617,7 @@ class BatchEngine:
     def _verify(self, items: list[_Item], logits_KV: torch.Tensor) -> list:
         """ONE device->host read of every kept row's argmax, then each sequence's verdict."""
         greedy = any(not it.req.decoder.cfg.do_sample for it in items if not it.chunk)
-        argmax = logits_KV.argmax(-1).tolist() if greedy else None
+        argmax = argmax_rows(logits_KV) if greedy else None
         verdicts, ko = [], 0
         for it in items:
             if it.prompt_rows:

@@ -50,6 +50,7 @@ from lp.config import DecodingConfig
 from lp.parallel.dist import Frame, greedy_payload, read_greedy, read_sampled, sampled_payload
 from lp.drafts.select import FORCED, Scored, observe, select_tree, suffix_drafts
 from lp.lookahead.layout import build_tree_layout
+from lp.model.head import argmax_rows
 from lp.model.runner import ModelRunner
 from lp.lookahead.pool import ContextIndex, NGramPool
 from lp.lookahead.processors import RowProcessor, row_extras, wants_processing
@@ -365,12 +366,14 @@ class LookaheadDecoder:
         if streamer is not None:
             streamer.put(torch.tensor([prompt_ids]))
         t_start = time.perf_counter()
+        # the step's logits feed only the argmax (lp.model.head may screen the LM head)
+        greedy_only = not cfg.do_sample and run.proc is None and not cfg.logprobs
         while not run.done:
             t0 = time.perf_counter()
             prop = self.propose(run)
             layout = self.lay_out(run, prop)
             t1 = time.perf_counter()
-            raw_KV = self.runner.forward(layout, run.cache)
+            raw_KV = self.runner.forward(layout, run.cache, argmax_only=greedy_only)
             logits_KV = raw_KV if run.proc is None else run.proc.apply(raw_KV, row_extras(layout))
             verdict = self.verify(run, prop, layout, logits_KV)  # the step's one device->host read
             t2 = time.perf_counter()
@@ -516,7 +519,7 @@ class LookaheadDecoder:
         row_of = _row_index(sk)
         if not self.cfg.do_sample:
             if argmax is None:
-                argmax = logits_KV.argmax(-1).tolist()  # the one device->host transfer
+                argmax = argmax_rows(logits_KV)  # the one device->host transfer
             z_local = [argmax[row_of[r]] for r in sk.z_rows]
             mine = prop.plan[self.rank]
             own = [prop.candidates[c] for c in mine.candidates]

@@ -78,6 +78,19 @@ OFF = SmallRows()  # the switch of a layer that has none (a copy before ``instal
 GROUPS: dict = {}  # fused_key -> weak reference to its FusedGroup (its members hold it)
 
 
+class ArgmaxOnly:
+    """Set (by lp.model.runner) around a forward whose logits only feed an argmax: a packed LM
+    head with a screen (lp.model.head, in ``SCREENS`` by its packed key) then returns logits
+    whose argmax is the exact one and whose other values are not logits. Read only at run time
+    (``_packed``), never in a traced forward."""
+
+    on = False
+
+
+ARGMAX_ONLY = ArgmaxOnly()
+SCREENS: dict = {}  # packed_key -> weak reference to the head's lp.model.head.HeadScreen
+
+
 class SmallRowsLinear(nn.Linear):
     """An ``nn.Linear`` (no bias) that computes ``(W @ x.T).T`` when its switch is on and x has
     2 or more rows."""
@@ -185,9 +198,7 @@ def _packed_linear_shape(x, key, out_features):
 @opaque_op("packed_linear(Tensor x, int key, int out_features) -> Tensor", _packed_linear_shape)
 def packed_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     """``x @ W.T`` on the packed weight ``PACKED[key]`` (an op opaque to torch.compile)."""
-    weight = PACKED[key]()
-    assert weight is not None, f"packed weight {key} was freed with its model"
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return _packed(x, key)
 
 
 def packed_matmul(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
@@ -196,7 +207,17 @@ def packed_matmul(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     that never reaches the tensor guards nothing of it)."""
     if torch.compiler.is_compiling():
         return packed_linear(x, key, out_features)
-    return torch.ops.mkldnn._linear_pointwise(x, PACKED[key](), None, "none", [], "")
+    return _packed(x, key)
+
+
+def _packed(x: torch.Tensor, key: int) -> torch.Tensor:
+    if ARGMAX_ONLY.on and key in SCREENS:  # read at run time, never traced: no guard, no graph
+        y = SCREENS[key]().logits(x)
+        if y is not None:
+            return y
+    weight = PACKED[key]()
+    assert weight is not None, f"packed weight {key} was freed with its model"
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 def packable(module: nn.Module) -> bool:

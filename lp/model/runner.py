@@ -29,6 +29,7 @@ import logging
 
 import torch
 
+from lp.model import kernels
 from lp.model.calibrate import QS as TIMED_ROWS
 from lp.lookahead.layout import Layout
 
@@ -63,8 +64,6 @@ def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> 
 def resolve_linears(name: str, model, device: torch.device, quant: str) -> str:
     """``auto``: oneDNN-packed linears (lp.model.kernels.pack) on the CPU for an unquantized
     model whose packed copy fits in half the memory available now; ``plain`` otherwise."""
-    from lp.model import kernels
-
     if name not in kernels.LINEARS:
         raise ValueError(f"model.linears must be one of {', '.join(kernels.LINEARS)}, got {name!r}")
     if name == "plain":
@@ -109,7 +108,7 @@ class ModelRunner:
 
     def __init__(self, model, attention: str = "auto", cuda_graphs: bool = False, static_shapes: bool = False,
                  small_rows: str = "auto", quant: str | None = None, linears: str = "auto",
-                 compile: str = "auto"):
+                 compile: str = "auto", head: str = "auto"):
         config = model.config
         if quant not in (None, "none") and getattr(model, "_lp_quant", None) is None:
             from lp.model.quant import quantize
@@ -153,9 +152,9 @@ class ModelRunner:
         configs = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
         self._configs = list(configs.values())
         if self.attention in ("flex", "flash"):
-            from lp.model import attention as kernels
+            from lp.model import attention as attention_kernels
 
-            kernels.register()
+            attention_kernels.register()
         if self.attention == "rowexact":
             from lp.model import exact_attention
 
@@ -176,6 +175,7 @@ class ModelRunner:
         self._mask = None  # [1, 1, Q_cap, K_cap] additive, 0 = visible
         self._dirty = (0, 0)  # columns holding the last step's local block
         self._setup_linears(model, small_rows, linears, compile == "on")
+        self._setup_head(model, head)
         self._setup_compile(model, compile, cuda_graphs or static_shapes)
 
     def _setup_linears(self, model, small_rows: str, linears: str, compiled: bool = False) -> None:
@@ -193,12 +193,21 @@ class ModelRunner:
         self._switch = None
         self.linears = resolve_linears(linears, model, self.device, self.quant)
         if self.small_rows_mode != "off" or self.linears == "packed":
-            from lp.model import kernels
-
             self._switch = kernels.install(model)
             if self.linears == "packed" and not kernels.pack(model):
                 raise ValueError("model.linears=packed found no plain float linear to pack (a quantized model, or "
                                  "tensor-parallel shards): use model.linears=auto or plain")
+
+    def _setup_head(self, model, head: str) -> None:
+        """``model.head`` (lp.model.head): the bf16 screen of a packed fp32 head for greedy steps."""
+        from lp.model.head import HEADS, screen_head
+
+        if head not in HEADS:
+            raise ValueError(f"model.head must be one of {', '.join(HEADS)}, got {head!r}")
+        self.head_screen = screen_head(model, head) if self.linears == "packed" else None
+        if head == "screen" and self.head_screen is None:
+            raise ValueError("model.head=screen needs a packed fp32 LM head (model.linears=packed, model.dtype=float32 "
+                             "on the CPU): use model.head=auto or exact")
 
     def _setup_compile(self, model, compile: str, static: bool) -> None:
         """``model.compile``: this runner's forward, eager or under torch.compile."""
@@ -322,8 +331,10 @@ class ModelRunner:
     # -- the step -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, layout: Layout, cache) -> torch.Tensor:
-        """Run the packed rows; return logits [len(layout.keep), V] (float32) on the model's device."""
+    def forward(self, layout: Layout, cache, argmax_only: bool = False) -> torch.Tensor:
+        """Run the packed rows; return logits [len(layout.keep), V] (float32) on the model's device.
+        ``argmax_only``: the caller reads only each row's argmax (greedy, no processor, no logprobs):
+        the head's screen (lp.model.head) may answer, its argmax exact, its other values not logits."""
         if self._static is not None:
             return self._static.forward(layout, cache)
         sk = layout.skeleton
@@ -337,7 +348,7 @@ class ModelRunner:
         else:
             mask = self._dense_mask(sk, local_add_QQ, cache_len, pos_Q)
         ids_1Q = torch.tensor([layout.tokens], dtype=torch.long).to(self.device, non_blocking=True)
-        with self._kernel(sk.num_rows):
+        with self._kernel(sk.num_rows, argmax_only=argmax_only):
             out = self._forward(
                 input_ids=ids_1Q,
                 position_ids=pos_Q[None],
@@ -360,7 +371,7 @@ class ModelRunner:
         return TIMED_ROWS[min(at, len(TIMED_ROWS) - 1)] in self.small_rows
 
     @contextlib.contextmanager
-    def _kernel(self, rows: int = 1, attn_impl: str | None = None):
+    def _kernel(self, rows: int = 1, attn_impl: str | None = None, argmax_only: bool = False):
         """Select this runner's kernels for one forward of ``rows`` rows (its attention
         function; small-row matmuls where chosen) and restore the model's own afterwards
         (the user's model keeps working with ``generate``; runners with different kernels
@@ -370,6 +381,7 @@ class ModelRunner:
         swap = any(v != impl for v in saved)
         small = self.uses_small_rows(rows)
         packed = self.linears == "packed"
+        screen = argmax_only and self.head_screen is not None
         if swap:
             for c in self._configs:
                 c._attn_implementation_internal = impl
@@ -377,9 +389,13 @@ class ModelRunner:
             self._switch.on = True
         if packed:
             self._switch.packed = True
+        if screen:
+            kernels.ARGMAX_ONLY.on = True
         try:
             yield
         finally:
+            if screen:
+                kernels.ARGMAX_ONLY.on = False
             if small:
                 self._switch.on = False
             if packed:
