@@ -148,7 +148,8 @@ def screen_head(model: nn.Module, mode: str) -> HeadScreen | None:
         model._lp_head_screen = screen
     if mode == "auto" and screen.measured[1] > 0.75 * screen.measured[0]:
         return None
-    kernels.SCREENS[head.packed_key] = weakref.ref(screen)
+    key = head.packed_key
+    kernels.SCREENS[key] = weakref.ref(screen, lambda _, key=key: kernels.SCREENS.pop(key, None))
     return screen
 
 
