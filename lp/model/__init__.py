@@ -2,8 +2,9 @@
 
 Knows: loading a checkpoint (``loader``), running a packed step through the model's public
 forward with explicit positions and a 4-D mask (``runner``), attention kernels (``attention``,
-the row-exact one in ``exact_attention``), small-row matmuls (``kernels``), int8/int4 weights
-(``quant``), the static packed K/V cache (``kv``) and the paged pool (``paged``), CUDA-graph
+the row-exact one in ``exact_attention``), small-row and packed matmuls (``kernels``), the LM
+head's greedy screen (``head``), int8/int4 weights (``quant``), the static packed K/V cache
+(``kv``) and the paged pool (``paged``), CUDA-graph
 stepping (``graphs``), the measured t(Q) curve (``calibrate``), and transformers
 ``generate``'s processors for the same logits settings (``hf_generate``).
 Imports: lp.lookahead (layouts; lp.drafts and lp.config are allowed, unused today). Never imports
