@@ -83,6 +83,7 @@ from lp.engine.decoder import (
     _logprobs,
     _record,
     _select_candidates,
+    argmax_only,
 )
 from lp.drafts.select import BatchCost, TreeRequest, select_tree, select_trees
 from lp.lookahead.layout import build_tree_layout
@@ -139,10 +140,7 @@ def _argmax_only(it: _Item) -> bool:
     never read; a greedy row's are unless processors, logprobs or prompt logprobs read them."""
     if it.prompt_rows:
         return False
-    if it.chunk:
-        return True
-    run, cfg = it.req.run, it.req.decoder.cfg
-    return not cfg.do_sample and run.proc is None and not cfg.logprobs
+    return bool(it.chunk) or argmax_only(it.req.decoder.cfg, it.req.run)
 
 
 class BatchEngine:

@@ -366,8 +366,7 @@ class LookaheadDecoder:
         if streamer is not None:
             streamer.put(torch.tensor([prompt_ids]))
         t_start = time.perf_counter()
-        # the step's logits feed only the argmax (lp.model.head may screen the LM head)
-        greedy_only = not cfg.do_sample and run.proc is None and not cfg.logprobs
+        greedy_only = argmax_only(cfg, run)
         while not run.done:
             t0 = time.perf_counter()
             prop = self.propose(run)
@@ -647,6 +646,12 @@ class LookaheadDecoder:
                 if not done[node]:
                     outcomes[node], done[node] = outcome_of(i, depth), True
         return root, outcomes, z_local
+
+
+def argmax_only(cfg: DecodingConfig, run: _Run) -> bool:
+    """Whether a run's step logits feed only their argmax (lp.model.head may screen the LM head):
+    greedy, no processor (logit bias, penalties, grammar), no logprobs."""
+    return not cfg.do_sample and run.proc is None and not cfg.logprobs
 
 
 @functools.lru_cache(maxsize=4096)
