@@ -60,11 +60,11 @@ MAX_PAIRS_PER_ROW = 512  # a flatter screen: the fp32 head (random-token rows ke
 
 class HeadScreen:
     def __init__(self, weight_VD: torch.Tensor):
-        self.weight_VD = weight_VD  # the head's own fp32 weight (shared, not copied)
+        self.weight_VD = weight_VD  # the head's own fp32 weight (shared, not copied; screen_head: fp32 only)
         self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight_VD.to(torch.bfloat16), None)
         u, d = 2.0 ** -9, weight_VD.shape[1]
         bound = 1.01 * (2 * u + u * u + 2 * d * 2.0 ** -24)
-        self.bound = bound * torch.linalg.vector_norm(weight_VD.float(), dim=1).max().item()
+        self.bound = bound * torch.linalg.vector_norm(weight_VD, dim=1).max().item()
         self.block = _block(weight_VD.shape[0])  # the screen reads block maxima first
         self.calls = 0  # forwards the screen answered (tests read it)
 
@@ -99,7 +99,7 @@ class HeadScreen:
         # in the others): one [M, D] x [D, U] product over the kept tokens' fp32 weight rows
         v_U = torch.unique(n_S[s_P] * self.block + j_P)
         out_MV = torch.full((m, v), float("-inf"), dtype=torch.float32, device=y_MV.device)
-        out_MV[:, v_U] = x_MD.float() @ self.weight_VD[v_U].float().t()
+        out_MV[:, v_U] = x_MD @ self.weight_VD[v_U].t()
         self.calls += 1
         return out_MV.reshape(*x.shape[:-1], v)
 
@@ -130,9 +130,7 @@ def _block(v: int) -> int | None:
 def screen_head(model: nn.Module, mode: str) -> HeadScreen | None:
     """``model.head``: the screen of the model's packed head (``kernels.pack`` first), kept on the
     model; ``auto`` only where the bf16 head measures at most 3/4 of the fp32 one (2 rows, the
-    compiled one-row step's shape)."""
-    if mode not in HEADS:
-        raise ValueError(f"model.head must be one of {', '.join(HEADS)}, got {mode!r}")
+    compiled one-row step's shape). ``mode`` is one of ``HEADS`` (lp.model.runner checks it)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (mode == "exact" or not isinstance(head, kernels.SmallRowsLinear) or head.packed_key < 0
             or head.weight.dtype != torch.float32):
