@@ -41,6 +41,10 @@ class DecodingConfig:
     # auto: rows per step maximize expected tokens per second under the measured t(Q)
     # (lp.model.calibrate, cached per machine and model); all: every draft node up to the cap
     draft_budget: str = "auto"
+    # the budget's predicted acceptance scaled by realized / predicted draft tokens over recent
+    # drafting steps, across requests (lp.drafts.budget.GainCalibration): drafts that keep
+    # missing stop being paid for
+    draft_calibration: bool = True
     draft_store: bool = False  # also draft from earlier outputs (a cross-request DraftStore)
     draft_store_tokens: int = 65536  # tokens the store holds; oldest outputs evicted first
     do_sample: bool = False
@@ -93,6 +97,7 @@ class DecodingConfig:
         need(self.draft_alpha > 0, "draft_alpha", "> 0", self.draft_alpha)
         need(self.draft_budget in ("auto", "all"), "draft_budget", "'auto' or 'all'", self.draft_budget)
         need(isinstance(self.draft_store, bool), "draft_store", "true or false", self.draft_store)
+        need(isinstance(self.draft_calibration, bool), "draft_calibration", "true or false", self.draft_calibration)
         need(_is_int(self.draft_store_tokens) and self.draft_store_tokens >= 0, "draft_store_tokens",
              "an integer >= 0", self.draft_store_tokens)
         need(

@@ -88,8 +88,10 @@ def select_tree(
     extra_rows: int = 0,
     workers: int = 1,
     pad: bool = False,
+    gain: float = 1.0,
 ) -> list[tuple[int, ...]]:
-    """The drafts cut to the trie nodes the budget keeps (see module doc).
+    """The drafts cut to the trie nodes the budget keeps (see module doc). ``gain``: the
+    calibration factor every node's P is scaled by when priced (lp.drafts.budget.GainCalibration).
 
     ``pad`` (one process): the step is priced at the cheapest measured size at or above
     its rows (lp.drafts.budget.envelope) and filled up to that size, first with the next most
@@ -105,9 +107,9 @@ def select_tree(
     pad = pad and curve is not None
     probs = [prob[n] for n in order]
     if pad:  # k >= 1 priced at the cheapest size at or above it; k = 0 is the unpadded step
-        k = best_k(probs, base, envelope(curve), extra_rows, workers, cap, plain=cost(curve, base))
+        k = best_k(probs, base, envelope(curve), extra_rows, workers, cap, plain=cost(curve, base), gain=gain)
     else:
-        k = best_k(probs, base, curve, extra_rows, workers, cap)
+        k = best_k(probs, base, curve, extra_rows, workers, cap, gain=gain)
     filler = 0
     if pad and k:
         rows = base + extra_rows + k
@@ -141,6 +143,7 @@ class TreeRequest:
     base: int  # rows this sequence runs with or without drafts
     cap: int  # most trie nodes it may verify
     extra_rows: int = 0  # its rows that ride along only when it verifies something
+    gain: float = 1.0  # its nodes' P scaled by this when priced (lp.drafts.budget.GainCalibration)
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,8 @@ def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pa
             tries.append(None), orders.append([]), probs.append([])
             continue
         trie = merge_trie([d.tokens for d in r.drafts])
-        prob = node_probs(r.drafts, trie, r.acceptance)
+        # scaled before the merge: the batch's nodes compete at their calibrated P
+        prob = [min(1.0, r.gain * p) for p in node_probs(r.drafts, trie, r.acceptance)]
         order = sorted(range(len(trie)), key=lambda n: (-prob[n], trie.depths[n], n))[: r.cap]
         tries.append(trie), orders.append(order), probs.append(prob)
     merged: list[tuple[int, int]] = []  # (request, node) by decreasing P, stable per request
@@ -207,15 +211,15 @@ def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pa
         price = envelope(curve) if pad else curve
         batch = batch or BatchCost()
         fixed_s = batch.seq_s * ((len(requests) if seqs is None else seqs) - 1)
-        gain, rows, started = float(len(requests)), base, set()
-        best_rate, k = gain / (cost(curve, base) + fixed_s), 0
+        tokens, rows, started = float(len(requests)), base, set()
+        best_rate, k = tokens / (cost(curve, base) + fixed_s), 0
         for n, (i, node) in enumerate(merged, start=1):
             if i not in started:
                 started.add(i)
                 rows += requests[i].extra_rows
             rows += 1
-            gain += probs[i][node]
-            rate = gain / (cost(price, rows) + fixed_s + batch.draft_s * len(started))
+            tokens += probs[i][node]
+            rate = tokens / (cost(price, rows) + fixed_s + batch.draft_s * len(started))
             if rate > best_rate:
                 best_rate, k = rate, n
         if pad and k:
@@ -250,6 +254,37 @@ def node_probs(drafts: Sequence[Scored], trie, acceptance: AcceptanceModel) -> l
             if p > prob[node]:
                 prob[node] = p
     return prob
+
+
+def predicted_gain(drafts: Sequence[Scored], verified: Sequence[Sequence[int]],
+                   acceptance: AcceptanceModel) -> float | None:
+    """The draft tokens the budget expected this step to accept: the sum of P over the nodes of
+    the verified trie (``node_probs``, before ``observe`` updates ``acceptance``; filler nodes,
+    which no draft predicts, count 0). None when a grammar-forced draft was verified (certain
+    tokens: nothing to calibrate), or when nothing was.
+
+        >>> from lp.drafts.budget import AcceptanceModel
+        >>> d = [Scored((5, 6), 6, 1.0), Scored((4,), 0, 1.0)]
+        >>> round(predicted_gain(d, [(5, 6), (4,)], AcceptanceModel()), 4)   # 0.78 + 0.78 x 0.78 + 0.35
+        1.7384
+        >>> round(predicted_gain(d, [(5,)], AcceptanceModel()), 4)
+        0.78
+        >>> predicted_gain(d, [], AcceptanceModel()) is None
+        True
+    """
+    if not verified or any(d.match_len == FORCED for d in drafts):
+        return None
+    kept = {tuple(v[:j]) for v in verified for j in range(1, len(v) + 1)}
+    trie = merge_trie([d.tokens for d in drafts])
+    prob = node_probs(drafts, trie, acceptance)
+    total = 0.0
+    for d, path in zip(drafts, trie.paths):
+        for j, node in enumerate(path):
+            prefix = d.tokens[: j + 1]
+            if prefix in kept:
+                kept.discard(prefix)
+                total += prob[node]
+    return total
 
 
 def _filler(rows: int, taken: set[int], max_len: int) -> list[tuple[int, ...]]:

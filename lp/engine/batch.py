@@ -85,6 +85,7 @@ from lp.engine.decoder import (
     _select_candidates,
     argmax_only,
 )
+from lp.drafts.budget import GainCalibration
 from lp.drafts.select import BatchCost, TreeRequest, select_tree, select_trees
 from lp.lookahead.layout import build_tree_layout
 from lp.model.head import argmax_rows
@@ -189,6 +190,9 @@ class BatchEngine:
         # lp.serve passes them): none unless given
         self.batch_cost = batch_cost or BatchCost()
         self.draft_store = draft_store
+        # realized / predicted draft tokens over every request's drafting steps (lp.drafts.budget):
+        # one for the engine, so a workload's requests calibrate the next ones
+        self.calibration = GainCalibration()
         self.group = group  # lp.parallel.dist.WorkerGroup: every rank builds this engine and runs the same steps
         self.workers = group.lp_size if group is not None else 1
         if group is not None:
@@ -251,7 +255,8 @@ class BatchEngine:
         its HTTP thread): its decoder and the K/V rows it reserves, or a ValueError."""
         if cfg.mode not in ("lookahead", "ar"):
             raise ValueError(f"decoding.mode must be 'lookahead' or 'ar' for a batched engine, got {cfg.mode!r}")
-        dec = LookaheadDecoder(self.runner, cfg, self.group, draft_store=self.draft_store, tq_curve=self.tq)
+        dec = LookaheadDecoder(self.runner, cfg, self.group, draft_store=self.draft_store, tq_curve=self.tq,
+                               calibration=self.calibration)
         dec._check_request(prompt)
         if dec.cfg.stop_strings and tokenizer is None:
             raise ValueError("decoding.stop_strings needs a tokenizer to decode the output")
@@ -482,7 +487,7 @@ class BatchEngine:
                 joint.append(it)
         if joint:
             reqs = [TreeRequest(it.opts.scored, it.req.run.acceptance, it.opts.base, it.req.decoder.draft_rows,
-                                it.opts.extra) for it in joint]
+                                it.opts.extra, it.req.decoder.gain()) for it in joint]
             for it, cands in zip(joint, select_trees(reqs, self.tq, fixed, pad=True, batch=self.batch_cost, seqs=seqs)):
                 it.prop = it.req.decoder.proposal(it.req.run, it.opts, cands)
 

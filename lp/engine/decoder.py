@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lp.drafts.budget import AcceptanceModel
+from lp.drafts.budget import AcceptanceModel, GainCalibration
 from lp.config import DecodingConfig
 from lp.parallel.dist import Frame, greedy_payload, read_greedy, read_sampled, sampled_payload
-from lp.drafts.select import FORCED, Scored, observe, select_tree, suffix_drafts
+from lp.drafts.select import FORCED, Scored, observe, predicted_gain, select_tree, suffix_drafts
 from lp.lookahead.layout import build_tree_layout
 from lp.model.head import argmax_rows
 from lp.model.runner import ModelRunner
@@ -274,7 +274,7 @@ class LookaheadDecoder:
     (lp.model.calibrate) when ``cfg.draft_budget == "auto"``."""
 
     def __init__(self, runner: ModelRunner, cfg: DecodingConfig, group=None, draft_store: DraftStore | None = None,
-                 tq_curve=None):
+                 tq_curve=None, calibration: GainCalibration | None = None):
         self.runner = runner
         from lp.model.loader import cpu_has_amx_bf16
 
@@ -296,6 +296,9 @@ class LookaheadDecoder:
             draft_store = DraftStore(c.draft_store_tokens)
         self.draft_store = draft_store
         self.tq = tq_curve
+        # realized / predicted draft tokens across this decoder's runs (a BatchEngine passes one
+        # for all its requests): the budget's P scaled by it (decoding.draft_calibration)
+        self.calibration = calibration if calibration is not None else GainCalibration()
         # most trie rows a step may verify (all workers together)
         self.draft_rows = c.max_draft_rows if c.drafts == "suffix" else c.G * (c.N - 1)
         self.max_draft = max(c.max_draft_len, c.N - 1) if c.drafts == "suffix" else c.N - 1
@@ -458,8 +461,12 @@ class LookaheadDecoder:
             # one process pads the step to the cheapest measured size (lp.drafts.budget.envelope);
             # LP workers hold different row counts, so they price the curve as measured
             candidates = select_tree(opts.scored, run.acceptance, opts.base, self.tq, self.draft_rows, opts.extra,
-                                     self.workers, pad=self.workers == 1)
+                                     self.workers, pad=self.workers == 1, gain=self.gain())
         return self.proposal(run, opts, candidates)
+
+    def gain(self) -> float:
+        """The factor the budget scales every node's P by (1.0 with decoding.draft_calibration off)."""
+        return self.calibration.factor() if self.cfg.draft_calibration else 1.0
 
     def draft_options(self, run: _Run) -> "_Options":
         """What the budget chooses from: the scored drafts (suffix mode), the step's base rows
@@ -586,6 +593,10 @@ class LookaheadDecoder:
         if prop.use_window:
             run.pool.add_ngrams(run.window.update(prop.x, z_all))
         if run.index is not None:
+            if self.cfg.draft_calibration:  # before observe: the P the budget priced
+                predicted = predicted_gain(prop.scored, prop.candidates, run.acceptance)
+                if predicted is not None:
+                    self.calibration.observe(predicted, max(0, len(emitted) - 1))
             observe(run.acceptance, prop.scored, prop.candidates, emitted)
             run.index.extend(emitted)
         if run.context is not None:
