@@ -24,6 +24,8 @@ Servers:
     lp_ar           python -m lp.serve decoding.mode=ar (lp's own one-token steps, no drafts)
     lp_compiled     python -m lp.serve model.compile=on (the batched step under torch.compile; its
                     start-up compiles it, minutes the first time)
+    lp_nocal        lp_compiled with decoding.draft_calibration=false (the draft budget priced on its
+                    acceptance model alone, lp before the gain calibration)
     transformers_cb transformers serve --continuous-batching (transformers' paged-cache batching)
     transformers    transformers serve (one request at a time)
     vllm            <concurrency.vllm_venv>/bin/vllm serve (vLLM's CPU build, bench/vllm_venv.sh)
@@ -47,7 +49,7 @@ from pathlib import Path
 
 from bench.serve_load import ServerProcess, free_port, machine, pct
 
-SERVERS = ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "transformers_cb", "transformers", "vllm", "vllm_ngram")
+SERVERS = ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "lp_nocal", "transformers_cb", "transformers", "vllm", "vllm_ngram")
 WORKLOADS = ("chat", "code")
 ROOT = Path(__file__).resolve().parent.parent
 # vllm_ngram: vLLM 0.32's n-gram drafter (prompt lookup): up to 5 tokens proposed from the
@@ -82,10 +84,11 @@ def server_command(kind: str, port: int, model_path: Path, threads: int, lp_over
         spec = ["--speculative-config", json.dumps(NGRAM_SPEC)] if kind == "vllm_ngram" else []
         return [str(vllm_exe(vllm_venv)), "serve", str(model_path), "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", "--generation-config", "vllm", "--uvicorn-log-level", "warning", *spec]
-    if kind in ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled"):
+    if kind in ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "lp_nocal"):
         extra = {"lp_max_batch1": ["server.max_batch=1"], "lp_plain": ["model.linears=plain"],
                  "lp_ar": ["decoding.mode=ar"],
-                 "lp_compiled": ["model.compile=on"]}.get(kind, [])
+                 "lp_compiled": ["model.compile=on"],
+                 "lp_nocal": ["model.compile=on", "decoding.draft_calibration=false"]}.get(kind, [])
         return [sys.executable, "-m", "lp.serve", f"server.port={port}", "model.dtype=float32",
                 f"model.threads={threads}", "server.log_level=warning", "server.max_queue=256",
                 *lp_overrides, *extra]

@@ -10,7 +10,9 @@ concurrency C queues ``--requests`` prompts of the workload with at most C decod
 
 * ``budget``: lp's default (the draft budget with its calibration, lp.drafts.budget);
 * ``nocal``: the budget without the calibration (``decoding.draft_calibration=false``);
-* ``ar``: lp's own one-token steps (``decoding.mode=ar``), the greedy reference here.
+* ``ar``: lp's own one-token steps (``decoding.mode=ar``), the greedy reference here;
+* ``window3`` / ``window5``: the budget's drafts with a Jacobi window of W = 3 / 5 columns,
+  N = 4, riding every step (its n-grams drafts too).
 
 One engine serves every variant and round (as one server would; the calibration state carries
 over between rounds and variants, as it does across a server's requests); variants run
@@ -31,7 +33,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"budget": {}, "nocal": {"draft_calibration": False}, "ar": {"mode": "ar"}}
+VARIANTS = {"budget": {}, "nocal": {"draft_calibration": False}, "ar": {"mode": "ar"},
+            # the Jacobi window riding every step beside the suffix drafts (its n-grams drafts too)
+            "window3": {"W": 3, "N": 4, "G": 4, "window_policy": "always", "drafts": "suffix"},
+            "window5": {"W": 5, "N": 4, "G": 4, "window_policy": "always", "drafts": "suffix"}}
 
 
 def workload_ids(tokenizer, workload: str, k: int) -> list[list[int]]:
