@@ -264,3 +264,20 @@ def test_draft_store_across_requests_is_exact_and_bounded(tiny_factory):
     assert res.output_ids == again.output_ids
     assert res.stats.compression_ratio > again.stats.compression_ratio  # the store holds this continuation
     assert len(store) <= 3000
+
+
+NOISY = [(1, 0.0518), (2, 0.0544), (4, 0.0545), (8, 0.0615), (9, 0.0610), (10, 0.0614), (12, 0.0658), (16, 0.0742),
+         (24, 0.0844), (32, 0.0933)]  # a compiled SmolLM2 step on a 2-vCPU Xeon: 1-3% noise, no real bumps
+
+
+def test_a_batched_step_prices_rows_at_the_curves_slope_not_its_noise():
+    from lp.drafts.select import TreeRequest, select_trees
+
+    a = AcceptanceModel()
+    assert envelope(NOISY) == NOISY and padded_rows(NOISY, 8) == 8  # bumps within 5%: no padding
+    plain = [TreeRequest([], a, base=1, cap=16) for _ in range(7)]
+    weak = TreeRequest([Scored((5, 9), 1, 0.5)], a, base=1, cap=16)  # P 0.125, 0.069
+    sure = TreeRequest([Scored((5, 6, 7, 8), 6, 1.0)], a, base=1, cap=16)  # P 0.78 .. 0.47
+    # t(9) measured below t(8): priced as measured, a weak node looked free and every step drafted
+    assert select_trees(plain + [weak], NOISY, pad=True) == [[]] * 8
+    assert select_trees(plain + [sure], NOISY, pad=True)[-1] == [(5, 6, 7, 8)]

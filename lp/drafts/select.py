@@ -49,7 +49,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lp.drafts.budget import AcceptanceModel, best_k, bucket, cost, envelope, padded_rows
+from lp.drafts.budget import AcceptanceModel, best_k, bucket, cost, drafted_cost, envelope, padded_rows
 from lp.lookahead.tree import merge_trie
 
 
@@ -208,7 +208,6 @@ def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pa
     base = fixed_rows + sum(r.base for r in requests)
     k = len(merged)
     if curve is not None:
-        price = envelope(curve) if pad else curve
         batch = batch or BatchCost()
         fixed_s = batch.seq_s * ((len(requests) if seqs is None else seqs) - 1)
         tokens, rows, started = float(len(requests)), base, set()
@@ -219,7 +218,7 @@ def select_trees(requests: Sequence[TreeRequest], curve, fixed_rows: int = 0, pa
                 rows += requests[i].extra_rows
             rows += 1
             tokens += probs[i][node]
-            rate = tokens / (cost(price, rows) + fixed_s + batch.draft_s * len(started))
+            rate = tokens / (drafted_cost(curve, base, rows, pad) + fixed_s + batch.draft_s * len(started))
             if rate > best_rate:
                 best_rate, k = rate, n
         if pad and k:
