@@ -26,6 +26,8 @@ Servers:
                     start-up compiles it, minutes the first time)
     lp_nocal        lp_compiled with decoding.draft_calibration=false (the draft budget priced on its
                     acceptance model alone, lp before the gain calibration)
+    lp_exact4       lp_compiled with model.quant=exact4 (the linears whose float32 weights are exact
+                    4-bit blocks, all of SmolLM2's, run on those blocks: the same weights, lossless)
     transformers_cb transformers serve --continuous-batching (transformers' paged-cache batching)
     transformers    transformers serve (one request at a time)
     vllm            <concurrency.vllm_venv>/bin/vllm serve (vLLM's CPU build, bench/vllm_venv.sh)
@@ -49,7 +51,7 @@ from pathlib import Path
 
 from bench.serve_load import ServerProcess, free_port, machine, pct
 
-SERVERS = ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "lp_nocal", "transformers_cb", "transformers", "vllm", "vllm_ngram")
+SERVERS = ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "lp_nocal", "lp_exact4", "transformers_cb", "transformers", "vllm", "vllm_ngram")
 WORKLOADS = ("chat", "code")
 ROOT = Path(__file__).resolve().parent.parent
 # vllm_ngram: vLLM 0.32's n-gram drafter (prompt lookup): up to 5 tokens proposed from the
@@ -84,11 +86,12 @@ def server_command(kind: str, port: int, model_path: Path, threads: int, lp_over
         spec = ["--speculative-config", json.dumps(NGRAM_SPEC)] if kind == "vllm_ngram" else []
         return [str(vllm_exe(vllm_venv)), "serve", str(model_path), "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", "--generation-config", "vllm", "--uvicorn-log-level", "warning", *spec]
-    if kind in ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "lp_nocal"):
+    if kind in ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "lp_nocal", "lp_exact4"):
         extra = {"lp_max_batch1": ["server.max_batch=1"], "lp_plain": ["model.linears=plain"],
                  "lp_ar": ["decoding.mode=ar"],
                  "lp_compiled": ["model.compile=on"],
-                 "lp_nocal": ["model.compile=on", "decoding.draft_calibration=false"]}.get(kind, [])
+                 "lp_nocal": ["model.compile=on", "decoding.draft_calibration=false"],
+                 "lp_exact4": ["model.compile=on", "model.quant=exact4"]}.get(kind, [])
         return [sys.executable, "-m", "lp.serve", f"server.port={port}", "model.dtype=float32",
                 f"model.threads={threads}", "server.log_level=warning", "server.max_queue=256",
                 *lp_overrides, *extra]

@@ -172,7 +172,8 @@ class ModelConfig:
     compile: str = "auto"
     # quantized weights (lp.model.quant), applied identically on every LP worker: none | int8 (CPU:
     # int8 weights x per-row int8 activations over fbgemm; CUDA: torchao int8 weight-only) |
-    # int4 (torchao int4 weight-only, bf16 activations) | auto (per hardware: see README)
+    # int4 (torchao int4 weight-only, bf16 activations) | exact4 (CPU float32: linears whose weights
+    # are exact 4-bit blocks, e.g. a GGUF Q4_1 model, run on those blocks, lossless) | auto (see README)
     quant: str = "none"
 
     def validate(self) -> "ModelConfig":
@@ -196,8 +197,8 @@ class ModelConfig:
             raise ValueError(f"model.cpus must be auto, off or a core list such as 0-3 or 0,2; got {self.cpus!r}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"model.compile must be auto, on or off, got {self.compile!r}")
-        if self.quant not in ("none", "int8", "int4", "auto"):
-            raise ValueError(f"model.quant must be one of none, int8, int4, auto, got {self.quant!r}")
+        if self.quant not in ("none", "int8", "int4", "exact4", "auto"):
+            raise ValueError(f"model.quant must be one of none, int8, int4, exact4, auto, got {self.quant!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"model.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if not _is_int(self.threads) or self.threads < 0:

@@ -41,7 +41,7 @@ QUANTS = ["int8", pytest.param("int4", marks=pytest.mark.skipif(not _has_int4_cp
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match=r"model\.quant must be one of none, int8, int4, auto, got 'int3'"):
+    with pytest.raises(ValueError, match=r"model\.quant must be one of none, int8, int4, exact4, auto, got 'int3'"):
         ModelConfig(quant="int3").validate()
     assert ModelConfig(quant="int8").validate().quant == "int8"
     with pytest.raises(ValueError, match=r"model\.quant"):

@@ -25,6 +25,9 @@ torchao 0.18; numbers in bench/results/quant/):
   than float32 on this CPU (no fast int8 CPU GEMM behind them), hence fbgemm.
 * ``int8`` on CUDA: torchao's ``Int8WeightOnlyConfig`` (weight-only; activations stay
   bf16/fp16, so packed rows round like one row up to the GEMM's summation order).
+* ``exact4`` (CPU, float32): not a quantization. The linears whose float32 weights already are
+  4-bit blocks (a GGUF Q4_0 / Q4_1 model dequantized: lp's default SmolLM2) run on those blocks
+  with float32 math, every weight reproduced bit for bit (lp.model.exact4); the rest stay.
 * ``int4``: torchao's int4 weight-only with group size 32 — on the CPU the prototype
   ``Int4OpaqueTensor`` (``aten._weight_int4pack_mm_for_cpu``, bf16 activations), on CUDA the
   tinygemm layout (``tile_packed_to_4d``). The model is cast to bf16 first.
@@ -56,7 +59,7 @@ from lp.model.kernels import FUSED, SharedProduct
 
 log = logging.getLogger(__name__)
 
-QUANTS = ("none", "int8", "int4", "auto")
+QUANTS = ("none", "int8", "int4", "exact4", "auto")
 _C = 1.0  # every activation row is scaled to this absolute maximum before quantization (1: a reciprocal)
 
 
@@ -175,7 +178,7 @@ class SharedInputPart(nn.Module):
         return self.fused[0].shared(x, self.part)[..., self.start : self.stop]
 
     def extra_repr(self) -> str:
-        return f"columns {self.start}:{self.stop} of a fused int8 linear"
+        return f"columns {self.start}:{self.stop} of a fused {type(self.fused[0]).__name__}"
 
 
 def _is_linear(m) -> bool:
@@ -318,6 +321,18 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
         return scheme
     if getattr(model, "_lp_quant", None):
         raise ValueError(f"this model is already quantized ({model._lp_quant}); load it again to change model.quant")
+    if scheme == "exact4":  # lossless: the linears whose float32 weights are 4-bit blocks (lp.model.exact4)
+        dtype = next(model.parameters()).dtype
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"model.quant=exact4 runs float32 models on the CPU, got {dtype} on {device.type}")
+        from lp.model import exact4
+
+        n, _ = exact4.convert(model)
+        if n == 0:
+            raise ValueError("model.quant=exact4: no linear of this model holds exact 4-bit blocks (a GGUF Q4_0 / "
+                             "Q4_1 model dequantized to float32 does); use model.quant=none")
+        model._lp_quant = scheme
+        return scheme
     _untie_head(model)
     if scheme == "int8" and device.type == "cpu":
         if "fbgemm" not in torch.backends.quantized.supported_engines:

@@ -62,8 +62,9 @@ def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> 
 
 
 def resolve_linears(name: str, model, device: torch.device, quant: str) -> str:
-    """``auto``: oneDNN-packed linears (lp.model.kernels.pack) on the CPU for an unquantized
-    model whose packed copy fits in half the memory available now; ``plain`` otherwise."""
+    """``auto``: oneDNN-packed linears (lp.model.kernels.pack) on the CPU for an unquantized model
+    (or the float linears an exact4 model keeps, its head) whose packed copy fits in half the
+    memory available now; ``plain`` otherwise."""
     if name not in kernels.LINEARS:
         raise ValueError(f"model.linears must be one of {', '.join(kernels.LINEARS)}, got {name!r}")
     if name == "plain":
@@ -74,7 +75,7 @@ def resolve_linears(name: str, model, device: torch.device, quant: str) -> str:
             raise ValueError(f"model.linears=packed needs the CPU with oneDNN (torch.backends.mkldnn); "
                              f"this model is on {device}: use model.linears=auto or plain")
         return name
-    if not onednn or quant != "none":
+    if not onednn or quant not in ("none", "exact4"):  # exact4 leaves float linears (the head) to pack
         return "plain"
     kernels.install(model)  # the swap alone changes nothing: its switch is off outside lp's forwards
     size = kernels.packed_bytes(model)  # 0 under TP (DTensor shards) or with nothing packable

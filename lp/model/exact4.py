@@ -1,0 +1,183 @@
+"""Exact 4-bit weights (``model.quant=exact4``): linears whose float32 weights *are* 4-bit blocks
+run a kernel that streams those blocks and forms every float32 weight from them exactly.
+
+Contract: ``encode(w_NK)`` returns ``(q, d, c)`` (see ``csrc/exact4.cpp`` for the layout) when
+every weight of ``w_NK`` [out N, in K] is ``fma(q, d, c)`` of a 4-bit ``q`` and a per-block
+(32 weights along K) pair of float16 values ``d``, ``c`` — checked bit for bit, in float32 and
+through the kernel itself — else None. ``convert(model)`` replaces each group of sibling
+linears (q/k/v, gate/up: ``lp.model.kernels.FUSED``) whose weights all encode by one
+``Exact4Linear`` (and each other bias-free float32 linear that encodes by its own), leaves
+the rest (the LM head, any linear that does not encode) as they are, and returns (linears
+converted, linears left). Nothing is approximated: a weight that does not encode stays a
+float32 ``nn.Linear``. The model's float32 weights are replaced (their bytes freed).
+
+Why: a model shipped as a GGUF Q4_1 (or Q4_0) file and dequantized to float32 — lp's default
+SmolLM2-135M-Instruct: every one of its 210 decoder linears is Q4_1, ``w = d * q + m`` per 32
+weights with float16 ``d``, ``m`` — holds only 16 distinct values a block, yet a float32 matmul
+streams 32 bits a weight, and batch-1 decoding on a CPU waits on those bytes. The same weights
+as 4 bits plus 8 bytes a block are 5.3x fewer bytes. torch's own int4 CPU GEMM
+(``aten._weight_int4pack_mm_for_cpu``) takes float32 inputs but measured 121 ms a SmolLM2 step
+against 44 dense here, hence lp's kernel (``csrc/exact4.cpp``, built once per machine with
+torch's C++ extension loader, ~30 s): each weight ``fma(q, d, c)`` in float32 (``q * d`` is
+exact, so the one rounding gives the checkpoint's weight), then the same multiply-adds as a
+float32 matmul in another order. Each row's output depends on that row only (the same
+operations whatever the row count), so lookahead == ``generate`` on the converted model, and
+the products differ from the dense model's only by summation order, like any change of
+kernel (lp.model.kernels). Measured on a 2-vCPU Sapphire Rapids VM, SmolLM2's 30 layers of
+linears, weights streamed from memory: 1 row 14 ms vs 22 dense, 4 rows 16 vs 39, 8 rows 35 vs
+45, 16 rows 71 vs 52 (the kernel is compute-bound past a few rows).
+
+How the blocks are found: per block, ``c`` = the block's minimum, ``d`` = float16 of (max - c) /
+15, ``q`` = round((w - c) / d) clamped to 0..15 (Q4_1's own construction), and both must be
+float16 values; then the checks above accept or reject the whole linear. CPU and float32 only.
+
+Legend: N out features, K in features, M rows, B = K / 32 blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lp.model.kernels import FUSED, SharedProduct
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32  # weights per (d, c) pair along K: Q4_0 / Q4_1's block
+_SRC = Path(__file__).resolve().parent / "csrc" / "exact4.cpp"
+
+
+@functools.lru_cache(maxsize=1)
+def extension():
+    """The compiled kernel (``torch.ops.lp_exact4.mm``), built on first use and cached by torch
+    (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); a ValueError naming what is
+    missing when it cannot be built."""
+    from torch.utils import cpp_extension
+
+    log.info("model.quant=exact4: building the kernel %s (once per machine, ~30 s)", _SRC)
+    try:
+        mod = cpp_extension.load(name="lp_exact4", sources=[str(_SRC)], extra_cflags=["-O3", "-march=native"],
+                                 verbose=False)
+    except Exception as e:  # a compiler or ninja missing: the user's fix, said plainly
+        raise ValueError(f"model.quant=exact4 needs a C++ compiler (g++) and ninja to build its kernel: {e}") from e
+    torch.library.register_fake("lp_exact4::mm")(_mm_shape)
+    return mod
+
+
+def _mm_shape(x, q, d, c):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def mm(x_MK: torch.Tensor, q: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` [M, N] for float32 ``x`` [M, K] and W encoded as (q, d, c)."""
+    return torch.ops.lp_exact4.mm(x_MK, q, d, c)
+
+
+def encode(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q [N, K / 2] uint8, d [N, B] float32, c [N, B] float32) reproducing ``w_NK`` bit for bit
+    through the kernel, or None (see module doc)."""
+    if w_NK.dtype != torch.float32 or w_NK.dim() != 2 or w_NK.device.type != "cpu":
+        return None
+    n, k = w_NK.shape
+    if k % BLOCK or not torch.isfinite(w_NK).all():
+        return None
+    w_NBb = w_NK.reshape(n, k // BLOCK, BLOCK)
+    c_NB = w_NBb.amin(dim=2)
+    d_NB = ((w_NBb.amax(dim=2) - c_NB) / 15).half().float()
+    if not torch.equal(c_NB.half().float(), c_NB) or not torch.isfinite(d_NB).all():
+        return None  # not float16 values: no 4-bit block reproduces them
+    safe_NB = torch.where(d_NB > 0, d_NB, torch.ones_like(d_NB))
+    q_NBb = torch.round((w_NBb - c_NB[..., None]) / safe_NB[..., None]).clamp_(0, 15)
+    # the kernel's weight, in float32: q * d is exact (4 x 11 significant bits), so adding c
+    # rounds once, as the kernel's fused multiply-add does
+    if not torch.equal(q_NBb * d_NB[..., None] + c_NB[..., None], w_NBb):
+        return None
+    qi = q_NBb.to(torch.uint8)
+    q = (qi[..., :16] | (qi[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    d, c = d_NB.contiguous(), c_NB.contiguous()
+    # and the kernel itself on unit rows spread over every block (I[idx] @ W.T = W[:, idx].T,
+    # one product a column: exact): its layout and arithmetic, checked on these weights
+    step = max(1, k // 64)
+    idx = (torch.arange(0, k, step) + torch.arange(len(range(0, k, step))) % BLOCK).clamp_(max=k - 1)
+    extension()
+    if not torch.equal(mm(torch.eye(k, dtype=torch.float32)[idx], q, d, c), w_NK[:, idx].t()):
+        return None
+    return q, d, c
+
+
+class Exact4Linear(nn.Module):
+    """``y = x @ W.T`` for float32 ``x`` with W held as exact 4-bit blocks (``encode``); built from
+    one bias-free linear or from siblings that read the same input (their blocks stacked along
+    N, one kernel call; each sibling becomes a ``lp.model.quant.SharedInputPart``)."""
+
+    def __init__(self, linears: list[nn.Linear], codes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+        super().__init__()
+        assert linears and len(linears) == len(codes)
+        self.in_features = linears[0].in_features
+        self.splits = [lin.out_features for lin in linears]
+        self.out_features = sum(self.splits)
+        self.register_buffer("q", torch.cat([code[0] for code in codes]))
+        self.register_buffer("d", torch.cat([code[1] for code in codes]))
+        self.register_buffer("c", torch.cat([code[2] for code in codes]))
+        self._share = SharedProduct(len(self.splits))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x_MK = x.reshape(-1, self.in_features)
+        if dtype != torch.float32:
+            x_MK = x_MK.float()
+        y_MN = mm(x_MK, self.q, self.d, self.c)
+        if dtype != torch.float32:
+            y_MN = y_MN.to(dtype)
+        return y_MN.reshape(*x.shape[:-1], self.out_features)
+
+    def shared(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        """The stacked product for ``x``, computed once for the parts that read it one after the
+        other (lp.model.kernels.SharedProduct)."""
+        return self._share.get(x, part, self)
+
+    def extra_repr(self) -> str:
+        fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{fused}, exact 4-bit weights"
+
+
+def _plain(m) -> bool:
+    return type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.float32
+
+
+def convert(model: nn.Module) -> tuple[int, int]:
+    """Swap the linears whose weights encode exactly (see module doc); (converted, left)."""
+    from lp.model.quant import SharedInputPart
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    done = 0
+    for parent in list(model.modules()):
+        for names in FUSED:
+            parts = [getattr(parent, n, None) for n in names]
+            if not all(_plain(p) for p in parts) or len({p.in_features for p in parts}) != 1:
+                continue
+            codes = [encode(p.weight.detach()) for p in parts]
+            if any(code is None for code in codes):
+                continue
+            fused = Exact4Linear(parts, codes)
+            parent.add_module("_lp_" + "_".join(n.split("_")[0] for n in names), fused)
+            for i, n in enumerate(names):
+                setattr(parent, n, SharedInputPart(fused, i))
+            done += len(names)
+    left = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            code = encode(child.weight.detach()) if _plain(child) and child is not head else None
+            if code is None:
+                left += 1
+                continue
+            setattr(parent, name, Exact4Linear([child], [code]))
+            done += 1
+    log.info("model.quant=exact4: %d linears run on exact 4-bit blocks, %d left as they were", done, left)
+    return done, left

@@ -1,0 +1,133 @@
+"""model.quant=exact4 (lp.model.exact4): linears whose float32 weights are exact 4-bit blocks run
+lp's kernel on those blocks. Tiny models whose weights are rounded to 4-bit blocks the way a GGUF
+Q4_1 file's dequantization leaves them: every weight reproduced bit for bit, rows independent,
+fused q/k/v equal to separate, logits equal to the dense model's up to summation order, and
+lookahead (one sequence, a compiled batch) equal to generate on the converted model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lp.config import DecodingConfig
+from lp.engine.batch import BatchEngine
+from lp.engine.decoder import LookaheadDecoder
+from lp.model import exact4
+from lp.model.quant import quantize
+from lp.model.runner import ModelRunner
+from tests.helpers import REPETITIVE_PROMPT, hf_greedy
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86 CPU kernels")
+
+
+def to_q4_blocks(model: nn.Module) -> nn.Module:
+    """Every linear but the head rounded as Q4_1 stores it: per 32 weights along the input,
+    c = float16(min), d = float16((max - c) / 15), w = q * d + c with q in 0..15."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear) and m is not head:
+                w = m.weight.view(m.out_features, -1, 32)
+                c = w.amin(dim=2, keepdim=True).half().float()
+                d = ((w.amax(dim=2, keepdim=True) - c) / 15).half().float()
+                q = torch.round((w - c) / d).clamp(0, 15)
+                m.weight.copy_((q * d + c).view_as(m.weight))
+    return model
+
+
+@pytest.fixture(scope="module")
+def q4_model(tiny_factory):
+    return to_q4_blocks(copy.deepcopy(tiny_factory("llama")))
+
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, exact4.Exact4Linear)]
+
+
+def test_every_weight_comes_back_bit_for_bit(q4_model):
+    model = copy.deepcopy(q4_model)
+    dense = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert quantize(model, "exact4") == "exact4"
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn._lp_q_k_v, exact4.Exact4Linear)  # q/k/v fused, gate/up fused
+    assert isinstance(layer.mlp._lp_gate_up, exact4.Exact4Linear)
+    assert isinstance(model.get_output_embeddings(), nn.Linear)  # the head is not 4-bit: left as it was
+    for name, lin in model.named_modules():
+        if isinstance(lin, exact4.Exact4Linear):
+            eye = torch.eye(lin.in_features)
+            back_KN = lin(eye)
+            parts = [name.rsplit(".", 1)[0] + "." + p for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+                                                                  "o_proj", "down_proj")]
+            want = torch.cat([dense[p] for p in parts if p in dense][: len(lin.splits)]) if len(lin.splits) > 1 \
+                else dense[name]
+            assert torch.equal(back_KN.t(), want), name
+
+
+def test_rows_do_not_depend_on_each_other_and_fused_equals_separate(q4_model):
+    model = copy.deepcopy(q4_model)
+    attn = model.model.layers[1].self_attn
+    q_w, k_w = attn.q_proj.weight.detach().clone(), attn.k_proj.weight.detach().clone()
+    quantize(model, "exact4")
+    fused = model.model.layers[1].self_attn._lp_q_k_v
+    single = exact4.Exact4Linear([nn.Linear(64, q_w.shape[0], bias=False)], [exact4.encode(q_w)])
+    torch.manual_seed(1)
+    x = torch.randn(21, fused.in_features)
+    y = fused(x)
+    for m in (1, 2, 3, 5, 8, 9, 16, 21):  # every row tile the kernel has
+        assert torch.equal(fused(x[:m].clone()), y[:m]), m
+        assert torch.equal(fused(x[m - 1 : m].clone())[0], y[m - 1]), m
+    assert torch.equal(single(x), y[:, : q_w.shape[0]])  # the stacked columns equal the separate linear's
+    assert torch.allclose(y[:, q_w.shape[0] : q_w.shape[0] + k_w.shape[0]], x @ k_w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_weights_that_are_not_4_bit_blocks_stay_dense(tiny_factory):
+    w = torch.randn(64, 64)
+    assert exact4.encode(w) is None
+    assert exact4.encode(torch.randn(64, 48)) is None  # K not a multiple of 32
+    nearly = to_q4_blocks(nn.Linear(64, 64, bias=False))
+    with torch.no_grad():
+        nearly.weight[3, 7] = torch.nextafter(nearly.weight[3, 7], torch.tensor(1.0))  # one ulp off
+    assert exact4.encode(nearly.weight.detach()) is None
+    with pytest.raises(ValueError, match="model.quant=exact4: no linear of this model holds exact 4-bit blocks"):
+        quantize(copy.deepcopy(tiny_factory("llama")), "exact4")
+    with pytest.raises(ValueError, match="model.quant=exact4 runs float32 models on the CPU"):
+        quantize(copy.deepcopy(tiny_factory("llama")).to(torch.bfloat16), "exact4")
+
+
+def test_logits_equal_the_dense_model_up_to_summation_order(q4_model):
+    model = copy.deepcopy(q4_model)
+    quantize(model, "exact4")
+    ids = torch.tensor([REPETITIVE_PROMPT])
+    with torch.inference_mode():
+        want, got = q4_model(ids).logits, model(ids).logits
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+
+
+def test_lookahead_equals_generate_on_the_converted_model(q4_model):
+    import torch._dynamo
+
+    model = copy.deepcopy(q4_model)
+    quantize(model, "exact4")
+    ref = hf_greedy(model, REPETITIVE_PROMPT, 40)
+    assert ref == hf_greedy(q4_model, REPETITIVE_PROMPT, 40)  # and here equal to the dense model's
+    cfg = DecodingConfig(max_new_tokens=40, drafts="suffix", draft_budget="all", max_draft_rows=12, W=2, N=3, G=3,
+                         window_policy="always")
+    runner = ModelRunner(model)
+    assert runner.quant == "exact4" and runner.linears == "packed"  # the head it kept is packed
+    res = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT)
+    assert res.output_ids == ref and res.stats.compression_ratio > 1.0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = ModelRunner(model, small_rows="off", compile="on")
+    engine = BatchEngine(compiled, kv_tokens=1024, block_size=8, max_batch=3)
+    prompts = [REPETITIVE_PROMPT, REPETITIVE_PROMPT[4:], [7, 8, 9, 10] * 5]
+    ids = [engine.add(p, cfg) for p in prompts]
+    while engine.has_work:
+        engine.step()
+    for i, p in zip(ids, prompts):
+        assert engine.result(i).output_ids == hf_greedy(model, p, 40)
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] > 0, "the batched step never ran compiled"
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
