@@ -1,8 +1,9 @@
 """The server's batch engine offline: decoding variants A/B on one workload at a concurrency.
 
 Contract: ``python -m bench.engine_ab [--workload chat|code] [--concurrency 1,8] [--requests 16]
-[--tokens 64] [--rounds 3] [--variants budget,nocal,ar] [--compile on|off] [--threads 2]
-[--out DIR]`` builds the engine ``lp.serve`` builds (SmolLM2 fp32, ``model.compile``, the
+[--tokens 64] [--rounds 3] [--variants budget,nocal,ar] [--compile on|off] [--quant none|exact4]
+[--threads 2] [--out DIR]`` builds the engine ``lp.serve`` builds (SmolLM2 fp32, ``model.compile``,
+``model.quant``, the
 t(Q) curve and the batched step's costs from their caches, the prefix cache on), and for each
 concurrency C queues ``--requests`` prompts of the workload with at most C decoding at once
 (a finished sequence's slot refilled at the next step: what C closed-loop clients get from
@@ -48,7 +49,7 @@ def workload_ids(tokenizer, workload: str, k: int) -> list[list[int]]:
     return [out[i % len(out)] for i in range(k)]
 
 
-def build(compile_mode: str, threads: int):
+def build(compile_mode: str, threads: int, quant: str = "none"):
     """Runner, tokenizer, eos and batched-step costs as lp.serve builds them."""
     import torch
 
@@ -60,7 +61,7 @@ def build(compile_mode: str, threads: int):
     from lp.model.runner import ModelRunner
 
     torch.set_num_threads(threads)
-    model, tok = load_model(resolve_model_path("smollm2", None), "float32")
+    model, tok = load_model(resolve_model_path("smollm2", None), "float32", quant=quant)
     runner = ModelRunner(model, compile=compile_mode)
     curve = row_cost_curve(runner)
     if runner.compiled:
@@ -89,6 +90,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="budget,nocal,ar")
     ap.add_argument("--compile", default="on", choices=["on", "off"])
+    ap.add_argument("--quant", default="none", choices=["none", "exact4"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/engine_ab")
     args = ap.parse_args()
@@ -99,7 +101,7 @@ def main() -> None:
     for v in variants:
         if v not in VARIANTS:
             raise ValueError(f"--variants: each must be one of {', '.join(VARIANTS)}, got {v!r}")
-    runner, tok, eos, curve, cost = build(args.compile, args.threads)
+    runner, tok, eos, curve, cost = build(args.compile, args.threads, args.quant)
     prompts = workload_ids(tok, args.workload, args.requests)
     load0 = os.getloadavg()
     rows, ref = [], {}
@@ -132,7 +134,7 @@ def main() -> None:
                                                   "rows": rows}, indent=1))
     lines = [f"# The server's engine offline: {', '.join(variants)} on {args.workload}", "",
              f"Command: `{cmd}`  ",
-             f"SmolLM2-135M-Instruct fp32, model.compile={args.compile}, {args.threads} threads, {args.requests} "
+             f"SmolLM2-135M-Instruct fp32, model.compile={args.compile}, model.quant={args.quant}, {args.threads} threads, {args.requests} "
              f"requests of {args.tokens} new tokens, at most C decoding at once; every round listed "
              f"(median [min-max]); load average {[round(x, 2) for x in load0]} -> {[round(x, 2) for x in load1]}.", "",
              "| C | variant | tok/s median [range] | steps | rows / step | calibration after | outputs == reference |",

@@ -146,7 +146,11 @@ class Exact4Linear(nn.Module):
 
 
 def _plain(m) -> bool:
-    return type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.float32
+    """A bias-free float32 linear: nn.Linear, or lp.model.kernels' swap of one (a runner built on
+    this model before shares its weight)."""
+    from lp.model.quant import _is_linear
+
+    return _is_linear(m) and m.bias is None and m.weight.dtype == torch.float32
 
 
 def convert(model: nn.Module) -> tuple[int, int]:
