@@ -7,6 +7,7 @@ lookahead (one sequence, a compiled batch) equal to generate on the converted mo
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from lp.model.quant import quantize
 from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86 CPU kernels")
+pytestmark = [pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86 CPU kernels"),
+              pytest.mark.skipif(shutil.which("g++") is None or shutil.which("ninja") is None,
+                                 reason="the exact4 kernel is built with g++ and ninja")]
 
 
 def to_q4_blocks(model: nn.Module) -> nn.Module:

@@ -315,9 +315,9 @@ def bf16_ulp(x: float) -> float:
 def test_smollm2_bfloat16_equals_generate_except_near_ties():
     """bfloat16 (the GPU default, and the CPU default on AMX machines): lookahead at the
     defaults equals generate in bfloat16 on 4 prompts, except where the two part at a
-    near-tie: the top-2 gap of a plain bfloat16 forward on the common prefix within
+    near-tie: both tokens' logits in a plain bfloat16 forward on the common prefix within
     BF16_TIE_ULPS bfloat16 ulps of the top logit (a packed forward rounds differently by a
-    few ulps), the token lookahead took among those two; at most BF16_MAX_DIVERGED prompts."""
+    few ulps); at most BF16_MAX_DIVERGED prompts."""
     from lp.config import DecodingConfig
     from lp.engine.decoder import LookaheadDecoder
     from lp.model.runner import ModelRunner
@@ -340,12 +340,15 @@ def test_smollm2_bfloat16_equals_generate_except_near_ties():
         assert d is not None, f"{kind}{i}: one output is a strict prefix of the other: {len(got)} vs {len(ref)}"
         with torch.inference_mode():
             logits = model(input_ids=torch.tensor([ids + ref[:d]])).logits[0, -1].float()
-        top = torch.topk(logits, 2)
-        gap = (top.values[0] - top.values[1]).item()
-        tie = BF16_TIE_ULPS * bf16_ulp(top.values[0].item())
-        near = gap <= tie and got[d] in top.indices.tolist()
+        # both tokens within the tie bound of the plain forward's top logit (a tie may hold more
+        # than two tokens: on an AMX machine chat0's first token ties three ways at gap 0)
+        best = logits.max().item()
+        tie = BF16_TIE_ULPS * bf16_ulp(best)
+        gap = max(best - logits[got[d]].item(), best - logits[ref[d]].item())
+        near = gap <= tie
         diverged.append((near, f"{kind}{i} at new token {d}: lookahead {got[d]} vs generate {ref[d]}, "
-                               f"top-2 gap {gap:.3g} (near-tie bound {tie:.3g})"))
+                               f"gap to the top {gap:.3g} (near-tie bound {tie:.3g}, "
+                               f"{int((logits >= best - tie).sum())} tokens within it)"))
     for near, line in diverged:
         warnings.warn(f"bfloat16 {'near-tie' if near else 'DIVERGENCE'}: {line}")
     assert all(near for near, _ in diverged), [line for near, line in diverged if not near]

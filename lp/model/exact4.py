@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lp.model.kernels import FUSED, SharedProduct
+from lp.model.kernels import FUSED, SharedInputPart, SharedProduct, is_linear
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def encode(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 class Exact4Linear(nn.Module):
     """``y = x @ W.T`` for float32 ``x`` with W held as exact 4-bit blocks (``encode``); built from
     one bias-free linear or from siblings that read the same input (their blocks stacked along
-    N, one kernel call; each sibling becomes a ``lp.model.quant.SharedInputPart``)."""
+    N, one kernel call; each sibling becomes a ``lp.model.kernels.SharedInputPart``)."""
 
     def __init__(self, linears: list[nn.Linear], codes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
         super().__init__()
@@ -148,15 +148,11 @@ class Exact4Linear(nn.Module):
 def _plain(m) -> bool:
     """A bias-free float32 linear: nn.Linear, or lp.model.kernels' swap of one (a runner built on
     this model before shares its weight)."""
-    from lp.model.quant import _is_linear
-
-    return _is_linear(m) and m.bias is None and m.weight.dtype == torch.float32
+    return is_linear(m) and m.bias is None and m.weight.dtype == torch.float32
 
 
 def convert(model: nn.Module) -> tuple[int, int]:
     """Swap the linears whose weights encode exactly (see module doc); (converted, left)."""
-    from lp.model.quant import SharedInputPart
-
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     done = 0
     for parent in list(model.modules()):

@@ -317,3 +317,29 @@ def pack(model: nn.Module) -> int:
                 PACKED.append(weakref.ref(module.packed_weight))
             count += 1
     return count
+
+
+class SharedInputPart(nn.Module):
+    """One of several linears that read the same input, fused into one module with ``splits``
+    and ``shared(x, part)`` (lp.model.quant's ``RowInt8Linear``, lp.model.exact4's ``Exact4Linear``):
+    the model calls each part as before (``self.q_proj(x)``, ``self.k_proj(x)``, ...); the
+    first computes the fused product, each returns its own columns."""
+
+    def __init__(self, fused: nn.Module, part: int):
+        super().__init__()
+        self.fused = [fused]  # a list: the fused module is registered once, on the parent
+        self.part = part
+        self.start = sum(fused.splits[:part])
+        self.stop = self.start + fused.splits[part]
+        self.in_features, self.out_features = fused.in_features, fused.splits[part]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused[0].shared(x, self.part)[..., self.start : self.stop]
+
+    def extra_repr(self) -> str:
+        return f"columns {self.start}:{self.stop} of a fused {type(self.fused[0]).__name__}"
+
+
+def is_linear(m) -> bool:
+    """A plain nn.Linear, or this module's swap of one (``SmallRowsLinear``)."""
+    return type(m) is nn.Linear or type(m) is SmallRowsLinear

@@ -55,7 +55,8 @@ import warnings
 import torch
 from torch import nn
 
-from lp.model.kernels import FUSED, SharedProduct
+from lp.model.kernels import FUSED, SharedInputPart, SharedProduct
+from lp.model.kernels import is_linear as _is_linear
 
 log = logging.getLogger(__name__)
 
@@ -159,30 +160,6 @@ class RowInt8Linear(nn.Module):
         fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}{fused}, int8 weights, "
                 "per-row int8 activations")
-
-
-class SharedInputPart(nn.Module):
-    """One of several linears that read the same input, fused into one ``RowInt8Linear``:
-    the model calls each part as before (``self.q_proj(x)``, ``self.k_proj(x)``, ...); the
-    first computes the fused product, each returns its own columns."""
-
-    def __init__(self, fused: RowInt8Linear, part: int):
-        super().__init__()
-        self.fused = [fused]  # a list: the fused module is registered once, on the parent
-        self.part = part
-        self.start = sum(fused.splits[:part])
-        self.stop = self.start + fused.splits[part]
-        self.in_features, self.out_features = fused.in_features, fused.splits[part]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused[0].shared(x, self.part)[..., self.start : self.stop]
-
-    def extra_repr(self) -> str:
-        return f"columns {self.start}:{self.stop} of a fused {type(self.fused[0]).__name__}"
-
-
-def _is_linear(m) -> bool:
-    return type(m) is nn.Linear or (isinstance(m, nn.Linear) and type(m).__name__ == "SmallRowsLinear")
 
 
 def _fuse_shared_inputs(model: nn.Module) -> int:
