@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lp.model.kernels import FUSED, SharedInputPart, SharedProduct, is_linear
+from lp.model.kernels import SharedProduct, fuse_siblings, is_linear
 
 log = logging.getLogger(__name__)
 
@@ -154,20 +154,12 @@ def _plain(m) -> bool:
 def convert(model: nn.Module) -> tuple[int, int]:
     """Swap the linears whose weights encode exactly (see module doc); (converted, left)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    done = 0
-    for parent in list(model.modules()):
-        for names in FUSED:
-            parts = [getattr(parent, n, None) for n in names]
-            if not all(_plain(p) for p in parts) or len({p.in_features for p in parts}) != 1:
-                continue
-            codes = [encode(p.weight.detach()) for p in parts]
-            if any(code is None for code in codes):
-                continue
-            fused = Exact4Linear(parts, codes)
-            parent.add_module("_lp_" + "_".join(n.split("_")[0] for n in names), fused)
-            for i, n in enumerate(names):
-                setattr(parent, n, SharedInputPart(fused, i))
-            done += len(names)
+
+    def make(parts):
+        codes = [encode(p.weight.detach()) for p in parts]
+        return None if any(code is None for code in codes) else Exact4Linear(parts, codes)
+
+    done = fuse_siblings(model, make, accept=_plain)
     left = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

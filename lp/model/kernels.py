@@ -343,3 +343,25 @@ class SharedInputPart(nn.Module):
 def is_linear(m) -> bool:
     """A plain nn.Linear, or this module's swap of one (``SmallRowsLinear``)."""
     return type(m) is nn.Linear or type(m) is SmallRowsLinear
+
+
+def fuse_siblings(model: nn.Module, make, accept=is_linear) -> int:
+    """Every group of sibling linears that read one input (``FUSED``: q/k/v, gate/up) whose
+    members all pass ``accept`` and share ``in_features``, replaced by ``make(parts)`` (a module
+    with ``splits`` and ``shared``; None: the group stays as it is) registered on the parent as
+    ``_lp_q_k_v`` / ``_lp_gate_up``, each member by its ``SharedInputPart``. Returns the linears
+    replaced (lp.model.quant's int8 and lp.model.exact4's exact 4-bit modules)."""
+    count = 0
+    for parent in list(model.modules()):
+        for names in FUSED:
+            parts = [getattr(parent, n, None) for n in names]
+            if not all(accept(p) for p in parts) or len({p.in_features for p in parts}) != 1:
+                continue
+            fused = make(parts)
+            if fused is None:
+                continue
+            parent.add_module("_lp_" + "_".join(n.split("_")[0] for n in names), fused)
+            for i, n in enumerate(names):
+                setattr(parent, n, SharedInputPart(fused, i))
+            count += len(names)
+    return count

@@ -55,7 +55,7 @@ import warnings
 import torch
 from torch import nn
 
-from lp.model.kernels import FUSED, SharedInputPart, SharedProduct
+from lp.model.kernels import SharedInputPart, SharedProduct, fuse_siblings  # noqa: F401  (SharedInputPart re-exported)
 from lp.model.kernels import is_linear as _is_linear
 
 log = logging.getLogger(__name__)
@@ -160,22 +160,6 @@ class RowInt8Linear(nn.Module):
         fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}{fused}, int8 weights, "
                 "per-row int8 activations")
-
-
-def _fuse_shared_inputs(model: nn.Module) -> int:
-    """Stack q/k/v and gate/up of every attention and MLP block into one RowInt8Linear each."""
-    count = 0
-    for parent in list(model.modules()):
-        for names in FUSED:  # linears that read the same input
-            parts = [getattr(parent, n, None) for n in names]
-            if not all(_is_linear(p) for p in parts) or len({p.in_features for p in parts}) != 1:
-                continue
-            fused = RowInt8Linear(*parts)
-            parent.add_module("_lp_" + "_".join(n.split("_")[0] for n in names), fused)
-            for i, n in enumerate(names):
-                setattr(parent, n, SharedInputPart(fused, i))
-            count += len(names)
-    return count
 
 
 def _swap_linears(model: nn.Module, make) -> int:
@@ -316,7 +300,7 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
             raise ValueError("model.quant=int8 on the CPU needs torch's fbgemm engine (x86); use model.quant=none")
         torch.backends.quantized.engine = "fbgemm"
         model.float()
-        n = _fuse_shared_inputs(model) + _swap_linears(model, RowInt8Linear)
+        n = fuse_siblings(model, lambda parts: RowInt8Linear(*parts)) + _swap_linears(model, RowInt8Linear)
         # sdpa rounds differently for 1 and Q rows, and int8 activations amplify that into
         # different logits: attention whose rows are independent keeps lookahead == generate
         from lp.model import exact_attention
