@@ -86,6 +86,17 @@ def test_rows_do_not_depend_on_each_other_and_fused_equals_separate(q4_model):
     assert torch.allclose(y[:, q_w.shape[0] : q_w.shape[0] + k_w.shape[0]], x @ k_w.t(), rtol=1e-5, atol=1e-5)
 
 
+def test_the_kernel_runs_on_every_thread():
+    """ATen's parallel_for is inline OpenMP: an extension built without -fopenmp runs it on the
+    calling thread only (the kernel was single-threaded so, at half its speed on two cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert exact4.extension().parallel_width() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_weights_that_are_not_4_bit_blocks_stay_dense(tiny_factory):
     w = torch.randn(64, 64)
     assert exact4.encode(w) is None

@@ -24,8 +24,9 @@ float32 matmul in another order. Each row's output depends on that row only (the
 operations whatever the row count), so lookahead == ``generate`` on the converted model, and
 the products differ from the dense model's only by summation order, like any change of
 kernel (lp.model.kernels). Measured on a 2-vCPU Sapphire Rapids VM, SmolLM2's 30 layers of
-linears, weights streamed from memory: 1 row 14 ms vs 22 dense, 4 rows 16 vs 39, 8 rows 35 vs
-45, 16 rows 71 vs 52 (the kernel is compute-bound past a few rows).
+linears, weights streamed from memory, both threads (the kernel's ``at::parallel_for`` is
+OpenMP: built with ``-fopenmp``, else it runs on one thread): 1 row 9.3 ms vs 21.5 dense, 8 rows
+13.8 vs 42.7, 16 rows 23.4 vs 49.0, 64 rows 74 vs 81 (compute-bound past a few rows).
 
 How the blocks are found: per block, ``c`` = the block's minimum, ``d`` = float16 of (max - c) /
 15, ``q`` = round((w - c) / d) clamped to 0..15 (Q4_1's own construction), and both must be
@@ -60,8 +61,9 @@ def extension():
 
     log.info("model.quant=exact4: building the kernel %s (once per machine, ~30 s)", _SRC)
     try:
-        mod = cpp_extension.load(name="lp_exact4", sources=[str(_SRC)], extra_cflags=["-O3", "-march=native"],
-                                 verbose=False)
+        # -fopenmp: ATen's parallel_for is inline OpenMP, without it the kernel runs on one thread
+        mod = cpp_extension.load(name="lp_exact4", sources=[str(_SRC)],
+                                 extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
     except Exception as e:  # a compiler or ninja missing: the user's fix, said plainly
         raise ValueError(f"model.quant=exact4 needs a C++ compiler (g++) and ninja to build its kernel: {e}") from e
     torch.library.register_fake("lp_exact4::mm")(_mm_shape)

@@ -10,6 +10,7 @@
 // (GGUF Q4_1's own order); d, c [N, K / 32] float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cmath>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -133,6 +134,18 @@ bool exact4_avx512() {
 #endif
 }
 
+// how many threads at::parallel_for runs here: 1 when the build lacked -fopenmp (ATen's
+// parallel_for is inline OpenMP; without the flag it silently runs on the calling thread)
+int64_t exact4_parallel_width() {
+  std::atomic<int64_t> width{1};
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    const int64_t mine = at::get_thread_num() + 1;
+    int64_t seen = width.load();
+    while (mine > seen && !width.compare_exchange_weak(seen, mine)) {}
+  });
+  return width.load();
+}
+
 // the op lp.model.exact4's linears call: torch.ops.lp_exact4.mm, opaque to torch.compile (its fake is
 // registered in Python)
 TORCH_LIBRARY(lp_exact4, m) {
@@ -146,4 +159,5 @@ TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact4_mm", &exact4_mm, "x @ W.T with W as exact 4-bit blocks (float32 math)");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
+  m.def("parallel_width", &exact4_parallel_width, "threads the kernel's parallel_for runs on");
 }
