@@ -4,7 +4,7 @@ Knows: loading a checkpoint (``loader``), running a packed step through the mode
 forward with explicit positions and a 4-D mask (``runner``), attention kernels (``attention``,
 the row-exact one in ``exact_attention``), small-row and packed matmuls (``kernels``), the LM
 head's greedy screen (``head``), int8/int4 weights (``quant``), linears on exact 4-bit blocks with
-their C++ kernel (``exact4``, ``csrc/exact4.cpp``), the static packed K/V cache
+their C++ kernel (``exact4``, ``csrc/lp_exact4.cpp``), the static packed K/V cache
 (``kv``) and the paged pool (``paged``), CUDA-graph
 stepping (``graphs``), the measured t(Q) curve (``calibrate``), and transformers
 ``generate``'s processors for the same logits settings (``hf_generate``).

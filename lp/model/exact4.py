@@ -1,7 +1,7 @@
 """Exact 4-bit weights (``model.quant=exact4``): linears whose float32 weights *are* 4-bit blocks
 run a kernel that streams those blocks and forms every float32 weight from them exactly.
 
-Contract: ``encode(w_NK)`` returns ``(q, d, c)`` (see ``csrc/exact4.cpp`` for the layout) when
+Contract: ``encode(w_NK)`` returns ``(q, d, c)`` (see ``csrc/lp_exact4.cpp`` for the layout) when
 every weight of ``w_NK`` [out N, in K] is ``fma(q, d, c)`` of a 4-bit ``q`` and a per-block
 (32 weights along K) pair of float16 values ``d``, ``c`` — checked bit for bit, in float32 and
 through the kernel itself — else None. ``convert(model)`` replaces each group of sibling
@@ -17,7 +17,7 @@ weights with float16 ``d``, ``m`` — holds only 16 distinct values a block, yet
 streams 32 bits a weight, and batch-1 decoding on a CPU waits on those bytes. The same weights
 as 4 bits plus 8 bytes a block are 5.3x fewer bytes. torch's own int4 CPU GEMM
 (``aten._weight_int4pack_mm_for_cpu``) takes float32 inputs but measured 121 ms a SmolLM2 step
-against 44 dense here, hence lp's kernel (``csrc/exact4.cpp``, built once per machine with
+against 44 dense here, hence lp's kernel (``csrc/lp_exact4.cpp``, built once per machine with
 torch's C++ extension loader, ~30 s): each weight ``fma(q, d, c)`` in float32 (``q * d`` is
 exact, so the one rounding gives the checkpoint's weight), then the same multiply-adds as a
 float32 matmul in another order. Each row's output depends on that row only (the same
@@ -39,33 +39,22 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from lp.model.kernels import SharedProduct, fuse_siblings, is_linear
+from lp.model.kernels import SharedProduct, build_extension, fuse_siblings, is_linear
 
 log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per (d, c) pair along K: Q4_0 / Q4_1's block
-_SRC = Path(__file__).resolve().parent / "csrc" / "exact4.cpp"
 
 
 @functools.lru_cache(maxsize=1)
 def extension():
     """The compiled kernel (``torch.ops.lp_exact4.mm``), built on first use and cached by torch
-    (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); a ValueError naming what is
-    missing when it cannot be built."""
-    from torch.utils import cpp_extension
-
-    log.info("model.quant=exact4: building the kernel %s (once per machine, ~30 s)", _SRC)
-    try:
-        # -fopenmp: ATen's parallel_for is inline OpenMP, without it the kernel runs on one thread
-        mod = cpp_extension.load(name="lp_exact4", sources=[str(_SRC)],
-                                 extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
-    except Exception as e:  # a compiler or ninja missing: the user's fix, said plainly
-        raise ValueError(f"model.quant=exact4 needs a C++ compiler (g++) and ninja to build its kernel: {e}") from e
+    (lp.model.kernels.build_extension); a ValueError naming what is missing when it cannot be built."""
+    mod = build_extension("lp_exact4", "model.quant=exact4")
     torch.library.register_fake("lp_exact4::mm")(_mm_shape)
     return mod
 

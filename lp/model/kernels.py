@@ -41,7 +41,9 @@ GEMV is as fast). The calibration times Q = 1 both ways like any other Q.
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +176,23 @@ PACKED: list = []  # weak references: a dropped model frees its packed copy
 
 
 _LIB = torch.library.Library("lp", "FRAGMENT")
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+
+def build_extension(name: str, what: str):
+    """lp's C++ kernel ``csrc/<name>.cpp`` as a loaded module (its ops under ``torch.ops.<name>``),
+    built on first use with torch's extension loader and cached by torch
+    (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; rebuilt when the source or
+    flags change). ``-fopenmp``: ATen's ``parallel_for`` is inline OpenMP, without the flag it
+    runs on one thread. A ValueError naming ``what`` needs it when it cannot be built."""
+    from torch.utils import cpp_extension
+
+    logging.getLogger(__name__).info("%s: building the kernel %s.cpp (once per machine, ~30 s)", what, name)
+    try:
+        return cpp_extension.load(name=name, sources=[str(CSRC / f"{name}.cpp")],
+                                  extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+    except Exception as e:  # a compiler or ninja missing: the user's fix, said plainly
+        raise ValueError(f"{what} needs a C++ compiler (g++) and ninja to build its kernel: {e}") from e
 
 
 def opaque_op(schema: str, fake):

@@ -1,0 +1,129 @@
+"""lp's C++ paged attention (csrc/lp_attention.cpp, ``torch.ops.lp_attention.paged``) against the
+Python op it replaces on float32 CPU steps (``lp::paged_attention``: one sdpa call a sequence):
+one-row sequences, trees with their masks, fragmented keys, the sliding mask, long sequences
+(its sdpa route) and padding spans; a sequence's output does not depend on the others in the
+batch; a batched engine on the C++ op equals generate."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lp.model import attention
+from lp.model.attention import FIRST, KEYS, MASK, QO, ROWS, SLIDING, SLOTS
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None or shutil.which("ninja") is None,
+                                reason="the kernel is built with g++ and ninja")
+
+H, HKV, D, POOL = 6, 2, 32, 512
+
+
+@pytest.fixture(scope="module")
+def op():
+    got = attention.native_attention()
+    assert got is not None
+    return got
+
+
+def _batch(seqs, seed=0, sliding=False):
+    """seqs: (rows, keys, fragmented); each tree's mask hides a random set of its own rows
+    (the prefix always visible, a row always sees itself); every span of the table."""
+    g = torch.Generator().manual_seed(seed)
+    spans, masks, slots, qo, at, first = [], [], [], 0, 0, 0
+    for q, k, frag in seqs:
+        span = [0] * 7
+        span[QO], span[ROWS], span[KEYS], span[MASK], span[SLIDING], span[SLOTS] = qo, q, k, -1, -1, -1
+        if frag:
+            span[FIRST], span[SLOTS] = -1, sum(t.numel() for t in slots)
+            slots.append(torch.randperm(POOL, generator=g)[:k])
+        else:
+            span[FIRST] = first
+            first += k + 7
+        if q > 1:
+            hide = torch.rand(q, q, generator=g) < 0.4
+            hide.fill_diagonal_(False)
+            m = torch.zeros(q, k)
+            m[:, k - q:] = torch.zeros(q, q).masked_fill(hide, float("-inf"))
+            span[MASK], at = at, at + q * k
+            masks.append(m.view(-1))
+        if sliding:
+            m = torch.zeros(q, k)
+            m[:, : k // 3] = float("-inf")
+            span[SLIDING], at = at, at + q * k
+            masks.append(m.view(-1))
+        spans.append(span)
+        qo += q
+    spans.append([qo, 0, 0, 0, -1, -1, -1])  # a padding span
+    masks.append(torch.zeros(2))
+    slots.append(torch.zeros(2, dtype=torch.long))
+    query = torch.randn(1, qo, H, D, generator=g).transpose(1, 2)  # transformers' layout: a transposed view
+    key = torch.randn(1, HKV, POOL, D, generator=g)
+    value = torch.randn(1, HKV, POOL, D, generator=g)
+    return query, key, value, torch.tensor(spans), torch.cat(masks), torch.cat(slots)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_equals_the_python_op(op, sliding):
+    seqs = [(1, 37, False), (1, 1, False), (3, 20, False), (2, 64, True), (1, 130, True), (9, 40, False),
+            (attention.NATIVE_ROWS, 33, False)]
+    query, key, value, spans, masks, slots = _batch(seqs, sliding=sliding)
+    want = attention.paged_attention(query, key, value, spans, masks, slots, 0.17, sliding)
+    got = op(query, key, value, spans, masks, slots, 0.17, sliding, attention.NATIVE_ROWS)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.allclose(got, want, rtol=1e-5, atol=2e-6), (got - want).abs().max()
+    # every row through the C++ loop (no sdpa route) equals too
+    got_all = op(query, key, value, spans, masks, slots, 0.17, sliding, 1000)
+    assert torch.allclose(got_all, want, rtol=1e-5, atol=2e-6), (got_all - want).abs().max()
+
+
+def test_a_sequence_does_not_depend_on_the_others(op):
+    seqs = [(1, 50, False), (2, 30, True), (1, 90, False), (3, 12, False)]
+    query, key, value, spans, masks, slots = _batch(seqs, seed=3)
+    both = op(query, key, value, spans, masks, slots, 0.125, False, attention.NATIVE_ROWS)
+    alone = spans.clone()
+    alone[1:, ROWS] = 0  # the first sequence alone: the others as padding spans
+    first = op(query, key, value, alone, masks, slots, 0.125, False, attention.NATIVE_ROWS)
+    assert torch.equal(first[:, :1], both[:, :1])
+    last = spans.clone()
+    last[:3, ROWS] = 0
+    got = op(query, key, value, last, masks, slots, 0.125, False, attention.NATIVE_ROWS)
+    assert torch.equal(got[:, 4:], both[:, 4:])
+    torch.set_num_threads(1)
+    try:
+        one_thread = op(query, key, value, spans, masks, slots, 0.125, False, attention.NATIVE_ROWS)
+    finally:
+        torch.set_num_threads(2)
+    assert torch.equal(one_thread, both)
+
+
+def test_a_fully_masked_row_is_nan_like_sdpa(op):
+    query, key, value, spans, masks, slots = _batch([(2, 10, False)], seed=5)
+    masks[: 2 * 10] = float("-inf")  # both rows see nothing
+    got = op(query, key, value, spans, masks, slots, 0.125, False, attention.NATIVE_ROWS)
+    assert torch.isnan(got).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_batched_engine_on_the_cpp_op_equals_generate(tiny_factory, monkeypatch, family):
+    from lp.config import DecodingConfig
+    from lp.engine.batch import BatchEngine
+    from lp.model.runner import ModelRunner
+    from tests.helpers import REPETITIVE_PROMPT, hf_greedy
+
+    model = tiny_factory(family)
+    runner = ModelRunner(model)
+    engine = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=3)
+    calls = []
+    native = attention._NATIVE
+    assert native is not None
+    monkeypatch.setattr(attention, "_NATIVE", lambda *a: calls.append(a[3][:, ROWS].tolist()) or native(*a))
+    cfg = DecodingConfig(max_new_tokens=24, drafts="suffix", draft_budget="all", max_draft_rows=6)
+    prompts = [REPETITIVE_PROMPT, REPETITIVE_PROMPT[3:], [5, 6, 7, 8, 9] * 4]
+    ids = [engine.add(p, cfg) for p in prompts]
+    while engine.has_work:
+        engine.step()
+    for i, p in zip(ids, prompts):
+        assert engine.result(i).output_ids == hf_greedy(model, p, 24)
+    assert calls and any(len([r for r in rows if r]) == 3 for rows in calls)  # steps of all three ran it
