@@ -372,6 +372,29 @@ def test_compiled_batched_step_equals_generate(tiny_factory):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "another batch recompiled"
 
 
+def test_two_compiled_models_of_one_class_each_run_their_own(tiny_factory):
+    """The compiled step drops dynamo's guards on modules and parameters (lp.model.runner); each
+    runner compiles its own copy of the forward, so a second model of the same class (other
+    weights, another epsilon in its norms: a module attribute the graph holds as a constant)
+    never runs the first one's graph."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    models = [tiny_factory("llama"), tiny_factory("llama", seed=3, rms_norm_eps=0.3)]
+    cfg = DecodingConfig(max_new_tokens=16, **TREE)
+    engines = [BatchEngine(ModelRunner(m, small_rows="off", linears="packed", compile="on"), kv_tokens=512, block_size=8,
+                           max_batch=2)
+               for m in models]
+    for _ in range(2):  # interleaved: each engine's steps after the other's graphs exist
+        for model, engine in zip(models, engines):
+            ids = [engine.add(p, cfg) for p in PROMPTS[:2]]
+            while engine.has_work:
+                engine.step()
+            for i, p in zip(ids, PROMPTS[:2]):
+                assert engine.result(i).output_ids == hf_greedy(model, p, 16)
+    assert hf_greedy(models[0], PROMPTS[0], 16) != hf_greedy(models[1], PROMPTS[0], 16)
+
+
 def test_ar_mode_in_a_batch_is_one_token_a_step(tiny_factory):
     """decoding.mode=ar beside a drafting request: both equal generate, the ar one publishes
     exactly one token a step (no drafts, no window); mode=hf has no batched engine."""
