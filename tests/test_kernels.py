@@ -221,7 +221,7 @@ def test_compiled_step_decodes_exactly_like_generate(tiny_factory):
     assert stats["unique_graphs"] <= 3, dict(stats)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     graphs = stats["unique_graphs"]
-    assert not _aliasing_guards(model), "a compiled step re-checks in Python what every linear shares"
+    assert not _aliasing_guards(runner), "a compiled step re-checks in Python what every linear shares"
     cfg.max_new_tokens = 40  # another generation, another length: its buffers fall in the same buckets
     again = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT[2:])
     assert again.output_ids == hf_greedy(model, REPETITIVE_PROMPT[2:], 40)
@@ -231,13 +231,13 @@ def test_compiled_step_decodes_exactly_like_generate(tiny_factory):
         ModelRunner(model, compile="yes")
 
 
-def _aliasing_guards(model) -> list[str]:
+def _aliasing_guards(runner) -> list[str]:
     """The compiled forward's guards that dynamo evaluates in Python (LAMBDA_GUARD) on the
     layers' shared switch, fused group or packed weight: one object reached from many modules
     is an aliasing guard per module, ~1 us each on every call (lp.model.kernels keys them)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    lines = [line for entry in _debug_get_cache_entry_list(model.forward.__func__.__code__)
+    lines = [line for entry in _debug_get_cache_entry_list(runner._traced.__func__.__code__)
              for line in str(entry.guard_manager).splitlines() if "LAMBDA_GUARD" in line]
     assert lines, "no guard found: the cache entries moved"  # the inspection itself still works
     return [line for line in lines if any(k in line for k in (".switch", ".fused", "packed_weight", "_group"))]

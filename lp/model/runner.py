@@ -238,7 +238,7 @@ class ModelRunner:
         if self.compiled and static:
             raise ValueError("model.compile=on and model.cuda_graphs=true are two ways to the same static step: pick one")
         self._forward = self._compiled_forward if self.compiled else model
-        self._compiled = None
+        self._compiled = self._traced = None
 
     def _compiled_forward(self, **kwargs):
         """The model's forward under torch.compile (inductor), dynamic in the row count and the
@@ -247,7 +247,8 @@ class ModelRunner:
         if self._compiled is None:
             log.info("model.compile=on: compiling the packed step with torch.compile (once per process; "
                      "inductor caches its kernels on disk for the next start)")
-            self._compiled = torch.compile(_own_forward(self.model), dynamic=True, options=_COMPILE_OPTIONS)
+            self._traced = _own_forward(self.model)  # the code object dynamo keeps this runner's graphs on
+            self._compiled = torch.compile(self._traced, dynamic=True, options=_COMPILE_OPTIONS)
         return self._compiled(**kwargs)
 
     # -- per-generation state ---------------------------------------------------
