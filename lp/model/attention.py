@@ -25,8 +25,8 @@ exploit that shape; ``lp.model.runner.ModelRunner`` builds their masks and selec
   ``NATIVE_ROWS`` rows (decoding rows, small trees) in one parallel loop, longer ones (prefill
   chunks) one ATen sdpa each. Measured on the 2-vCPU Sapphire Rapids VM, 8 one-row sequences
   of 150-400 keys, SmolLM2's heads: 92 us a layer against 400 for one sdpa call a sequence from
-  Python. Elsewhere (bf16, CUDA, no compiler, ``LP_NATIVE_ATTENTION=0``): ``lp::paged_attention``,
-  one sdpa call per sequence from Python.
+  Python. Elsewhere (bf16, CUDA, a build without AVX-512, no compiler, ``LP_NATIVE_ATTENTION=0``):
+  ``lp::paged_attention``, one sdpa call per sequence from Python.
 
 All return ``(out [B, Q, H, D], None)`` like transformers' own attention functions.
 
@@ -225,22 +225,27 @@ def _native_shape(query, key, value, spans, masks, slots, scale, sliding, max_ro
 
 
 def native_attention():
-    """lp's C++ paged attention op, or None where it cannot be built (a warning, once) or
-    ``LP_NATIVE_ATTENTION=0`` asks for the Python op."""
+    """lp's C++ paged attention op where it was measured faster: built with AVX-512 (its scalar
+    loop elsewhere is correct but not measured, so there the Python op stays); None also where
+    it cannot be built (a warning, once) or ``LP_NATIVE_ATTENTION=0`` asks for the Python op."""
     if os.environ.get("LP_NATIVE_ATTENTION", "1") == "0":
         return None
-    return _load_native()
+    built = native_op()
+    if built is None or not built[0].avx512():
+        return None
+    return built[1]
 
 
 @functools.lru_cache(maxsize=1)
-def _load_native():
+def native_op():
+    """(module, ``torch.ops.lp_attention.paged``) once built, or None where it cannot be."""
     try:
-        build_extension("lp_attention", "the batched step's attention")
+        mod = build_extension("lp_attention", "the batched step's attention")
     except ValueError as e:
         log.warning("%s; batched steps run one sdpa call per sequence instead", e)
         return None
     torch.library.register_fake("lp_attention::paged")(_native_shape)
-    return torch.ops.lp_attention.paged.default
+    return mod, torch.ops.lp_attention.paged.default
 
 
 def batch_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, lp_spans=None,

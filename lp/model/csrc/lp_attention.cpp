@@ -226,6 +226,15 @@ TORCH_LIBRARY_IMPL(lp_attention, CPU, m) {
   m.impl("paged", &lp_paged_attention);
 }
 
+bool lp_attention_avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged", &lp_paged_attention, "every short sequence of a batched step against its own paged keys");
+  m.def("avx512", &lp_attention_avx512, "whether this build runs the AVX-512 path (else a scalar loop)");
 }
