@@ -187,7 +187,8 @@ def build_extension(name: str, what: str):
     runs on one thread. A ValueError naming ``what`` needs it when it cannot be built."""
     from torch.utils import cpp_extension
 
-    logging.getLogger(__name__).info("%s: building the kernel %s.cpp (once per machine, ~30 s)", what, name)
+    logging.getLogger(__name__).info("%s: loading the kernel %s.cpp (built on the first load on a machine, ~30 s)",
+                                     what, name)
     try:
         return cpp_extension.load(name=name, sources=[str(CSRC / f"{name}.cpp")],
                                   extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
