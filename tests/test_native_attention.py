@@ -91,11 +91,12 @@ def test_a_sequence_does_not_depend_on_the_others(op):
     last[:3, ROWS] = 0
     got = op(query, key, value, last, masks, slots, 0.125, False, attention.NATIVE_ROWS)
     assert torch.equal(got[:, 4:], both[:, 4:])
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         one_thread = op(query, key, value, spans, masks, slots, 0.125, False, attention.NATIVE_ROWS)
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(before)
     assert torch.equal(one_thread, both)
 
 
