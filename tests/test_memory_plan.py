@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lp.parallel import memory
-from lp.parallel.memory import GiB, MemoryPlan, plan_memory, weight_bytes
+from lp.parallel.memory import GiB, MemoryPlan, plan_memory, weight_bytes, weights_bytes
 from tests.helpers import make_tiny_model
 
 
@@ -76,8 +76,56 @@ def test_plans_that_cannot_fit_name_the_setting():
         _plan(kv_pool=75 * GiB).check()
     with pytest.raises(ValueError, match=r"one 8192-token request.*lower decoding.max_new_tokens"):
         _plan(kv_request=75 * GiB).check()
+    # an int8 model whose steady state (10 GiB) fits 80 GiB but whose load peak (the bf16 model, 100 GiB) does not
+    with pytest.raises(ValueError, match=r"loading the model peaks at 100.00 GiB per rank \(model.quant=int8 .*"
+                                         r"10.00 GiB once quantized\)"):
+        _plan(load_peak=100 * GiB, quant="int8").check()
+    _plan(load_peak=60 * GiB, quant="int8").check()
     _plan(free=None).check()  # unknown free memory: nothing refused
     _plan(weights=None, free=GiB).check()  # no safetensors: nothing to plan from
+
+
+def test_quantized_plan_counts_the_load_peak(ckpts, monkeypatch):
+    """model.quant=int8 / int4: load_model reads the whole checkpoint in model.dtype and quantizes
+    after, so the plan counts that peak beside the quantized steady state, and refuses a device
+    the steady state fits but the peak does not, naming the peak. Literal sizes of the tiny Llama
+    (vocab 128, hidden 64, 2 layers, q/o 64x64, k/v 32x64, gate/up/down 128x64 / 64x128): linears
+    2 x 36864 + head 8192 = 81920 weights, the rest (embedding 8192, norms 5 x 64) 8512."""
+    untied, tied = ckpts
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    plan = plan_memory(untied, torch.float32, cpu, 1, max_len=8, step_rows=1, quant="int8")
+    # CPU int8: int8 linears, the rest float32; peak: all 90432 weights in float32 plus the
+    # fused gate/up (16384 weights) being quantized at 10 bytes a weight
+    assert plan.weights == 81920 * 1 + 8512 * 4 == 115968
+    assert plan.load_peak == 90432 * 4 + 16384 * 10 == 525568
+    assert any("0.00 GiB at the load peak" in line and "quant=int8" in line for line in plan.lines())
+    # a tied checkpoint stores no head; quantizing unties it (a copy), so the same sizes
+    assert weights_bytes(tied, plan_config(tied), 1, torch.float32, cpu, "int8") == (115968, 115968, 525568)
+    # CUDA int8 from bfloat16 (torchao, no fusion): rest bf16; peak bf16 + one 8192 linear at 5 bytes
+    assert weights_bytes(untied, plan_config(untied), 1, torch.bfloat16, cuda, "int8") == (
+        81920 + 8512 * 2, 81920 + 8512 * 2, 90432 * 2 + 8192 * 5)
+    # int4 from float32: 0.625 bytes a linear weight (scales, zero points), the rest bf16; the
+    # float32 model is the peak
+    assert weights_bytes(untied, plan_config(untied), 1, torch.float32, cpu, "int4") == (
+        51200 + 8512 * 2, 51200 + 8512 * 2, 90432 * 4 + 8192 * 5)
+    # unquantized: the peak is the steady state
+    none = plan_memory(untied, torch.float32, cpu, 1, max_len=8, step_rows=1)
+    assert none.weights == none.load_peak == 90432 * 4
+    # a device the quantized model and its K/V fit (0.9 x 500000 = 450000 >= 115968 + 4096 + 3620)
+    # but the load peak (525568) does not: refused before loading, naming the peak
+    monkeypatch.setattr(memory, "_free_bytes", lambda device: (500_000, "a small device"))
+    plan = plan_memory(untied, torch.float32, cpu, 1, max_len=8, step_rows=1, quant="int8")
+    assert plan.needed == 115968 + 8 * 512 + 1 * (128 * 4 + 12 * 64 * 4 + 4 * 9) <= 0.9 * 500_000 < plan.load_peak
+    with pytest.raises(ValueError, match=r"loading the model peaks at 0.00 GiB per rank \(model.quant=int8"):
+        plan.check()
+    monkeypatch.setattr(memory, "_free_bytes", lambda device: (600_000, "a larger device"))
+    plan_memory(untied, torch.float32, cpu, 1, max_len=8, step_rows=1, quant="int8").check()  # 540000 > peak
+
+
+def plan_config(path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
 
 
 def test_generate_refuses_before_any_weights_load(ckpts, tmp_path, monkeypatch):
