@@ -155,18 +155,18 @@ def _usage(ctx, prep, res) -> dict:
 
 
 def _as_tool_calls(body: dict, prep, text: str) -> dict:
-    """A chat answer that is a call of an allowed tool (lp.server.tools.parse) as OpenAI's
-    ``message.tool_calls`` with ``finish_reason: "tool_calls"``; any other answer as it is."""
+    """A chat answer that is a call (lp.server.tools.answer: a complete call of an allowed tool,
+    finish_reason "tool_calls"; a required / named call cut short, its finish reason kept) as
+    OpenAI's ``message.tool_calls``; any other answer as it is."""
     if prep.tools is None:
         return body
-    from lp.server.tools import parse
+    from lp.server.tools import answer
 
-    calls = parse(prep.tools, text)
-    if calls:
-        choice = body["choices"][0]
+    choice = body["choices"][0]
+    calls, choice["finish_reason"] = answer(prep.tools, text, choice["finish_reason"])
+    if calls is not None:
         choice["message"] = {"role": "assistant", "content": None,
                              "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}
-        choice["finish_reason"] = "tool_calls"
     return body
 
 
@@ -437,15 +437,16 @@ class _Completions:
         tail = detok.finish()
         finish = res.finish_reason
         if held is not None:  # tools: one delta with the call (OpenAI's delta.tool_calls), or the text
-            from lp.server.tools import parse
+            from lp.server.tools import answer
 
             text = "".join(held) + tail
-            calls = parse(prep.tools, text)
-            if calls:
-                c = chunk(kind, rid, model_id, None)
-                c["choices"][0]["delta"]["tool_calls"] = calls
-                yield sse(c)
-                finish, tail = "tool_calls", ""
+            calls, finish = answer(prep.tools, text, finish)
+            if calls is not None:
+                if calls:
+                    c = chunk(kind, rid, model_id, None)
+                    c["choices"][0]["delta"]["tool_calls"] = calls
+                    yield sse(c)
+                tail = ""
             else:
                 tail = text
         if tail:

@@ -251,7 +251,7 @@ class Prepared:
     prompt_logprobs: int | None = None  # completions with echo + logprobs: the prompt's own logprobs (top k)
     prompt_only: bool = False  # completions with echo and max_tokens 0: the prompt only, no new token
     n: int = 1  # choices (each its own sequence)
-    tools: object = None  # lp.server.tools.ToolPlan: the answer may be a tool call
+    tools: object = None  # lp.server.tools.ToolPlan: the answer may be a tool call (None for tool_choice "none")
 
 
 def prepare(req: _Common, ctx: ServingContext) -> Prepared:
@@ -281,7 +281,7 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
     user = req.user or getattr(req, "safety_identifier", None)
     return Prepared(prompt_ids, d, stream, bool(stream and req.stream_options and req.stream_options.include_usage),
                     bool(req.lookahead and req.lookahead.return_token_ids), echo_text, user, prompt_logprobs,
-                    prompt_only, n, plan)
+                    prompt_only, n, plan if plan is not None and plan.mode != "none" else None)
 
 
 def _choices(req: _Common, lim) -> int:
