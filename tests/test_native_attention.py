@@ -134,3 +134,39 @@ def test_batched_engine_on_the_cpp_op_equals_generate(tiny_factory, monkeypatch,
         assert engine.result(i).output_ids == hf_greedy(model, p, 24)
     if fast:
         assert calls and any(len([r for r in rows if r]) == 3 for rows in calls)  # steps of all three ran it
+
+
+def test_a_nan_score_gives_nan_like_the_python_op(op):
+    """A NaN in one key (or in one query row) is NaN in the rows that see it, for the heads that
+    read it, as sdpa gives it (``std::max`` skips a NaN, and the AVX-512 exp clamped it to a finite
+    88.7: the row was finite and wrong); every other sequence is bit-equal to the batch without it."""
+    seqs = [(1, 37, False), (3, 20, False), (2, 64, True), (1, 50, False)]
+    query, key, value, spans, masks, slots = _batch(seqs, seed=7)
+    clean = op(query, key, value, spans, masks, slots, 0.17, False, attention.NATIVE_ROWS)
+    key[0, 0, spans[0, FIRST] + 5] = float("nan")  # sequence 0, KV head 0: its query heads 0-2
+    frag = slots[spans[2, SLOTS] + 9]
+    key[0, 1, frag, 3] = float("nan")  # sequence 2 (fragmented), KV head 1: query heads 3-5
+    query = query.clone()
+    query[0, 4, spans[3, QO]] = float("nan")  # sequence 3's row, query head 4 alone
+    want = attention.paged_attention(query, key, value, spans, masks, slots, 0.17, False)
+    got = op(query, key, value, spans, masks, slots, 0.17, False, attention.NATIVE_ROWS)
+    nan_QH = torch.zeros(got.shape[1:3], dtype=torch.bool)
+    nan_QH[0, :3] = True
+    nan_QH[4:6, 3:] = True
+    nan_QH[6, 4] = True
+    assert torch.equal(torch.isnan(want).all(-1)[0], nan_QH) and torch.equal(torch.isnan(want).any(-1)[0], nan_QH)
+    assert torch.equal(torch.isnan(got).all(-1)[0], nan_QH) and torch.equal(torch.isnan(got).any(-1)[0], nan_QH)
+    ok = ~nan_QH
+    assert torch.equal(got[0][ok], clean[0][ok])  # the other sequences' rows and heads: unchanged
+
+
+def test_non_contiguous_slots(op):
+    """Slots given as a strided view: the op reads its own contiguous copy (kept alive for the
+    whole call), equal to the contiguous slots' output."""
+    seqs = [(1, 64, True), (2, 100, True), (1, 30, False), (3, 200, True)]
+    query, key, value, spans, masks, slots = _batch(seqs, seed=11)
+    want = op(query, key, value, spans, masks, slots, 0.2, False, attention.NATIVE_ROWS)
+    strided = torch.stack([slots, torch.full_like(slots, 10**12)], 1)[:, 0]
+    assert not strided.is_contiguous()
+    for _ in range(5):
+        assert torch.equal(op(query, key, value, spans, masks, strided, 0.2, False, attention.NATIVE_ROWS), want)

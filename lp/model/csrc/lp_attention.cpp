@@ -15,7 +15,8 @@
 // over d in 16-lane chunks, the same operations whatever the batch holds: a sequence's output
 // depends on its own rows and keys only (not on the other sequences, not on the thread count).
 // exp is a degree-6 polynomial after range reduction (relative error ~1e-7, within a few float32
-// ulps). A row whose every score is -inf (fully masked) gives NaN, as sdpa does.
+// ulps). A row whose every score is -inf (fully masked), or with a NaN or +inf score (a NaN in q or
+// in a key it sees), gives NaN, as sdpa does.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -99,7 +100,8 @@ torch::Tensor lp_paged_attention(torch::Tensor query, torch::Tensor key, torch::
   auto sp = spans.contiguous();
   const int64_t S = sp.size(0);
   const int64_t* table = sp.data_ptr<int64_t>();
-  const int64_t* slot = slots.contiguous().data_ptr<int64_t>();
+  const auto slots_c = slots.contiguous();  // named: a temporary's pointer would dangle
+  const int64_t* slot = slots_c.data_ptr<int64_t>();
   if (query.stride(3) != 1) query = query.contiguous();
   const float* qp = query.data_ptr<float>();
   const int64_t qs_h = query.stride(1), qs_q = query.stride(2);
@@ -158,14 +160,18 @@ torch::Tensor lp_paged_attention(torch::Tensor query, torch::Tensor key, torch::
           const int64_t h = g * groups + i;
           const float* qv = qp + h * qs_h + (qo + r) * qs_q;
           float m = -std::numeric_limits<float>::infinity();
+          bool nan = false;
           for (int64_t j = 0; j < k; ++j) {
             float x = dot(qv, kr[j], D) * sc;
             if (mask) x += mask[j];
             score[j] = x;
+            nan |= x != x;  // std::max skips a NaN (and exp512 would clamp it): caught here
             m = std::max(m, x);
           }
           float* o = op + ((qo + r) * H + h) * D;
-          if (m == -std::numeric_limits<float>::infinity()) {
+          // NaN as sdpa gives it: a NaN score (from q or a key), a +inf one (exp(inf - inf)), or no
+          // visible key at all (every score -inf)
+          if (nan || m == std::numeric_limits<float>::infinity() || m == -std::numeric_limits<float>::infinity()) {
             for (int64_t d = 0; d < D; ++d) o[d] = std::numeric_limits<float>::quiet_NaN();
             continue;
           }
