@@ -4,6 +4,7 @@ switched forward equals F.linear to rounding, and decoding through it equals gen
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,3 +274,31 @@ def test_fused_siblings_are_one_matmul_and_equal_their_separate_products(tiny_fa
     want = [attn.v_proj(x), attn.k_proj(other), attn.q_proj(x), attn.k_proj(x), mlp.up_proj(x), mlp.gate_proj(x)]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_builds_are_kept_per_cpu(monkeypatch, tmp_path):
+    """lp's C++ kernels are built with -march=native: build_extension builds each into a folder
+    keyed by the CPU (its /proc/cpuinfo model name and flags), torch's and Python's versions, so
+    a home shared by machines of other CPUs never loads a build made for another CPU."""
+    from torch.utils import cpp_extension
+
+    from lp.model import kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    real = kernels.cpu_identity()
+    flags = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith(("flags", "Features"))] if Path("/proc/cpuinfo").is_file() else []
+    assert not flags or flags[0] in real  # this CPU's feature flags are part of its key
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(kw) or kw["build_directory"])
+    cpus = {"a": "Xeon X\nfpu sse avx2", "b": "Xeon X\nfpu sse avx2 avx512f", "a again": "Xeon X\nfpu sse avx2"}
+    dirs = {}
+    for name, cpu in cpus.items():
+        monkeypatch.setattr(kernels, "cpu_identity", lambda cpu=cpu: cpu)
+        dirs[name] = kernels.build_extension("lp_attention", "a test")
+    assert dirs["a"] != dirs["b"] and dirs["a"] == dirs["a again"]  # another flag: another build
+    assert all(kw["extra_cflags"] == ["-O3", "-march=native", "-fopenmp"] for kw in seen)
+    for d in dirs.values():
+        assert d.startswith(str(tmp_path)) and d.endswith("/lp_attention") and Path(d).is_dir()
+    monkeypatch.setattr(kernels.torch, "__version__", "0.0.0")  # another torch: another build
+    assert kernels.build_extension("lp_attention", "a test") not in dirs.values()

@@ -179,19 +179,62 @@ _LIB = torch.library.Library("lp", "FRAGMENT")
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 
+def cpu_identity() -> str:
+    """What a ``-march=native`` build depends on: the first CPU's model name and feature flags in
+    ``/proc/cpuinfo`` (``Features`` on ARM), else ``platform``'s machine and processor."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    picked = [fields.get(k, "") for k in ("model name", "flags", "Features", "CPU implementer", "CPU part")]
+    if not any(picked):
+        import platform
+
+        picked = [platform.machine(), platform.processor()]
+    return "\n".join(picked)
+
+
+def build_directory(name: str) -> Path:
+    """Where ``build_extension`` builds ``name``: under torch's extension root
+    (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) in a folder keyed by a hash
+    of this CPU (``cpu_identity``: the kernels are built with ``-march=native``), torch's and
+    Python's versions. A home shared by machines of other CPUs gets a build per CPU, never one
+    whose instructions the CPU lacks (SIGILL) or that was built for fewer (the scalar path)."""
+    import hashlib
+    import os
+    import sys
+
+    from torch.utils import cpp_extension
+
+    key = "\n".join([cpu_identity(), torch.__version__, sys.version.split()[0], getattr(sys, "abiflags", "")])
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"lp-{hashlib.sha256(key.encode()).hexdigest()[:16]}" / name
+
+
 def build_extension(name: str, what: str):
     """lp's C++ kernel ``csrc/<name>.cpp`` as a loaded module (its ops under ``torch.ops.<name>``),
-    built on first use with torch's extension loader and cached by torch
-    (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; rebuilt when the source or
-    flags change). ``-fopenmp``: ATen's ``parallel_for`` is inline OpenMP, without the flag it
-    runs on one thread. A ValueError naming ``what`` needs it when it cannot be built."""
+    built on first use with torch's extension loader into ``build_directory(name)`` (one per CPU,
+    torch and Python version; rebuilt there when the source or flags change). ``-fopenmp``:
+    ATen's ``parallel_for`` is inline OpenMP, without the flag it runs on one thread. A
+    ValueError naming ``what`` needs it when it cannot be built."""
     from torch.utils import cpp_extension
 
     logging.getLogger(__name__).info("%s: loading the kernel %s.cpp (built on the first load on a machine, ~30 s)",
                                      what, name)
+    folder = build_directory(name)
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(name=name, sources=[str(CSRC / f"{name}.cpp")],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+                                  extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(folder),
+                                  verbose=False)
     except Exception as e:  # a compiler or ninja missing: the user's fix, said plainly
         raise ValueError(f"{what} needs a C++ compiler (g++) and ninja to build its kernel: {e}") from e
 
