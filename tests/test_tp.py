@@ -205,11 +205,11 @@ def test_lp2_tp2_equals_one_process_and_generate(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_lp1_tp3_equals_generate(smollm2, tmp_path):
+def test_smollm2_lp1_tp3_equals_generate(smollm2_dense, tmp_path):
     from lp.model.loader import resolve_model_path
     from tests.test_smollm2 import MAX_NEW, assert_equal_or_tie, eos_ids, prompt_ids, reference
 
-    model, tok = smollm2
+    model, tok = smollm2_dense  # the mesh runs float32 linears (model.quant=auto is none under TP)
     held = [("code", 0), ("chat", 0)]
     ids = [prompt_ids(tok, k, i) for k, i in held]
     jobs = [{"prompt_ids": p, "eos": eos_ids(model), "decoding": {"W": 5, "N": 3, "G": 5, "max_new_tokens": MAX_NEW}}
@@ -429,6 +429,86 @@ def test_sharded_load_reads_only_this_ranks_shards(mid_dirs, tmp_path):
             f"bf16 shards added {_loaded_mb(mem):.0f} MB vs float32's {_loaded_mb(mem32):.0f} MB: widened on the way?")
     print("one process", base, "tp2", [_loaded_mb(m) for m in tp2[0]["memory"]],
           "bf16 tp2", [_loaded_mb(m) for m in half[0]["memory"]])
+
+
+# ---------------------------------------------------------------------------
+# what a sharded load reads beside the parameters: persistent buffers, keep-in-float32 modules
+
+
+def _register_buffer_llama():
+    """A tiny Llama subclass with a persistent buffer (``model.lp_scale``, all ones as built)
+    and keep-in-float32 modules: ``_keep_in_fp32_modules`` (transformers applies it under
+    float16 only) on down_proj, ``_keep_in_fp32_modules_strict`` (float16 and bfloat16) on
+    o_proj and the buffer. Registered with the Auto classes, as load_sharded builds from them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    class BufferLlamaConfig(LlamaConfig):
+        model_type = "lp_test_buffer_llama"
+
+    class BufferLlamaForCausalLM(LlamaForCausalLM):
+        config_class = BufferLlamaConfig
+        _keep_in_fp32_modules = ["down_proj"]
+        _keep_in_fp32_modules_strict = ["o_proj", "lp_scale"]
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model.register_buffer("lp_scale", torch.ones(config.hidden_size))  # persistent
+
+    AutoConfig.register(BufferLlamaConfig.model_type, BufferLlamaConfig, exist_ok=True)
+    AutoModelForCausalLM.register(BufferLlamaConfig, BufferLlamaForCausalLM, exist_ok=True)
+    return BufferLlamaConfig, BufferLlamaForCausalLM
+
+
+def _sharded_load_rank(rank: int, world: int, folder: str):
+    """One gloo rank: load_sharded in three dtypes, each compared with from_pretrained."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from lp.parallel.tp import load_sharded
+
+    torch.set_num_threads(1)
+    _register_buffer_llama()
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        expected_scale = torch.arange(64, dtype=torch.float32) / 7  # what the checkpoint holds
+        for dtype, fp32 in (("bfloat16", {"o_proj", "lp_scale"}), ("float16", {"o_proj", "lp_scale", "down_proj"}),
+                            ("float32", set())):
+            model, _ = load_sharded(folder, dtype, "cpu", mesh["tp"], tokenizer=False)
+            ref = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).state_dict()
+            got = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+            assert set(got) == set(ref), (dtype, set(got) ^ set(ref))
+            assert any(isinstance(p, DTensor) and p.to_local().shape != p.shape for p in model.parameters()) == (
+                world > 1), "nothing sharded"
+            for k, v in got.items():
+                want = torch.float32 if any(m in k for m in fp32) else getattr(torch, dtype)
+                assert v.dtype == ref[k].dtype == want, (dtype, k, v.dtype, ref[k].dtype, want)
+                assert torch.equal(v, ref[k]), (dtype, k, "differs from from_pretrained")
+            assert torch.equal(model.model.lp_scale, expected_scale.to(model.model.lp_scale.dtype)), dtype
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_load_reads_persistent_buffers_and_keeps_fp32_modules(tmp_path):
+    """LP 1 x TP 2 sharded loading (two gloo ranks) of a tiny Llama whose checkpoint holds a
+    persistent buffer with non-default values (arange / 7; the class builds ones) and whose
+    class keeps modules in float32: loaded as bfloat16, float16 and float32, every parameter
+    and buffer equals ``from_pretrained``'s, dtype included (o_proj and the buffer float32 under
+    both half dtypes, down_proj under float16 only, as transformers does)."""
+    import torch.multiprocessing as mp
+
+    from tests.helpers import _family_config
+
+    config_cls, model_cls = _register_buffer_llama()
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**_family_config("llama", 128, "sdpa", 512).to_dict()))
+    with torch.no_grad():
+        model.model.lp_scale.copy_(torch.arange(64, dtype=torch.float32) / 7)
+    model.save_pretrained(tmp_path)
+    mp.spawn(_sharded_load_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
 
 
 def test_sharded_load_needs_safetensors(tmp_path):

@@ -136,8 +136,13 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True)
     widened). Tied parameters (SmolLM2's embedding and LM head) are replicated, read once
     and tied again. Every slice is copied out of the file's memory map into this rank's own
     memory (a view would keep the map, and every page a column slice touched, resident), one
-    map per tensor closed right after. Peak memory per rank: the replicated parameters +
-    weights / tp + the runtime (bench/results/tp_memory measures it)."""
+    map per tensor closed right after. Persistent buffers the checkpoint holds are read from
+    it too (whole, in the buffer's dtype), as ``from_pretrained`` reads them; those it lacks
+    keep the values the model class computes. Dtypes follow ``from_pretrained``: the model
+    class's ``_keep_in_fp32_modules`` (under float16) and ``_keep_in_fp32_modules_strict``
+    (under float16 and bfloat16) keep their parameters and buffers float32 (transformers'
+    own ``_get_dtype_plan``). Peak memory per rank: the replicated parameters + weights / tp
+    + the runtime (bench/results/tp_memory measures it)."""
     from pathlib import Path
 
     from accelerate import init_empty_weights
@@ -164,6 +169,7 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True)
             owner.update({k: f for k in st.keys()})
     head = model.get_output_embeddings()
     tied_head = {f"{n}.weight" for n, m in model.named_modules() if m is head} if _tied(model) else set()
+    keep = _dtype_plan(model, torch_dtype)
     seen: set[int] = set()
     by_file: dict = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -182,17 +188,28 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True)
                 # one memory map per tensor, closed once its slice is copied out: the pages a
                 # slice touches (all of them for a column slice of a row-major weight) leave
                 # this process's resident set with it instead of piling up for the whole file
+                dtype = keep(name, param.dtype)
                 with safe_open(str(f), framework="pt") as st:
                     source = st.get_slice(name)
                     if isinstance(param, DTensor):
-                        local = _owned(DtensorShardOperation(param).shard_tensor(source), dev, torch_dtype)
+                        local = _owned(DtensorShardOperation(param).shard_tensor(source), dev, dtype)
                         value = DTensor.from_local(local, param.device_mesh, param.placements,
                                                    run_check=False, shape=param.shape, stride=param.stride())
                     else:
-                        value = _owned(source[...], dev, torch_dtype)
+                        value = _owned(source[...], dev, dtype)
                     del source
                 module_name, _, pname = name.rpartition(".")
                 modules[module_name]._parameters[pname] = torch.nn.Parameter(value, requires_grad=False)
+        # persistent buffers are in the checkpoint (state_dict saves them): read them whole
+        for module_name, module in modules.items():
+            for bname, buf in list(module._buffers.items()):
+                name = f"{module_name}.{bname}" if module_name else bname
+                if buf is None or bname in module._non_persistent_buffers_set or name not in owner:
+                    continue
+                with safe_open(str(owner[name]), framework="pt") as st:
+                    source = st.get_slice(name)
+                    module._buffers[bname] = _owned(source[...], dev, keep(name, buf.dtype))
+                    del source
     model.tie_weights()
     for module in model.modules():  # buffers were built on the host
         for bname, buf in list(module._buffers.items()):
@@ -203,6 +220,29 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True)
     _finish(model, tp_mesh)
     model._lp_sharded_load = True
     return model, (load_tokenizer(path) if tokenizer else None)
+
+
+def _dtype_plan(model, dtype: torch.dtype):
+    """``keep(name, dtype_as_built)``: the dtype ``from_pretrained`` gives a checkpoint tensor of
+    this model loaded as ``dtype``: float32 where the class's keep-in-float32 modules match the
+    name (transformers' ``_get_dtype_plan``: ``_keep_in_fp32_modules`` under float16,
+    ``_keep_in_fp32_modules_strict`` under float16 and bfloat16; a pattern matches anywhere in
+    the name, ``*`` any run), else the dtype the model built it in (an integer buffer stays
+    integer)."""
+    import re
+
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    patterns = [(re.compile(k.replace("*", ".*")), v) for k, v in plan.items()]
+
+    def keep(name: str, built: torch.dtype) -> torch.dtype:
+        if not built.is_floating_point:
+            return built
+        for pattern, forced in patterns:
+            if pattern.search(name):
+                return forced
+        return built
+
+    return keep
 
 
 def _owned(view: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
