@@ -173,8 +173,9 @@ class ModelConfig:
     # quantized weights (lp.model.quant), applied identically on every LP worker: none | int8 (CPU:
     # int8 weights x per-row int8 activations over fbgemm; CUDA: torchao int8 weight-only) |
     # int4 (torchao int4 weight-only, bf16 activations) | exact4 (CPU float32: linears whose weights
-    # are exact 4-bit blocks, e.g. a GGUF Q4_1 model, run on those blocks, lossless) | auto (see README)
-    quant: str = "none"
+    # are exact 4-bit blocks, e.g. a GGUF Q4_1 model, run on those blocks, lossless) | auto (exact4
+    # where it applies and its AVX-512 kernel builds, none otherwise; never lossy; none under parallel.tp > 1)
+    quant: str = "auto"
 
     def validate(self) -> "ModelConfig":
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

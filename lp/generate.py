@@ -72,6 +72,8 @@ def _quant_note(quant: str) -> str:
     """The summary line names a quantized model loudly: outputs equal generate on *it*, not fp32."""
     if quant == "none":
         return ""
+    if quant == "exact4":  # the checkpoint's own weights, another kernel: not a quantization
+        return " EXACT4 (the float32 weights as 4-bit blocks, bit for bit; exact vs generate on the converted model)"
     exact = "exact" if quant == "int8" else "exact up to bf16 near-ties"  # int4 runs bf16 activations
     return f" QUANT={quant.upper()} ({exact} vs generate on the {quant} model)"
 

@@ -50,11 +50,25 @@ def tiny_factory():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """(model, tokenizer) of SmolLM2-135M-Instruct in float32 (converted once under ~/.cache/lp)."""
+    """(model, tokenizer) of SmolLM2-135M-Instruct in float32 (converted once under ~/.cache/lp),
+    loaded as every entry point loads it by default (``model.quant=auto``: exact4 on a CPU whose
+    exact4 kernel has its AVX-512 path, the dense float32 model elsewhere), so the servers and CLIs
+    the tests start with their defaults are checked against ``generate`` on the very model they run."""
     from lp.model.loader import load_model, resolve_model_path
 
     path = resolve_model_path("smollm2", None)
-    model, tokenizer = load_model(path, "float32")
+    model, tokenizer = load_model(path, "float32", quant="auto")
+    model.eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_dense():
+    """(model, tokenizer) of SmolLM2 with plain float32 linears (``model.quant=none``): what a
+    tensor-parallel mesh runs (auto resolves to none under parallel.tp > 1)."""
+    from lp.model.loader import load_model, resolve_model_path
+
+    model, tokenizer = load_model(resolve_model_path("smollm2", None), "float32", quant="none")
     model.eval()
     return model, tokenizer
 

@@ -68,9 +68,9 @@ def mm(x_MK: torch.Tensor, q: torch.Tensor, d: torch.Tensor, c: torch.Tensor) ->
     return torch.ops.lp_exact4.mm(x_MK, q, d, c)
 
 
-def encode(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(q [N, K / 2] uint8, d [N, B] float32, c [N, B] float32) reproducing ``w_NK`` bit for bit
-    through the kernel, or None (see module doc)."""
+def _blocks(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q [N, B, 32], d [N, B], c [N, B]) in float32 with ``q * d + c == w`` bit for bit (the
+    kernel's arithmetic in torch), or None; no kernel involved."""
     if w_NK.dtype != torch.float32 or w_NK.dim() != 2 or w_NK.device.type != "cpu":
         return None
     n, k = w_NK.shape
@@ -87,6 +87,25 @@ def encode(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     # rounds once, as the kernel's fused multiply-add does
     if not torch.equal(q_NBb * d_NB[..., None] + c_NB[..., None], w_NBb):
         return None
+    return q_NBb, d_NB, c_NB
+
+
+def has_blocks(model: nn.Module) -> bool:
+    """Whether some bias-free float32 linear of ``model`` other than its head holds exact 4-bit
+    blocks (the torch-side check of ``encode``, no kernel built): what ``model.quant=auto`` asks
+    before it builds exact4's kernel. Stops at the first linear that does."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return any(_plain(m) and m is not head and _blocks(m.weight.detach()) is not None for m in model.modules())
+
+
+def encode(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q [N, K / 2] uint8, d [N, B] float32, c [N, B] float32) reproducing ``w_NK`` bit for bit
+    through the kernel, or None (see module doc)."""
+    blocks = _blocks(w_NK)
+    if blocks is None:
+        return None
+    q_NBb, d_NB, c_NB = blocks
+    n, k = w_NK.shape
     qi = q_NBb.to(torch.uint8)
     q = (qi[..., :16] | (qi[..., 16:] << 4)).reshape(n, k // 2).contiguous()
     d, c = d_NB.contiguous(), c_NB.contiguous()

@@ -112,12 +112,25 @@ def resolve_model_path(name: str, path: str | None, cache_dir: str | None = None
 
 def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str = "none", tokenizer: bool = True):
     """Load (model, tokenizer or None) from a transformers folder with the sdpa attention;
-    ``quant`` != none quantizes its linears (lp.model.quant; int4 casts the model to bf16)."""
+    ``quant`` != none quantizes its linears (lp.model.quant; int4 casts the model to bf16;
+    ``auto``: exact4 where it changes no weight, none otherwise). ``dtype=auto`` with
+    ``quant=auto`` keeps float32 on an AMX CPU when the linears are exact 4-bit blocks."""
     from transformers import AutoModelForCausalLM
 
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    # model.dtype=auto with model.quant=auto on an AMX CPU: bf16, unless the linears are exact
+    # 4-bit blocks (a GGUF Q4 model), whose exact4 kernel runs the float32 model itself
+    blocks_first = dtype == "auto" and quant == "auto" and dev.type == "cpu" and torch_dtype != torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if blocks_first else torch_dtype,
+                                                 attn_implementation="sdpa")
+    if blocks_first:
+        from lp.model import exact4
+
+        if exact4.has_blocks(model):
+            log.info("model.dtype=auto -> float32: its linears are exact 4-bit blocks (model.quant=auto runs them)")
+        else:
+            model.to(torch_dtype)
     model.to(dev).eval()
     if quant != "none":
         from lp.model.quant import quantize

@@ -1,8 +1,11 @@
 """Quantized weights (``model.quant``): int8 and int4 linears, applied once after loading.
 
 Contract: ``quantize(model, quant, device)`` rewrites a loaded causal LM in place and returns
-the resolved scheme (``"none"``, ``"int8"``, ``"int4"``); ``resolve_quant(name, device)``
-maps ``auto`` to a scheme for the hardware. Every LP worker calls it with the same
+the resolved scheme (``"none"``, ``"int8"``, ``"int4"``, ``"exact4"``); ``auto`` (the default of
+every entry point) resolves on the loaded model (``resolve_auto``): ``exact4`` where it changes no
+weight and its measured kernel runs (a float32 model on a CPU whose linears are exact 4-bit
+blocks, the kernel built with its AVX-512 path), ``none`` otherwise, with one log line saying
+which and why. Every LP worker calls it with the same
 arguments on the same weights, so all ranks hold bit-identical quantized models.
 Exactness is relative to the model *as quantized*: lookahead on it equals transformers
 ``generate`` on it (the same modules run in both).
@@ -80,12 +83,31 @@ _REDUCE_RANGE = not _cpu_has_vnni()
 
 
 def resolve_quant(name: str, device: torch.device) -> str:
-    """``auto``: ``none`` everywhere for now (measured: see the module docstring and README)."""
+    """``name`` checked; ``auto`` stays ``auto`` (it resolves on the loaded model: ``resolve_auto``)."""
     if name not in QUANTS:
         raise ValueError(f"model.quant must be one of {', '.join(QUANTS)}, got {name!r}")
-    if name == "auto":
-        return "none"
     return name
+
+
+def resolve_auto(model, device: torch.device) -> tuple[str, str]:
+    """(scheme, why) for ``model.quant=auto``: ``exact4`` when the model is float32 on the CPU, one
+    of its linears' weights are exact 4-bit blocks (a cheap check, before any kernel is built)
+    and lp's exact4 kernel builds with its AVX-512 path (the one measured faster than float32);
+    ``none`` otherwise. Nothing lossy is ever chosen by ``auto``."""
+    dtype = next(model.parameters()).dtype
+    if device.type != "cpu" or dtype != torch.float32:
+        return "none", f"exact4 runs float32 models on the CPU (this one: {dtype} on {device.type})"
+    from lp.model import exact4
+
+    if not exact4.has_blocks(model):
+        return "none", "no linear of this model holds exact 4-bit blocks"
+    try:
+        mod = exact4.extension()
+    except ValueError as e:
+        return "none", str(e)
+    if not mod.avx512():
+        return "none", "this CPU builds exact4's scalar loop only (no AVX-512): float32 linears are faster"
+    return "exact4", "its linears are exact 4-bit blocks: the same weights in 0.75 bytes each"
 
 
 # ---------------------------------------------------------------------------
@@ -282,6 +304,11 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
         return scheme
     if getattr(model, "_lp_quant", None):
         raise ValueError(f"this model is already quantized ({model._lp_quant}); load it again to change model.quant")
+    if scheme == "auto":
+        scheme, why = resolve_auto(model, device)
+        log.info("model.quant=auto -> %s: %s", scheme, why)
+        if scheme == "none":
+            return scheme
     if scheme == "exact4":  # lossless: the linears whose float32 weights are 4-bit blocks (lp.model.exact4)
         dtype = next(model.parameters()).dtype
         if device.type != "cpu" or dtype != torch.float32:
