@@ -1,13 +1,14 @@
 """The draft budget's gain calibration (lp.drafts.budget.GainCalibration): literal counts, the
 predicted gain of a verified trie, the budget pricing with it, and decoders / batch engines
-that learn it from what verification accepted while staying equal to greedy generate."""
+that learn it from what verification accepted while staying equal to greedy generate; a factor
+that fell so low that nothing drafts recovers over the steps that draft nothing (``idle``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lp.config import DecodingConfig
-from lp.drafts.budget import AcceptanceModel, GainCalibration
+from lp.drafts.budget import AcceptanceModel, GainCalibration, best_k
 from lp.drafts.select import FORCED, Scored, TreeRequest, predicted_gain, select_tree, select_trees
 from lp.engine.batch import BatchEngine
 from lp.engine.decoder import LookaheadDecoder
@@ -61,6 +62,62 @@ def test_the_budget_prices_nodes_at_the_calibrated_gain():
     assert select_trees([good, TreeRequest(bad.drafts, a, base=1, cap=16)], CPU) == [[(5, 6, 7, 8)], [(4, 5, 6, 7)]]
 
 
+def _locked_out() -> GainCalibration:
+    """40 drafting steps that realized a quarter of the predicted tokens: factor 0.32."""
+    g = GainCalibration()
+    for _ in range(40):
+        g.observe(predicted=2.0, realized=0.5)
+    assert round(g.factor(), 2) == 0.32
+    return g
+
+
+def test_a_locked_out_factor_recovers_over_steps_that_do_not_draft():
+    """On the CPU curve a lone node pays when gain x P > t(2) / t(1) - 1 = 0.545: with P = 0.9,
+    gain > 0.606. At 0.32 nothing drafts, so only steps that draft nothing can move the factor:
+    each decays the evidence by idle_decay = 0.99 toward the prior 1.0; after 209 such steps the
+    0.9 node still does not pay, after 210 it does."""
+    a = AcceptanceModel(prior=(0.35, 0.25, 0.55, 0.65, 0.78, 0.9, 0.95))  # bucket 5 (m = 8..15) at 0.9
+    node = [Scored((7,), 8, 1.0)]  # one draft token after an 8-token match: P = 0.9
+    assert a.rate(8) == 0.9
+    assert select_tree(node, a, base=1, curve=CPU, cap=16) == [(7,)]  # uncalibrated: it pays
+    g = _locked_out()
+    assert select_tree(node, a, base=1, curve=CPU, cap=16, gain=g.factor()) == []  # locked out
+    assert best_k([0.9], base=1, curve=CPU, gain=0.606) == 0 and best_k([0.9], base=1, curve=CPU, gain=0.607) == 1
+    for _ in range(209):
+        g.idle()
+    assert g.factor() == pytest.approx(0.6051, abs=1e-4)
+    assert select_tree(node, a, base=1, curve=CPU, cap=16, gain=g.factor()) == []
+    g.idle()
+    assert g.factor() == pytest.approx(0.6070, abs=1e-4)
+    assert select_tree(node, a, base=1, curve=CPU, cap=16, gain=g.factor()) == [(7,)]  # drafting resumes
+    for _ in range(1000):
+        g.idle()
+    assert g.factor() == pytest.approx(1.0, abs=1e-4)  # the prior
+
+
+def test_a_decoder_recovers_from_a_locked_out_calibration_and_stays_exact(tiny_factory):
+    """A decoder handed a calibration locked out at 0.21 (40 steps that realized an eighth of
+    the prediction) drafts nothing at first; its plain steps decay the factor toward 1.0 until
+    the tiny model's suffix drafts pay again within the same 160-token run (measured: first at
+    step 134; without the decay no step of the run drafts); the output stays greedy generate's."""
+    model = tiny_factory("llama")
+    n_new = 160
+    ref = hf_greedy(model, REPETITIVE_PROMPT, n_new)
+    cfg = DecodingConfig(max_new_tokens=n_new, drafts="suffix", max_draft_rows=12, window_policy="off")
+    cal = GainCalibration()
+    for _ in range(40):
+        cal.observe(predicted=2.0, realized=0.25)
+    before = cal.factor()
+    assert round(before, 2) == 0.21
+    res = LookaheadDecoder(ModelRunner(model), cfg, tq_curve=CPU, calibration=cal).generate(REPETITIVE_PROMPT)
+    assert res.output_ids == ref
+    rows = [rec.rows for rec in res.stats.records[1:]]  # the first step also prefills
+    drafting = [i for i, r in enumerate(rows) if r > 1]
+    assert drafting, f"drafting never resumed (factor {before:.3f} -> {cal.factor():.3f})"
+    assert drafting[0] > 20, drafting  # it was locked out at first
+    assert cal.factor() > before
+
+
 def _draft_rows(res) -> int:
     return sum(rec.rows - 1 for rec in res.stats.records)
 
@@ -70,7 +127,7 @@ def test_a_decoder_learns_its_calibration_and_stays_exact(tiny_factory, family):
     model = tiny_factory(family)
     ref = hf_greedy(model, REPETITIVE_PROMPT, 48)
     cfg = DecodingConfig(max_new_tokens=48, drafts="suffix", max_draft_rows=12, window_policy="off")
-    cal = GainCalibration(decay=1.0)
+    cal = GainCalibration(decay=1.0, idle_decay=1.0)  # plain sums (no step decays them)
     res = LookaheadDecoder(ModelRunner(model), cfg, tq_curve=CPU, calibration=cal).generate(REPETITIVE_PROMPT)
     assert res.output_ids == ref
     drafting = [rec for rec in res.stats.records if rec.rows > 1]
@@ -79,7 +136,7 @@ def test_a_decoder_learns_its_calibration_and_stays_exact(tiny_factory, family):
     assert cal.realized == sum(rec.emitted - 1 for rec in drafting)
     assert cal.predicted > 0
     # a calibration that saw drafts miss: the next run drafts less, with the same output
-    low = GainCalibration(decay=1.0)
+    low = GainCalibration(decay=1.0, idle_decay=1.0)
     low.observe(predicted=1000.0, realized=0.0)
     res_low = LookaheadDecoder(ModelRunner(model), cfg, tq_curve=CPU, calibration=low).generate(REPETITIVE_PROMPT)
     off = LookaheadDecoder(ModelRunner(model), DecodingConfig(**{**cfg.__dict__, "draft_calibration": False}),

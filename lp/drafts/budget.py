@@ -67,6 +67,15 @@ near 1; where they are not, fewer nodes pay and the step falls back to plain row
     >>> steep = [(1, 0.02), (2, 0.03)]
     >>> best_k([0.9, 0.8], base=1, curve=steep), best_k([0.9, 0.8], base=1, curve=steep, gain=g.factor())
     (2, 0)
+
+A factor that low would lock drafting out for good (only drafting steps are observed), so
+every sequence-step that verifies no draft decays the evidence toward the prior
+(``GainCalibration.idle``, a time constant of 100 such steps): after ~200 of them the
+factor is back above 0.6 and the likelier node above pays again:
+
+    >>> for _ in range(210): g.idle()
+    >>> round(g.factor(), 2), best_k([0.9, 0.8], base=1, curve=steep, gain=g.factor())
+    (0.61, 1)
 """
 
 from __future__ import annotations
@@ -121,12 +130,17 @@ class GainCalibration:
 
     ``weight``: the prior's pseudo-count of predicted tokens at a factor of 1.0; ``decay``:
     each observation multiplies the sums so far by it (the last ~1 / (1 - decay) drafting
-    sequence-steps count); the factor is clamped to [``lo``, ``hi``]. Plain arithmetic over
+    sequence-steps count); the factor is clamped to [``lo``, ``hi``]. ``idle_decay``: each
+    sequence-step that verified no draft (``idle``) multiplies both sums by it, so the factor
+    drifts back toward its prior 1.0 with a time constant of 1 / (1 - idle_decay) = 100
+    non-drafting sequence-steps. Without it a factor that fell low enough that no node pays
+    would never see another drafting step, and so never rise again. Plain arithmetic over
     counts every LP rank shares, so every rank holds the same factor."""
 
-    def __init__(self, weight: float = 8.0, decay: float = 0.995, lo: float = 0.1, hi: float = 1.5):
-        assert weight > 0 and 0 < decay <= 1 and 0 < lo <= 1 <= hi
-        self.weight, self.decay, self.lo, self.hi = weight, decay, lo, hi
+    def __init__(self, weight: float = 8.0, decay: float = 0.995, lo: float = 0.1, hi: float = 1.5,
+                 idle_decay: float = 0.99):
+        assert weight > 0 and 0 < decay <= 1 and 0 < idle_decay <= 1 and 0 < lo <= 1 <= hi
+        self.weight, self.decay, self.idle_decay, self.lo, self.hi = weight, decay, idle_decay, lo, hi
         self.predicted = 0.0
         self.realized = 0.0
 
@@ -138,6 +152,12 @@ class GainCalibration:
         assert predicted >= 0 and realized >= 0, (predicted, realized)
         self.predicted = self.predicted * self.decay + predicted
         self.realized = self.realized * self.decay + realized
+
+    def idle(self) -> None:
+        """A sequence-step that verified no draft: the evidence so far fades toward the prior
+        (``idle_decay``), so after a stretch without drafts the budget tries drafting again."""
+        self.predicted *= self.idle_decay
+        self.realized *= self.idle_decay
 
 
 def cost(curve: Sequence[tuple[int, float]], q: int) -> float:

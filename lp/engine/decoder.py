@@ -597,6 +597,8 @@ class LookaheadDecoder:
                 predicted = predicted_gain(prop.scored, prop.candidates, run.acceptance)
                 if predicted is not None:
                     self.calibration.observe(predicted, max(0, len(emitted) - 1))
+                elif not prop.candidates:  # no draft verified: the evidence fades toward the prior
+                    self.calibration.idle()
             observe(run.acceptance, prop.scored, prop.candidates, emitted)
             run.index.extend(emitted)
         if run.context is not None:
