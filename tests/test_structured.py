@@ -2,7 +2,11 @@
 with the same library's mask (llguidance, lp.grammar.matcher.GenerateGrammarProcessor), token for
 token, in one sequence and in batched steps; the grammar's forced continuation is a draft that is
 accepted (multi-token steps, asserted); ``G = 0`` (every draft source off) gives the same tokens;
-every finished JSON answer validates against its schema (jsonschema).
+every answer is valid: a finished one against its spec (jsonschema, ``re.fullmatch``, the choice list,
+a fresh llguidance matcher of the Lark grammar compiled apart from lp's cache), an unfinished one is
+a prefix the fresh matcher accepts. Sampled requests batched together are valid, each alike when
+drawn twice; a grammar request whose prompt hits the prefix cache equals the first one; the server's
+engine warms llguidance's tokenizer at start-up (the one requests then use).
 
 The model is a tiny random Llama with SmolLM2's 49152-token vocabulary (SmolLM2's tokenizer), so
 the grammars run over a real BPE vocabulary while a step costs milliseconds.
@@ -11,14 +15,17 @@ the grammars run over a real BPE vocabulary while a step costs milliseconds.
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
+import llguidance
 import pytest
 from transformers import LogitsProcessorList
 
 from lp.config import DecodingConfig
-from lp.engine.batch import generate_batch
+from lp.engine.batch import BatchEngine, generate_batch
 from lp.engine.decoder import LookaheadDecoder
+from lp.grammar import matcher as gm
 from lp.grammar.matcher import GenerateGrammarProcessor, RowGrammar, compile_grammar
 from lp.model.runner import ModelRunner
 from tests.helpers import hf_greedy, make_tiny_model, step_spans
@@ -77,11 +84,35 @@ def reference(model, tok, grammar, prompt, eos):
                      pad_token_id=eos[0])
 
 
-def check_valid(kind, spec, text):
-    if kind == "json_schema":
-        jsonschema.validate(json.loads(text), spec)
+def fresh_matcher(kind, spec, tok, eos):
+    """A matcher of the spec compiled straight by llguidance (not lp's compile_grammar / cache)."""
+    if kind in ("json_schema", "json_object"):
+        text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec), overrides=gm.JSON_OPTIONS)
+    elif kind == "regex":
+        text = llguidance.LLMatcher.grammar_from_regex(spec)
     elif kind == "choice":
+        text = llguidance.grammar_from("choice", json.dumps(spec))
+    else:
+        text = llguidance.grammar_from(kind, spec)
+    return llguidance.LLMatcher(gm.ll_tokenizer(tok, VOCAB, eos), text, log_level=0)
+
+
+def check_valid(kind, spec, tok, ids, finished, eos):
+    """The output tokens ``ids`` are valid for the spec: a finished answer (finish_reason "stop")
+    whole (the spec's own check: jsonschema, ``re.fullmatch``, the choice list, and for every kind a
+    fresh matcher accepting it), an unfinished one as a prefix the fresh matcher accepts."""
+    body = [t for t in ids if t not in eos]
+    assert len(body) >= len(ids) - 1 and (not finished or len(body) == len(ids) or ids[-1] in eos), ids
+    text = tok.decode(body)
+    if finished and kind == "json_schema":
+        jsonschema.validate(json.loads(text), spec)
+    elif finished and kind == "choice":
         assert text in spec, text
+    elif finished and kind == "regex":
+        assert re.fullmatch(spec, text), text
+    m = fresh_matcher(kind, spec, tok, eos)
+    assert m.try_consume_tokens(body) == len(body), (kind, text)
+    assert not finished or m.is_accepting(), (kind, text)
 
 
 @pytest.mark.parametrize("name", list(GRAMMARS))
@@ -102,8 +133,7 @@ def test_greedy_under_grammar_equals_generate(tiny, tok, name):
     spans = step_spans(drafts)
     assert max(b - a for a, b in spans) >= 2, spans  # drafts were accepted in multi-token steps
     assert drafts.stats.forced_tokens >= 1, drafts.stats.summary()
-    if drafts.finish_reason == "stop":
-        check_valid(kind, spec, tok.decode(drafts.output_ids, skip_special_tokens=True))
+    check_valid(kind, spec, tok, drafts.output_ids, drafts.finish_reason == "stop", eos)
 
 
 def test_schema_output_is_valid_and_forced_drafts_carry_the_keys(tiny, tok):
@@ -192,3 +222,75 @@ def test_lp_workers_refuse_structured_output(tiny, tok):
     dec = LookaheadDecoder(runner, DecodingConfig(grammar=compile_grammar("json_object", None)), group=group)
     with pytest.raises(ValueError, match="not supported with parallel.workers > 1"):
         dec.generate(tok.encode("x"), [tok.eos_token_id], tokenizer=tok)
+
+
+SAMPLED = ["person-schema", "call-schema", "regex", "lark", "choice"]
+
+
+def sampled_batch(runner, tok, seed0):
+    eos = [tok.eos_token_id]
+    prompts = [tok.encode(f"Sampled request {i}: ") for i in range(len(SAMPLED))]
+    cfgs = [DecodingConfig(max_new_tokens=NEW, grammar=compile_grammar(*GRAMMARS[n]), do_sample=True, temperature=1.0,
+                           seed=seed0 + i) for i, n in enumerate(SAMPLED)]
+    return generate_batch(LookaheadDecoder(runner, cfgs[0]), prompts, eos, tokenizer=tok, configs=cfgs,
+                          max_batch=len(SAMPLED))
+
+
+def test_sampled_grammar_requests_batched_are_valid(tiny, tok):
+    """The server's path: several sampled grammar requests in one batch (lp.engine.batch), every
+    output valid for its grammar (drafts below the committed token masked too), the same seeds
+    drawing the same outputs."""
+    _, runner = tiny
+    eos = [tok.eos_token_id]
+    outs = []
+    for seed0 in (0, 100):
+        outs += sampled_batch(runner, tok, seed0)
+    for o, n in zip(outs, SAMPLED * 2):
+        check_valid(*GRAMMARS[n], tok, o.output_ids, o.finish_reason == "stop", eos)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 6, [o.finish_reason for o in outs]
+    assert sum(o.stats.forced_tokens for o in outs) >= 10  # the forced drafts rode in the sampled steps
+    assert any(max(b - a for a, b in step_spans(o)) >= 2 for o in outs)
+    assert len({tuple(o.output_ids) for o in outs}) >= 6  # sampled: the seeds draw different outputs
+    again = sampled_batch(runner, tok, 0)
+    assert [o.output_ids for o in again] == [o.output_ids for o in outs[: len(SAMPLED)]]
+
+
+def test_grammar_request_hitting_the_prefix_cache(tiny, tok):
+    """A second identical greedy grammar request finds its prompt in the prefix cache and answers
+    the same valid output (== generate with the same mask)."""
+    model, runner = tiny
+    eos = [tok.eos_token_id]
+    kind, spec = GRAMMARS["person-schema"]
+    grammar = compile_grammar(kind, spec)
+    prompt = tok.encode("A long shared system prompt about people, their names, ages, colors and tags. " * 3)
+    engine = BatchEngine(runner, 4096, max_batch=2, prefix_cache=True)
+    results = []
+    for _ in range(2):
+        rid = engine.add(prompt, DecodingConfig(max_new_tokens=NEW, grammar=grammar), eos, tok)
+        while engine.has_work:
+            engine.step()
+        results.append(engine.result(rid))
+    first, second = results
+    assert first.stats.cached_tokens == 0 and second.stats.cached_tokens >= 32, second.stats.cached_tokens
+    assert second.output_ids == first.output_ids == reference(model, tok, grammar, prompt, eos)
+    check_valid(kind, spec, tok, second.output_ids, second.finish_reason == "stop", eos)
+
+
+def test_server_engine_warms_the_grammar_matcher_at_start(tiny, tok):
+    """lp.serve's engine builds llguidance's tokenizer when it starts (not in the first grammar
+    request), and a grammar request then uses that one."""
+    from lp.server.batched import BatchedEngine
+
+    _, runner = tiny
+    eos = [tok.eos_token_id]
+    gm._TOKENIZERS.clear()
+    assert not gm.is_warm(tok, VOCAB, eos)
+    engine = BatchedEngine(runner, tok, eos, max_queue=2, max_batch=2, kv_tokens=1024, max_prefill_tokens=None)
+    assert gm.is_warm(tok, VOCAB, eos)
+    built = dict(gm._TOKENIZERS)
+    rid = engine.batch.add(tok.encode("x"), DecodingConfig(max_new_tokens=4, grammar=compile_grammar(*GRAMMARS[
+        "choice"])), eos, tok)
+    while engine.batch.has_work:
+        engine.batch.step()
+    assert engine.batch.result(rid).output_ids
+    assert gm._TOKENIZERS == built  # the request found the tokenizer built at start-up

@@ -21,6 +21,11 @@ tokens; ``forced()`` is the grammar's forced continuation from the committed sta
 ``GenerateGrammarProcessor`` is the same library's mask for transformers ``generate`` (batch 1),
 the tests' and the bench's reference.
 
+``warm(tokenizer, vocab_size, eos)`` pays the one-time set-up a server's first grammar request
+would (llguidance's tokenizer for this tokenizer, ~1 s on SmolLM2's 49152 tokens; importing
+llguidance's torch helpers; a first matcher and mask) and returns its seconds; ``is_warm`` says
+whether the tokenizer for those arguments is built (the key a request's RowGrammar looks up).
+
 Legend: K kept rows, V vocabulary (the model's), W = ceil(V / 32) mask words.
 """
 
@@ -82,19 +87,46 @@ def _compiled(kind: str, key: str) -> str:
     return text
 
 
-@functools.lru_cache(maxsize=16)
-def _tokenizer(hf_tokenizer, vocab_size: int, eos: tuple[int, ...]):
-    import llguidance.hf
+_TOKENIZERS: dict = {}  # (transformers tokenizer, vocab size, sorted eos) -> llguidance.LLTokenizer
 
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos) or None)
+
+def _key(hf_tokenizer, vocab_size: int, eos: Sequence[int]) -> tuple:
+    return hf_tokenizer, int(vocab_size), tuple(sorted(int(e) for e in eos))
 
 
 def ll_tokenizer(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()):
-    """llguidance's tokenizer for a transformers tokenizer, the mask sized to the model's vocabulary
-    (an ``llguidance.LLTokenizer`` is used as it is: the tests' toy vocabularies)."""
+    """llguidance's tokenizer for a transformers tokenizer, the mask sized to the model's vocabulary,
+    built once per (tokenizer, vocab_size, eos) (an ``llguidance.LLTokenizer`` is used as it is:
+    the tests' toy vocabularies)."""
     if isinstance(hf_tokenizer, llguidance.LLTokenizer):
         return hf_tokenizer
-    return _tokenizer(hf_tokenizer, int(vocab_size), tuple(sorted(int(e) for e in eos)))
+    key = _key(hf_tokenizer, vocab_size, eos)
+    if key not in _TOKENIZERS:
+        from llguidance.hf import from_tokenizer
+
+        if len(_TOKENIZERS) >= 16:
+            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+        _TOKENIZERS[key] = from_tokenizer(hf_tokenizer, n_vocab=key[1], eos_token=list(key[2]) or None)
+    return _TOKENIZERS[key]
+
+
+def is_warm(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()) -> bool:
+    """Whether llguidance's tokenizer for these arguments is built and its torch helpers are
+    imported: a grammar request then pays neither."""
+    import sys
+
+    return _key(hf_tokenizer, vocab_size, eos) in _TOKENIZERS and "llguidance.torch" in sys.modules
+
+
+def warm(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()) -> float:
+    """Build llguidance's tokenizer, import its torch helpers, run one matcher and one mask (a
+    server's start-up, so its first grammar request does not pay them). -> seconds spent."""
+    import time
+
+    t0 = time.perf_counter()
+    g = RowGrammar(compile_grammar("json_object", None), hf_tokenizer, vocab_size, "cpu", eos)
+    g.masks([[]])
+    return time.perf_counter() - t0
 
 
 def new_matcher(grammar: str, hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()):

@@ -69,6 +69,12 @@ class BatchedEngine:
         self.stopping = False
         self.failed: str | None = None
         self._thread: threading.Thread | None = None  # the thread in run()
+        if tokenizer is not None and self.workers == 1:  # grammars run in one process only (lp.engine.decoder)
+            from lp.grammar.matcher import warm
+
+            # the grammar matcher's one-time set-up, here rather than in the first structured request
+            log.info("[lp.serve] grammar matcher (llguidance) ready in %.1f s",
+                     warm(tokenizer, runner.vocab_size, eos))
 
     # -- API for the HTTP side ---------------------------------------------
 
