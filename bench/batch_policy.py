@@ -1,7 +1,7 @@
 """One draft budget for the batch vs a static "no drafts above batch k" rule vs no drafts.
 
 Contract: ``python -m bench.batch_policy [--batches 1,2,4,8] [--static 2,4] [--tokens 64]
-[--rounds 2] [--out bench/results/batch_policy]`` loads SmolLM2 (fp32, this CPU) once and,
+[--rounds 2] [--out bench/results/batch/policy_queue]`` loads SmolLM2 (fp32, this CPU) once and,
 for each batch size B, decodes the first B prompts of a mixed list (chat prompts from
 tests/data/prompts.json alternating with HumanEval code prompts) in one ``BatchEngine``
 per draft policy:
@@ -70,7 +70,7 @@ def main() -> None:
                     help="0: each batch size B decodes B prompts together (the batch's makespan); N > 0: N "
                          "prompts queued, at most B decoding at once, a finished one's slot refilled at once "
                          "(continuous batching, what lp.serve does)")
-    ap.add_argument("--out", default="bench/results/batch_policy")
+    ap.add_argument("--out", default="bench/results/batch/policy_queue")
     args = ap.parse_args()
     from bench.batch import load
 

@@ -267,7 +267,7 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
                 p["server_command"] = commands[server]
                 p["server_exit_code"] = rc
             points += mine
-    summary = {"command": cfg_command(), "machine_before": before, "machine_after": machine(),
+    summary = {"command": cfg_command(), "commit": git_commit(), "machine_before": before, "machine_after": machine(),
                "max_tokens": cc.max_tokens, "threads": cfg.threads, "repeats": cc.repeats,
                "workloads": list(cc.workloads),
                "server_env": {s: vllm_env(cfg.threads, cc.vllm_cpu_bind, cc.vllm_kvcache_gib, dict(cc.vllm_extra_env))
@@ -286,6 +286,23 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
 
 def cfg_command() -> str:
     return "python -m bench.run " + " ".join(sys.argv[1:])
+
+
+def git_commit() -> str | None:
+    """The checkout's short commit, '+dirty' with uncommitted changes to tracked files (None outside git):
+    bench.report --readme cites it next to the numbers."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=30)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
 
 
 def _median(xs: list[float]) -> float:

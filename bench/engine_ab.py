@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--compile", default="on", choices=["on", "off"])
     ap.add_argument("--quant", default="none", choices=["none", "exact4"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="bench/results/engine_ab")
+    ap.add_argument("--out", default="bench/results/engine_ab/run")
     args = ap.parse_args()
     from lp.config import DecodingConfig
     from lp.engine.batch import BatchEngine

@@ -7,7 +7,7 @@ weight), and times one eager packed forward of Q rows after a 128-token prefix f
 both copies give the same greedy tokens on the same rows. Writes ``fused_linears.json`` and
 ``fused_linears.md`` (per Q the median and [min-max] over rounds) into ``--out``.
 
-    python -m bench.fused_linears --out bench/results/fused_linears
+    python -m bench.fused_linears --out bench/results/step_cost/fused_linears
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model-path", default=None, help="a local transformers folder (default: SmolLM2)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default="bench/results/fused_linears")
+    ap.add_argument("--out", default="bench/results/step_cost/fused_linears")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     runners = {"fused": _runner(args.model_path, True), "separate": _runner(args.model_path, False)}

@@ -13,8 +13,8 @@ nearly free, the step is host- and launch-bound) — and times, in one run and o
 ``--vocab 49152`` gives the real SmolLM2 vocabulary (the LM head then dominates the
 forward; the host work is what the lean step bounds). Writes JSON + markdown.
 
-    python -m bench.overhead --out bench/results/overhead
-    python -m bench.overhead --vocab 49152 --tokens 512 --out bench/results/overhead_vocab49k
+    python -m bench.overhead --out bench/results/step_cost/host_overhead
+    python -m bench.overhead --vocab 49152 --tokens 512 --out bench/results/step_cost/host_overhead/vocab49k
 """
 
 from __future__ import annotations

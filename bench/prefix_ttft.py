@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="bench/results/prefix_ttft")
+    ap.add_argument("--out", default="bench/results/prefix/ttft")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: never leak the servers
     import openai

@@ -11,7 +11,7 @@ rank loads the whole model, then shards it in memory) for comparison. Runs are i
 over ``--rounds``; the table reports the median and the spread per tp.
 
     python -m bench.tp_memory --out bench/results/tp_memory
-    python -m bench.tp_memory --smollm2 --tps 1,3 --out bench/results/tp_memory_smollm2   # tied
+    python -m bench.tp_memory --smollm2 --tps 1,3 --out bench/results/tp_memory/smollm2   # tied
 """
 
 from __future__ import annotations
