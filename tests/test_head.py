@@ -16,14 +16,15 @@ from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 
 
-def _near_tie_head(v=4096, d=64, groups=64, seed=0):
+def _near_tie_head(v=4096, d=64, groups=64, seed=0, noise=3e-2):
     """A head whose tokens come in groups of near-equal rows: a row's best tokens differ by
-    ~1e-3 of its logit, inside bf16's rounding, outside fp32's. Column 0 is a shift (w = 1,
+    ~``noise`` of its logit (3e-2: mostly inside bf16's rounding bound, outside the two fp32
+    evaluations' bound, which the screen must beat to answer). Column 0 is a shift (w = 1,
     x = minus the row's top): the top logits sit near 0, where bf16's output rounding is
     nothing and the inputs' rounding is all the error."""
     gen = torch.Generator().manual_seed(seed)
     base_GD = torch.randn(groups, d, generator=gen)
-    w_VD = base_GD.repeat_interleave(v // groups, 0) * (1 + 1e-3 * torch.randn(v, d, generator=gen))
+    w_VD = base_GD.repeat_interleave(v // groups, 0) * (1 + noise * torch.randn(v, d, generator=gen))
     w_VD[:, 0] = 1.0
     x_MD = torch.randn(256, d, generator=gen) * 3
     x_MD[:, 0] = 0.0
@@ -31,21 +32,89 @@ def _near_tie_head(v=4096, d=64, groups=64, seed=0):
     return w_VD, x_MD
 
 
+def _screened(screen, x_MD, w_VD, rows=8):
+    """Argmaxes of ``x_MD`` through the screen, ``rows`` at a time, the fp32 head's where it
+    answers None (what lp.model.kernels does); and how many of them the screen answered
+    where bf16 alone picks another token."""
+    got, hard = [], 0
+    for x_RD in x_MD.split(rows):
+        y = screen.logits(x_RD)
+        got += argmax_rows(y if y is not None else x_RD @ w_VD.t())
+        if y is not None:
+            hard += int((screen.bf16_logits(x_RD).float().argmax(-1) != (x_RD @ w_VD.t()).argmax(-1)).sum())
+    return got, hard
+
+
 def test_the_screen_finds_the_fp32_argmax_where_bf16_alone_does_not():
     w_VD, x_MD = _near_tie_head()
     screen = HeadScreen(w_VD)
-    want, bf16, got = [], [], []
-    for rows in x_MD.split(8):
-        want += (rows @ w_VD.t()).argmax(-1).tolist()
-        bf16 += screen.bf16_logits(rows).float().argmax(-1).tolist()
-        got += argmax_rows(screen.logits(rows))
+    want = (x_MD @ w_VD.t()).argmax(-1).tolist()
+    bf16 = screen.bf16_logits(x_MD).float().argmax(-1).tolist()
     assert sum(a != b for a, b in zip(want, bf16)) > 20, "the rows do not test the bound: bf16 alone agrees"
+    got, hard = _screened(screen, x_MD, w_VD)
     assert got == want
-    assert screen.calls == len(x_MD) // 8
+    assert screen.calls + screen.undecided == len(x_MD) // 8 and screen.calls >= 20, (screen.calls, screen.undecided)
+    assert hard >= 10, "the batches the screen answered hold no row bf16 alone gets wrong"
     # and with shifts of the other sign: the top logits large, the output's rounding the larger term
     x_MD[:, 0] += 200.0
-    assert [argmax_rows(screen.logits(rows)) for rows in x_MD.split(8)] == [
-        (rows @ w_VD.t()).argmax(-1).tolist() for rows in x_MD.split(8)]
+    calls = screen.calls
+    got, _ = _screened(screen, x_MD, w_VD)
+    assert got == (x_MD @ w_VD.t()).argmax(-1).tolist() and screen.calls - calls >= 10, (calls, screen.calls)
+
+
+def test_a_row_whose_bf16_rounding_errs_towards_a_wrong_token_keeps_the_true_argmax():
+    """The bound is tight: x and two weight rows built so that bf16 rounds every product of the
+    true argmax A down and every product of a rival B up (unit roundoff u = 2^-8 relative, each
+    element rounded by just under u): bf16 puts B ~2u sum |x||w| above A though A's fp32 logit is
+    the larger. The screen's bound (2u + ...) ||x|| ||w_max|| keeps A, within ~5% of it; the
+    bound taken with u = 2^-9 (a half), or a quarter, drops A and the screen answers B."""
+    d, v, a, b = 64, 64, 40, 7
+    down, up = 1 + 2.0 ** -8 - 2.0 ** -20, 1 + 2.0 ** -8 + 2.0 ** -20  # round to 1 and to 1 + 2^-7
+    x_D = torch.ones(d)
+    x_D[:31], x_D[31:62] = down, up  # two exact coordinates at the end
+    w_VD = -0.5 * x_D.repeat(v, 1) / x_D.norm() * 8 + 0.01 * torch.randn(v, d, generator=torch.Generator().manual_seed(0))
+    w_VD[a, :31], w_VD[a, 31:62], w_VD[a, 62:] = down, -up, torch.tensor([2.0 ** -8, 0.0])
+    w_VD[b] = -w_VD[a]
+    w_VD[b, 63] = 0.0
+    assert w_VD.norm(dim=1).argmax() in (a, b)  # the largest ||w_v|| is A's (or B's, equal): the bound's own
+    x_1D = x_D[None]
+    fp32 = (x_1D @ w_VD.t())[0]
+    assert fp32.argmax() == a and fp32[a] - fp32[b] > 6e-3  # A wins in fp32 by more than the fp32 bounds
+    screen = HeadScreen(w_VD)
+    y_V = screen.bf16_logits(x_1D).float()[0]
+    assert y_V.argmax() == b and y_V[b] - y_V[a] > 0.95  # bf16 alone: B, by ~2u sum|x||w| (~0.97)
+    assert y_V[b] - y_V[a] > 0.9 * 2 * screen.bound * x_D.norm()  # ~ the whole margin the bound gives
+    assert argmax_rows(screen.logits(x_1D)) == [a] and screen.calls == 1
+
+
+def test_a_row_the_fp32_rounding_could_decide_either_way_goes_to_the_fp32_head():
+    """The kept tokens' fp32 logits are one float32 evaluation, the packed head's another: the
+    screen answers only rows whose best beats its runner-up by more than two fp32 bounds (then
+    every float32 evaluation has that argmax, strictly); a tie, or a gap of one rounding, is the
+    fp32 head's to decide (ties: its first index). Also under a float32 matmul precision that
+    lets torch compute "fp32" products in bf16 / tf32."""
+    gen = torch.Generator().manual_seed(4)
+    w_VD = torch.randn(256, 64, generator=gen)
+    x_2D = torch.randn(2, 64, generator=gen)
+    top = int((x_2D[0] @ w_VD.t()).argmax())
+    screen = HeadScreen(w_VD)
+    assert argmax_rows(screen.logits(x_2D)) == (x_2D @ w_VD.t()).argmax(-1).tolist() and screen.calls == 1
+    tie = w_VD.clone()
+    tie[3] = tie[top]  # an exact tie with the top token, at a lower index: the fp32 head takes 3
+    near = w_VD.clone()
+    near[3] = near[top]
+    near[3, 5] = torch.nextafter(near[top, 5], near[top, 5] + torch.sign(x_2D[0, 5]))  # one ulp above
+    for w in (tie, near):
+        screen = HeadScreen(w)
+        assert screen.logits(x_2D) is None and screen.calls == 0 and screen.undecided == 1
+        assert screen.logits(x_2D[1:]) is not None  # the other row alone is decided
+        assert (x_2D[:1] @ w.t()).argmax(-1).tolist() == [3]
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert HeadScreen(w_VD).logits(x_2D) is None
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def test_the_screen_leaves_to_the_fp32_head_what_it_cannot_prove():

@@ -1,39 +1,52 @@
 """The LM head's greedy screen: a bf16 pass that proves which tokens can be a row's argmax,
-and the exact fp32 logits of those alone (``model.head=auto``).
+and the fp32 logits of those alone (``model.head=auto``).
 
 Contract: ``screen_head(model, mode)`` gives the model's packed fp32 output embedding
 (lp.model.kernels.pack) a ``HeadScreen`` when ``mode`` is ``screen``, or ``auto`` and a
 bf16 head measured faster here; it returns the screen or None. While
 ``kernels.ARGMAX_ONLY.on`` (lp.model.runner, for a step whose every kept row feeds only a
 greedy argmax: no sampling, processors, grammar or logprobs), the head returns, per row,
-the exact fp32 logit of every token that can be the row's maximum and -inf elsewhere:
-its argmax is the fp32 head's argmax (ties included), nothing else in it is a logit.
-``logits`` returns None (the caller runs the fp32 head) for more than ``MAX_ROWS`` rows,
-a screen that kept too many tokens, or a row that is not finite.
+an fp32 logit (up to fp32 rounding) of every token that can be the row's maximum and -inf
+elsewhere, and only when it has proved each row's argmax: then that argmax is, token for
+token, the argmax of the fp32 head (of any float32 evaluation of it: the packed head the step
+would run otherwise, ``x @ W.T``, whatever the summation order), and no such evaluation can
+tie it with another token. Nothing else in it is a logit. ``logits`` returns None (the caller
+runs the fp32 head, whose argmax, ties by the first index, then decides) for more than
+``MAX_ROWS`` rows, a screen that kept too many tokens, a row that is not finite, a row whose
+two best kept logits are within two fp32 rounding bounds of each other (a near tie, or a tie,
+that another summation order could decide the other way), or a float32 matmul precision other
+than ``highest`` (where torch may compute "fp32" products in bf16 or tf32).
 
 Why: the fp32 head is the largest weight a step reads (SmolLM2: 49,152 x 576, 113 MB;
 1.7-2.2 ms of a ~19 ms one-row compiled step on this project's 2-core EPYC, AVX-512 BF16,
 oneDNN packed), its bf16 copy half the bytes (0.85 ms at 1 row, 1.2 ms at 8), and a greedy
 step needs one token a row, not 49,152 logits.
 
-The proof. x a row's hidden state (fp32, D wide), w_v token v's weight row, u = 2^-9 the
-bf16 unit roundoff. bf16 rounds x and w_v to within u of each element, their products are
-exact in fp32 and summed in fp32, so the screened s_v = fl(x~ . w~_v) before its own output
-rounding differs from x . w_v by at most (2u + u^2 + 2 D 2^-24) sum_i |x_i||w_vi|, which is
-at most ``bound`` ||x|| ||w_v|| (Cauchy-Schwarz; the 2 D 2^-24 term is the two fp32
-summations, the screen's and the fp32 head's own, with 1% slack); the bf16 output y_v
-rounds s_v to within 2^-9 |s_v| < 2^-8 max_v |y_v| =: r. So with e_v = bound ||x|| ||w_v|| + r,
-every exact logit lies in [y_v - e_v, y_v + e_v]. Let t be the screen's top token: the exact
-maximum is at least y_t - e_t, so a token v can be (or tie) the maximum only if
-y_v + e_v >= y_t - e_t. The screen keeps exactly those, computes their fp32 logits from x
-and w_v (elementwise products summed in fp32: the fp32 head's value up to its summation
-order, the same rounding-level difference as any change of kernel), and the argmax over
-them is the argmax over all (the screen uses the largest ||w_v|| for every v: one threshold a
-row). Measured on SmolLM2 chat rows here: the bound is ~1.3 logits (the true error ~0.1),
-1-66 tokens kept a row (median 5); rows of random tokens keep ~300.
+The proof. x a row's hidden state (fp32, D wide), w_v token v's weight row, u = 2^-8 the
+bf16 unit roundoff (8 significant bits: 1 + 2^-8 - 2^-20 rounds to 1), f_v the fp32 head's
+logit (any float32 evaluation: within D 2^-24 sum_i |x_i||w_vi| of x . w_v). bf16 rounds x and
+w_v to within u of each element, their products are exact in fp32 and summed in fp32, so the
+screened s_v = fl(x~ . w~_v) before its own output rounding differs from f_v by at most
+(2u + u^2 + 2 D 2^-24) sum_i |x_i||w_vi|, which is at most ``bound`` ||x|| ||w_v||
+(Cauchy-Schwarz; the 2 D 2^-24 term is the two fp32 summations, the screen's and the fp32
+head's own, with 1% slack); the bf16 output y_v rounds s_v to within u |y_v|. So with
+e_v = bound ||x|| ||w_v|| + u |y_v|, every f_v lies in [y_v - e_v, y_v + e_v]. Let t be the
+screen's top token: max_v f_v >= f_t >= y_t - e_t, so a token v can be (or tie) the maximum
+only if y_v + e_v >= y_t - e_t. The screen keeps exactly those (it uses the largest ||w_v||
+for every v: one threshold a row); every other token's f_v is below the maximum. Then it
+computes the kept tokens' fp32 logits z_v from x and w_v: another float32 evaluation, so
+|z_v - f_v| <= 2 D 2^-24 (1.01) ||x|| ||w_v|| =: d (``fp32_bound``). If a row's best z_a
+exceeds every other z_b by more than 2 d, then f_a > f_b for every kept b: a is the fp32 head's
+argmax, strictly (no tie). Else the step goes to the fp32 head. ``test_head`` builds a row whose
+bf16 rounding errs by ~2 u sum |x||w| towards a wrong token: a bound of half this one (the
+unit roundoff taken as 2^-9, as this screen did before) drops the true argmax there.
+Measured on SmolLM2 chat rows here (329 greedy rows of 12 mt_bench / gsm8k prompts): the bound
+~2.7 logits a side (median), 1-322 tokens kept a row (median 8); 2 d ~0.05 logits, and 7 of
+the 329 rows are that close to a tie (they send their step to the fp32 head: 7 of 42 steps of
+8 such rows). (Measured before with u = 2^-9: ~1.3 logits, 1-66 kept.)
 
-The kept tokens' exact logits come from one [M, D] x [D, U] product over their fp32 weight
-rows (U the kept tokens of all rows: a row gets exact values for other rows' tokens too). The
+The kept tokens' fp32 logits come from one [M, D] x [D, U] product over their fp32 weight
+rows (U the kept tokens of all rows: a row gets values for other rows' tokens too). The
 screen reads block maxima (``amax`` over blocks of 64 tokens: vectorized, where torch's
 argmax and max-with-index run ~15x slower on this CPU), then only the blocks that reach the
 threshold. ``argmax_rows`` reads any step's argmax the same way (the fp32 head's too).
@@ -62,9 +75,12 @@ class HeadScreen:
     def __init__(self, weight_VD: torch.Tensor):
         self.weight_VD = weight_VD  # the head's own fp32 weight (shared, not copied; screen_head: fp32 only)
         self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight_VD.to(torch.bfloat16), None)
-        u, d = 2.0 ** -9, weight_VD.shape[1]
+        u, d = 2.0 ** -8, weight_VD.shape[1]  # bf16: 8 significant bits, round to nearest
         bound = 1.01 * (2 * u + u * u + 2 * d * 2.0 ** -24)
-        self.bound = bound * torch.linalg.vector_norm(weight_VD, dim=1).max().item()
+        w_max = torch.linalg.vector_norm(weight_VD, dim=1).max().item()
+        self.bound = bound * w_max
+        self.fp32_bound = 1.01 * 2 * d * 2.0 ** -24 * w_max  # two float32 evaluations of one logit differ by less
+        self.undecided = 0  # forwards left to the fp32 head for a row the fp32 rounding could decide either way
         self.block = _block(weight_VD.shape[0])  # the screen reads block maxima first
         self.calls = 0  # forwards the screen answered (tests read it)
 
@@ -78,14 +94,15 @@ class HeadScreen:
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
         x_MD = x.reshape(-1, x.shape[-1])
         m, v = x_MD.shape[0], self.weight_VD.shape[0]
-        if m > MAX_ROWS or self.block is None:
+        if m > MAX_ROWS or self.block is None or torch.get_float32_matmul_precision() != "highest":
             return None
         y_MV = self.bf16_logits(x_MD).float()
         y_MNB = y_MV.view(m, -1, self.block)
         blocks_MN = y_MNB.amax(-1)  # amax: vectorized (max with an index is ~15x slower here)
         top_M = blocks_MN.amax(-1)
-        a_M = self.bound * torch.linalg.vector_norm(x_MD, dim=-1)
-        # L: the exact maximum is at least the top's lower bound; v can reach it only if
+        xn_M = torch.linalg.vector_norm(x_MD, dim=-1)
+        a_M = self.bound * xn_M
+        # L: the fp32 maximum is at least the top's lower bound; v can reach it only if
         # g(y_v) + A >= L, g(y) = y + 2^-8 |y| increasing, so y_v >= g^-1(L - A)
         z_M = top_M - 2.0 ** -8 * top_M.abs() - 2 * a_M
         floor_M = torch.where(z_M >= 0, z_M / (1 + 2.0 ** -8), z_M / (1 - 2.0 ** -8))
@@ -95,11 +112,18 @@ class HeadScreen:
         s_P, j_P = (y_MNB[m_S, n_S] >= floor_M[m_S, None]).nonzero(as_tuple=True)
         if s_P.numel() > MAX_PAIRS_PER_ROW * m:
             return None
-        # every kept token's exact logit in every row (a token kept for one row only is still exact
+        # every kept token's fp32 logit in every row (a token kept for one row only is still a logit
         # in the others): one [M, D] x [D, U] product over the kept tokens' fp32 weight rows
         v_U = torch.unique(n_S[s_P] * self.block + j_P)
+        z_MU = x_MD @ self.weight_VD[v_U].t()
+        if v_U.numel() > 1:  # each row's best must beat its runner-up by more than two fp32 rounding bounds
+            top2_M2 = z_MU.topk(2, dim=-1).values
+            gap_M = top2_M2[:, 0] - top2_M2[:, 1]
+            if not bool((gap_M > 2 * self.fp32_bound * xn_M).all()):
+                self.undecided += 1
+                return None
         out_MV = torch.full((m, v), float("-inf"), dtype=torch.float32, device=y_MV.device)
-        out_MV[:, v_U] = x_MD @ self.weight_VD[v_U].t()
+        out_MV[:, v_U] = z_MU
         self.calls += 1
         return out_MV.reshape(*x.shape[:-1], v)
 
