@@ -45,6 +45,34 @@ def _setup_logging() -> None:
     log.disabled = False  # Hydra's disabled job logging (ranks > 0) turns off existing loggers
 
 
+class _Phases:
+    """Start-up progress on rank 0: a line as each phase begins and one with its seconds as it
+    ends, then the total (``ready in``) once the server listens."""
+
+    def __init__(self, rank: int):
+        import time
+
+        self.clock = time.perf_counter
+        self.rank, self.t0 = rank, self.clock()
+
+    def __call__(self, name: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def phase():
+            t = self.clock()
+            if self.rank == 0:
+                log.info("[lp.serve] start-up: %s ...", name)
+            yield
+            if self.rank == 0:
+                log.info("[lp.serve] start-up: %s done in %.1f s", name, self.clock() - t)
+
+        return phase()
+
+    def total(self) -> float:
+        return self.clock() - self.t0
+
+
 def model_id_of(cfg: ServeConfig) -> str:
     if cfg.server.model_id:
         return cfg.server.model_id
@@ -62,6 +90,7 @@ def run(cfg: ServeConfig) -> int:
     cfg.validate()
     _setup_logging()
     rank, world, _ = torchrun_env()
+    phase = _Phases(rank)
     pin_worker(cfg.model.cpus, cfg.model.threads)  # before the first parallel region: OpenMP inherits it
     device = worker_device(cfg.model.device)
     group = init_worker_group(cfg.parallel, device)
@@ -76,12 +105,14 @@ def run(cfg: ServeConfig) -> int:
             log.info("[lp.serve] %s", line)
     memory.check()  # before any weights load
     # the whole replica, or under parallel.tp > 1 only this rank's shards of it
-    model, tokenizer = load_for(path, cfg.model.dtype, str(device), cfg.model.quant, group)
+    with phase(f"loading the model (model.quant={cfg.model.quant})"):
+        model, tokenizer = load_for(path, cfg.model.dtype, str(device), cfg.model.quant, group)
     if tokenizer is None:
         raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")
-    runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
-                         linears=cfg.model.linears, compile=cfg.model.compile,
-                         head=cfg.model.head)
+    with phase("preparing the runner (kernels, packed weights, head screen)"):
+        runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
+                             linears=cfg.model.linears, compile=cfg.model.compile,
+                             head=cfg.model.head)
     eos = eos_ids(model, tokenizer)
     if cfg.decoding.draft_budget == "auto":
         # the draft budget's t(Q) curve, measured now on every rank at once (once per machine,
@@ -89,14 +120,16 @@ def run(cfg: ServeConfig) -> int:
         from lp.model.calibrate import cache_path, row_cost_curve
 
         log.info("[lp.serve] rank %d: t(Q) for the draft budget: %s", rank, cache_path(runner))
-        row_cost_curve(runner)
+        with phase("the t(Q) curve (measured once per machine and model, then read from its cache)"):
+            row_cost_curve(runner)
     if runner.compiled:
         from lp.engine.batch import compile_batched_step
 
         log.info("[lp.serve] rank %d: model.compile=on: compiling the batched step (minutes the first time; "
                  "inductor caches its kernels on disk for the next start)", rank)
         log.info("[lp.serve] rank %d: compiled in %.0f s", rank, compile_batched_step(runner, cfg.server.max_prefill_tokens))
-    batch_cost = _batch_cost(cfg, runner, rank)  # after compiling: the costs of the step the server runs
+    with phase("the batched step's costs (measured once per machine and model, then cached)"):
+        batch_cost = _batch_cost(cfg, runner, rank)  # after compiling: the costs of the step the server runs
     try:
         if group is not None:
             n_params = sum(p.numel() for p in model.parameters())
@@ -106,7 +139,7 @@ def run(cfg: ServeConfig) -> int:
         os._exit(3)
     if rank != 0:
         return _serve_worker(cfg, runner, tokenizer, eos, group, batch_cost)
-    return _serve_http(cfg, runner, tokenizer, eos, group, model, memory, batch_cost)
+    return _serve_http(cfg, runner, tokenizer, eos, group, model, memory, batch_cost, phase)
 
 
 def _memory_plan(cfg: ServeConfig, path, device):
@@ -188,7 +221,8 @@ def _draft_store(cfg: ServeConfig):
     return DraftStore(cfg.decoding.draft_store_tokens) if cfg.server.draft_store else None
 
 
-def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=None, batch_cost=None) -> int:
+def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=None, batch_cost=None,
+                phase: _Phases | None = None) -> int:
     import uvicorn
 
     from lp.server.app import create_app
@@ -226,8 +260,10 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=N
                                     timeout_graceful_shutdown=5, lifespan="off"))
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
     d = cfg.decoding
-    log.info("[lp.serve] model %s loaded (%s, %s), %d worker(s) x tp %d, W/N/G default %s/%s/%s; http://%s:%d",
-             ctx.model_id, str(model.dtype).replace("torch.", ""), runner.device, world, cfg.parallel.tp, d.W, d.N, d.G, s.host, s.port)
+    log.info("[lp.serve] model %s loaded (%s, %s, quant %s), %d worker(s) x tp %d, W/N/G default %s/%s/%s; "
+             "http://%s:%d%s", ctx.model_id, str(model.dtype).replace("torch.", ""), runner.device, runner.quant,
+             world, cfg.parallel.tp, d.W, d.N, d.G, s.host, s.port,
+             f"; ready {phase.total():.1f} s after start" if phase is not None else "")
 
     def http() -> None:
         try:
