@@ -111,6 +111,40 @@ def test_weights_that_are_not_4_bit_blocks_stay_dense(tiny_factory):
         quantize(copy.deepcopy(tiny_factory("llama")).to(torch.bfloat16), "exact4")
 
 
+@pytest.mark.parametrize("parent,member,fused", [("self_attn", "v_proj", "_lp_q_k_v"), ("mlp", "up_proj", "_lp_gate_up")])
+def test_a_group_with_one_member_that_does_not_encode_is_not_fused(q4_model, parent, member, fused):
+    """One member of a fused group (q/k/v, gate/up) one ulp off its 4-bit blocks: the group is
+    declined (no fused module there), that member stays a dense float32 linear holding its very
+    weight, each other member runs on its own exact 4-bit blocks, the other layers' groups
+    are fused, and the model still equals the dense one (logits up to summation order, greedy
+    tokens)."""
+    dense = copy.deepcopy(q4_model)
+    off = getattr(getattr(dense.model.layers[0], parent), member)
+    with torch.no_grad():
+        off.weight[5, 9] = torch.nextafter(off.weight[5, 9], torch.tensor(float("inf")))
+    assert exact4.encode(off.weight.detach()) is None
+    model = copy.deepcopy(dense)
+    want_w = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert quantize(model, "exact4") == "exact4"
+    group = getattr(model.model.layers[0], parent)
+    assert fused not in dict(group.named_children())  # declined
+    kept = getattr(group, member)
+    assert isinstance(kept, nn.Linear) and torch.equal(kept.weight, want_w[f"model.layers.0.{parent}.{member}"])
+    names = ("q_proj", "k_proj", "v_proj") if parent == "self_attn" else ("gate_proj", "up_proj")
+    for name in names:
+        if name != member:
+            lin = getattr(group, name)
+            assert isinstance(lin, exact4.Exact4Linear) and len(lin.splits) == 1, name
+            assert torch.equal(lin(torch.eye(lin.in_features)).t(), want_w[f"model.layers.0.{parent}.{name}"]), name
+    assert all(isinstance(getattr(getattr(layer, parent), fused), exact4.Exact4Linear)
+               for layer in model.model.layers[1:])
+    ids = torch.tensor([REPETITIVE_PROMPT])
+    with torch.inference_mode():
+        want, got = dense(ids).logits, model(ids).logits
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+    assert hf_greedy(model, REPETITIVE_PROMPT, 20) == hf_greedy(dense, REPETITIVE_PROMPT, 20)
+
+
 def test_logits_equal_the_dense_model_up_to_summation_order(q4_model):
     model = copy.deepcopy(q4_model)
     quantize(model, "exact4")
