@@ -297,8 +297,9 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
             llamacpp_gguf(cc, model_path)
     prompts = {w: workload_prompts(cfg, w) for w in cc.workloads}
     tok = AutoTokenizer.from_pretrained(model_path)
-    refs = {}
-    for w in cc.workloads:
+    refs = {w: {} for w in cc.workloads}
+    # only servers whose texts are compared need lp's references (a llamacpp-only run skips minutes of decoding)
+    for w in cc.workloads if any(s not in TEXTS_NOT_COMPARED for s in cc.servers) else []:
         print(f"[concurrency] lp offline greedy references for {len(prompts[w])} {w} prompts ...", file=sys.stderr,
               flush=True)
         refs[w] = offline_references(prompts[w], cc.max_tokens, cfg.threads, raw=(w == "code"))
