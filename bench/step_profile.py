@@ -1,0 +1,155 @@
+"""Where a one-sequence decode step's time goes, on lp.serve's path with its defaults.
+
+Contract: ``python -m bench.step_profile [--tokens 96] [--out bench/results/step_profile]`` loads
+the default model as ``lp.serve`` does (``model.quant=auto``: exact4 where the linears are 4-bit
+blocks; ``model.compile``, ``model.head`` and the rest at their defaults unless given as
+``--override key=value`` on ``ModelConfig``), runs one greedy chat request through a
+``BatchEngine`` (the server's engine) in plain one-token steps (``decoding.mode=ar``, what the
+budget falls back to on text without repeats) and with the default drafts, and reports per
+token: wall time of ``BatchEngine.step``, the time inside the batched forward
+(``BatchEngine.forward``), the rest (host work: scheduling, drafts, verification, commit),
+then torch.profiler's self-CPU table of 20 one-row steps. Writes ``<out>/profile.json`` and
+``<out>/profile.md`` with the command, the machine and the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def run_request(engine, ids, dcfg, eos):
+    """(per-step wall seconds, per-step forward seconds, tokens) of one request to the end."""
+    walls, fwds, tokens = [], [], 0
+    inner = engine.forward
+
+    def timed(items):
+        t = time.perf_counter()
+        out = inner(items)
+        fwds.append(time.perf_counter() - t)
+        return out
+
+    engine.forward = timed
+    try:
+        engine.add(ids, dcfg, eos_token_ids=eos)
+        while engine.has_work:
+            t = time.perf_counter()
+            outs = engine.step()
+            walls.append(time.perf_counter() - t)
+            tokens += sum(len(o.new_tokens) for o in outs)
+    finally:
+        engine.forward = inner
+    return walls, fwds, tokens
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--override", action="append", default=[], help="ModelConfig field=value (e.g. compile=on)")
+    ap.add_argument("--out", default="bench/results/step_profile")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from lp.config import DecodingConfig, ModelConfig
+    from lp.engine.batch import BatchEngine
+    from lp.generate import eos_ids
+    from lp.model.loader import load_model, resolve_model_path
+    from lp.model.runner import ModelRunner
+
+    mc = ModelConfig()
+    for kv in a.override:
+        k, _, v = kv.partition("=")
+        if not hasattr(mc, k):
+            raise ValueError(f"--override: ModelConfig has no field {k!r}")
+        setattr(mc, k, v)
+    mc.validate()
+    path = resolve_model_path(mc.name, mc.path, mc.cache_dir)
+    t = time.perf_counter()
+    model, tok = load_model(path, mc.dtype, "cpu", mc.quant)
+    load_s = time.perf_counter() - t
+    runner = ModelRunner(model, mc.attention, small_rows=mc.small_rows, linears=mc.linears, compile=mc.compile,
+                         head=mc.head)
+    eos = eos_ids(model, tok)
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    engine = BatchEngine(runner, kv_tokens=4096, max_batch=1)
+    if runner.compiled:
+        from lp.engine.batch import compile_batched_step
+
+        compile_batched_step(runner, 512)
+    modes = {"ar": DecodingConfig(mode="ar", max_new_tokens=a.tokens),
+             "defaults": DecodingConfig(max_new_tokens=a.tokens)}
+    rows = {m: [] for m in modes}
+    outputs = {}
+    run_request(engine, ids, modes["ar"], eos)  # warm-up
+    for _ in range(a.reps):  # interleaved
+        for m, d in modes.items():
+            walls, fwds, n = run_request(engine, ids, d, eos)
+            decode = walls[1:]  # the first step is the prefill
+            rows[m].append({"ms_per_token": 1e3 * sum(decode) / max(1, n - 1), "steps": len(decode),
+                            "ms_per_step": 1e3 * statistics.median(decode),
+                            "forward_ms_per_step": 1e3 * statistics.median(fwds[1:]),
+                            "host_ms_per_step": 1e3 * statistics.median([w - f for w, f in zip(decode, fwds[1:])]),
+                            "tokens": n})
+    # the profiler over one-row steps
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add(ids, modes["ar"], eos_token_ids=eos)
+    engine.step()  # prefill
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            engine.step()
+    while engine.has_work:
+        engine.step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    result = {"command": "python -m bench.step_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "commit": _commit(), "cpu": _cpu(), "threads": a.threads, "model": {**vars(mc)},
+              "resolved": {"quant": runner.quant, "compiled": bool(runner.compiled), "attention": runner.attention,
+                           "linears": runner.linears},
+              "load_s": load_s, "runs": rows, "profile_20_one_row_steps": table}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(result, indent=1, default=str))
+    md = [f"# One-sequence decode step, lp.serve's engine, defaults ({result['resolved']})", "",
+          f"`{result['command']}` at {result['commit']}, {result['cpu']}, {a.threads} threads", "",
+          "| mode | ms/token | ms/step | forward ms/step | host ms/step | steps |", "|---|---|---|---|---|---|"]
+    for m, rs in rows.items():
+        rng = lambda k: f"{min(r[k] for r in rs):.2f}-{max(r[k] for r in rs):.2f}"  # noqa: E731
+        md.append(f"| {m} | {rng('ms_per_token')} | {rng('ms_per_step')} | {rng('forward_ms_per_step')} | "
+                  f"{rng('host_ms_per_step')} | {rs[0]['steps']} |")
+    md += ["", "torch.profiler, 20 one-row steps (self CPU):", "", "```", table, "```"]
+    (out / "profile.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md[:8 + len(rows)]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
