@@ -124,8 +124,8 @@ def test_an_evicted_block_is_never_hit_again(tiny_factory):
     q = _run(engine, Q, cfg)
     assert blocks.evictions == 4 and q.output_ids == hf_greedy(model, Q, 8)
     again = _run(engine, P, cfg)
-    assert again.stats.cached_tokens == 0, "hit an evicted block"
     assert again.output_ids == first.output_ids == hf_greedy(model, P, 8)
+    assert again.stats.cached_tokens == 0, "hit an evicted block"
 
 
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])

@@ -5,7 +5,8 @@ A later request whose prompt starts with an earlier one's rows (a chat's next tu
 same system prompt, the earlier turns and replies) reuses their K/V blocks instead of
 computing them; every output stays transformers' greedy ``generate`` of its own prompt,
 token for token, and equals a cold engine's. Under pressure the least recently released
-cached blocks are evicted, never one a running sequence holds.
+cached blocks are evicted, never one a running sequence holds. The engine tests check the
+prefix cache's block invariants after every step (tests.test_prefix_blocks.step_checked).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lp.engine.batch import BatchEngine
 from lp.model.paged import BlockTable
 from lp.model.runner import ModelRunner
 from tests.helpers import make_tiny_model, hf_greedy
+from tests.test_prefix_blocks import assert_prefix_blocks, step_checked
 
 TREE = dict(drafts="suffix", draft_budget="all", W=2, N=3, G=3, window_policy="always", max_draft_rows=8)
 SYSTEM = [(7 * i) % 97 + 3 for i in range(45)]  # 5 blocks of 8 + 5 rows
@@ -26,8 +28,7 @@ SYSTEM = [(7 * i) % 97 + 3 for i in range(45)]  # 5 blocks of 8 + 5 rows
 
 def _run(engine, prompt, cfg):
     rid = engine.add(prompt, cfg)
-    while engine.has_work:
-        engine.step()
+    step_checked(engine)  # the prefix cache's block invariants after every step
     return engine.result(rid)
 
 
@@ -127,10 +128,7 @@ def test_admission_counts_cached_blocks(tiny_factory):
     assert engine.cache.blocks.evictable and first.stats.cached_tokens == 0
     a, b = engine.add(prompt + [9], cfg), engine.add(prompt + [10], cfg)
     assert engine.admissions() == [a, b]  # 2 x (new blocks) + the 5 shared evictable ones once
-    outs = {}
-    while engine.has_work:
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).extend(o.new_tokens)
+    outs = step_checked(engine)
     model = runner.model
     assert outs[a] == hf_greedy(model, prompt + [9], 8) and outs[b] == hf_greedy(model, prompt + [10], 8)
     assert engine.result(a).stats.cached_tokens == 40 and engine.result(b).stats.cached_tokens == 40
@@ -191,6 +189,7 @@ def test_shared_prefix_while_running_and_eviction_under_pressure(tiny_factory):
             break
         for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.new_tokens)
+        assert_prefix_blocks(engine)
     assert len(ids) == len(prompts)
     results = [engine.result(i) for i in ids]
     for i, (p, rid, res) in enumerate(zip(prompts, ids, results)):
@@ -228,8 +227,7 @@ def test_requests_arriving_together_compute_a_shared_prompt_once(tiny_factory):
                              prefix_cache=cache)
         ids = [engine.add(SYSTEM, cfg) for _ in range(3)] + [engine.add(other, cfg)]
         assert engine.admissions() == (ids[:1] if cache else ids)
-        while engine.has_work:
-            engine.step()
+        step_checked(engine)
         results = [engine.result(i) for i in ids]
         want = hf_greedy(model, SYSTEM, 10)
         assert [r.output_ids for r in results[:3]] == [want] * 3
