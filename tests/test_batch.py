@@ -373,26 +373,35 @@ def test_compiled_batched_step_equals_generate(tiny_factory):
 
 
 def test_two_compiled_models_of_one_class_each_run_their_own(tiny_factory):
-    """The compiled step drops dynamo's guards on modules and parameters (lp.model.runner); each
-    runner compiles its own copy of the forward, so a second model of the same class (other
-    weights, another epsilon in its norms: a module attribute the graph holds as a constant)
-    never runs the first one's graph."""
+    """The compiled step drops dynamo's guards on modules and parameters (lp.model.runner), so
+    nothing in a graph's guards tells two models of one class apart; each runner compiles its
+    own copy of the forward's code (``_own_forward``), so the second model never runs the first
+    one's graph. The two models here share even lp's kernel switch (one ``SmallRows``: the
+    global guard on it, which told the models of this test apart before, is then the same), and
+    differ only in what the dropped guards would catch: their weights (and packed copies) and
+    the epsilon of their norms. Each decodes == generate; with one code object for both
+    (planted), the second model's steps ran the first one's graph (its weights, its epsilon) on
+    the second one's cache: from its second token on, neither model's tokens, and this failed."""
+    import copy
+
     import torch._dynamo
 
     torch._dynamo.reset()
-    models = [tiny_factory("llama"), tiny_factory("llama", seed=3, rms_norm_eps=0.3)]
-    cfg = DecodingConfig(max_new_tokens=16, **TREE)
-    engines = [BatchEngine(ModelRunner(m, small_rows="off", linears="packed", compile="on"), kv_tokens=512, block_size=8,
-                           max_batch=2)
-               for m in models]
-    for _ in range(2):  # interleaved: each engine's steps after the other's graphs exist
-        for model, engine in zip(models, engines):
-            ids = [engine.add(p, cfg) for p in PROMPTS[:2]]
-            while engine.has_work:
-                engine.step()
-            for i, p in zip(ids, PROMPTS[:2]):
-                assert engine.result(i).output_ids == hf_greedy(model, p, 16)
-    assert hf_greedy(models[0], PROMPTS[0], 16) != hf_greedy(models[1], PROMPTS[0], 16)
+    models = [copy.deepcopy(tiny_factory("llama")), copy.deepcopy(tiny_factory("llama", seed=3, rms_norm_eps=0.3))]
+    first = ModelRunner(models[0], small_rows="off", linears="packed", compile="on")
+    models[1]._lp_small_rows = models[0]._lp_small_rows  # kernels.install keeps a live switch it finds
+    second = ModelRunner(models[1], small_rows="off", linears="packed", compile="on")
+    assert second._switch is first._switch
+    cfg = DecodingConfig(max_new_tokens=12, mode="ar")  # one-row steps: one graph a runner
+    for model, runner in zip(models, (first, second)):
+        engine = BatchEngine(runner, kv_tokens=256, block_size=8, max_batch=1)
+        rid = engine.add(PROMPTS[0], cfg)
+        while engine.has_work:
+            engine.step()
+        assert engine.result(rid).output_ids == hf_greedy(model, PROMPTS[0], 12)
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] > 0, "the steps never ran compiled"
+    assert first._traced.__func__.__code__ is not second._traced.__func__.__code__
+    assert hf_greedy(models[0], PROMPTS[0], 12) != hf_greedy(models[1], PROMPTS[0], 12)
 
 
 def test_ar_mode_in_a_batch_is_one_token_a_step(tiny_factory):
