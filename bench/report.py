@@ -1,10 +1,19 @@
-"""Summaries and plots of a benchmark run: summary.md, fit.json and PNGs from the result rows.
+"""Summaries and plots of a benchmark run: summary.md, fit.json and PNGs from the result rows;
+and the README's results table from bench/results.
 
 Contract: pure functions over the rows ``bench.run`` writes to results.jsonl (and
 can be re-run on a results dir: ``python -m bench.report bench/results/default``).
 Speedups are ratios of throughput (total new tokens / total decode time over the
 same prompts) against ``ar`` with the same threads per worker; "same cores" divides
 by ``ar`` with workers x threads threads when that reference was run.
+
+``python -m bench.report --readme [README] [--results DIR]`` replaces what lies between the
+lines ``<!-- results:begin -->`` and ``<!-- results:end -->`` of README (default: the
+repository's README.md) with tables of lp's servers against the peers (vLLM, transformers,
+llama.cpp: every ``DIR/*/concurrency.json`` that has lp and a peer), each point the median over
+its repeats, with the command (from the JSON) and the commit and machine (the JSON's
+``commit``, else the folder's ``run.json``) that produced it. README without exactly one pair of
+markers in that order: ``ValueError`` naming them; nothing is written.
 """
 
 from __future__ import annotations
@@ -301,10 +310,239 @@ def write_all(rows: list[dict], out: Path, cfg, machine: dict, errors: list[dict
         plot_accept_hist(rows, out / "accept_hist.png")
 
 
+# ---------------------------------------------------------------------------
+# the README's results table (python -m bench.report --readme)
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+PEERS = {"vllm": "vLLM", "transformers": "transformers", "llama": "llama.cpp"}  # server-name prefix -> peer
+LABELS = {"lp": "lp", "lp_exact4": "lp exact4", "lp_compiled": "lp fp32", "lp_max_batch1": "lp max_batch=1",
+          "lp_ar": "lp ar steps", "lp_plain": "lp plain linears", "lp_nocal": "lp no calibration", "vllm": "vLLM",
+          "vllm_ngram": "vLLM n-gram", "transformers_cb": "transformers CB", "transformers": "transformers"}
+
+
+NO_RATIO = {"lp_max_batch1"}  # a deliberately handicapped lp (one request at a time): no ratio column
+
+
+def peer_of(server: str) -> str | None:
+    """'lp' for lp's own servers, the peer's name for another engine's, None if unknown."""
+    if server == "lp" or server.startswith("lp_"):
+        return "lp"
+    for prefix, name in PEERS.items():
+        if server.startswith(prefix):
+            return name
+    return None
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _shell_command(command: str) -> str:
+    """The JSON's command as one copyable line: ``lp bench`` for bench.run, no machine-local out_dir,
+    vLLM's venv as <venv>, brackets quoted."""
+    import shlex
+
+    out = []
+    for tok in command.split():
+        if tok.startswith("out_dir="):
+            continue
+        if tok.startswith("concurrency.vllm_venv="):
+            tok = "concurrency.vllm_venv=<venv>"
+        out.append(tok if tok.startswith("concurrency.vllm_venv=") else shlex.quote(tok))
+    line = " ".join(out)
+    return line.replace("python -m bench.run ", "lp bench ", 1)
+
+
+def _server_line(command: str | None) -> str | None:
+    """A server's start command as a reader would type it: no interpreter path, port, host or log
+    settings; the model folder as <model>."""
+    if not command:
+        return None
+    toks = command.split()
+    out: list[str] = []
+    skip_next = False
+    for i, tok in enumerate(toks):
+        if skip_next:
+            skip_next = False
+            continue
+        if i == 0:
+            name = Path(tok).name
+            out.append("lp" if name.startswith("python") else name)
+            continue
+        if tok == "-m" and i == 1:
+            continue
+        if tok == "lp.serve" and i == 2:
+            out.append("serve")
+            continue
+        if tok.split("=")[0] in ("server.port", "server.log_level", "server.max_queue"):
+            continue
+        if tok in ("--port", "--host", "--log-level", "--uvicorn-log-level"):
+            skip_next = True
+            continue
+        out.append("<model>" if tok.startswith("/") else tok)
+    return " ".join(out)
+
+
+def peer_runs(results: Path) -> list[dict]:
+    """Every ``results/*/concurrency.json`` with lp and at least one peer:
+    {folder, command, commit, machine, points}."""
+    runs = []
+    for path in sorted(results.glob("*/concurrency.json")):
+        summary = json.loads(path.read_text())
+        servers = {p["server"] for p in summary["points"]}
+        kinds = {peer_of(s) for s in servers}
+        if "lp" not in kinds or not kinds - {"lp", None}:
+            continue
+        meta_path = path.parent / "run.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        commit = summary.get("commit") or meta.get("commit")
+        if not commit:
+            raise ValueError(f"{path.parent}: no commit (neither concurrency.json's 'commit' nor run.json's)")
+        machine = meta.get("machine") or summary.get("machine_before", {}).get("platform", "unknown machine")
+        runs.append({"folder": path.parent.name, "command": summary["command"], "commit": commit,
+                     "machine": machine, "points": summary["points"], "max_tokens": summary.get("max_tokens"),
+                     "threads": summary.get("threads")})
+    return runs
+
+
+def _groups(runs: list[dict]) -> list[list[dict]]:
+    """Runs of the same servers at the same commit and machine form one table (e.g. 1/8 clients and a sweep)."""
+    out: dict[tuple, list[dict]] = {}
+    for r in runs:
+        key = (r["commit"], r["machine"], tuple(sorted({p["server"] for p in r["points"]})))
+        out.setdefault(key, []).append(r)
+    return list(out.values())
+
+
+def peer_table(group: list[dict]) -> str:
+    """One markdown table: a row per (workload, clients), a column per server (median tok/s over the
+    repeats), then each lp server over the fastest peer; the sources' commit, machine and commands."""
+    cells: dict[tuple, list[float]] = {}
+    ttft: dict[tuple, list[float]] = {}
+    servers: list[str] = []
+    equal = requests = 0
+    for run in group:
+        for p in run["points"]:
+            key = (p["server"], p.get("workload", "chat"), p["clients"])
+            if p["tokens_per_s"] is not None:
+                cells.setdefault(key, []).append(p["tokens_per_s"])
+            if p.get("ttft_p50_s") is not None:
+                ttft.setdefault(key, []).append(p["ttft_p50_s"])
+            if p["server"] not in servers:
+                servers.append(p["server"])
+            equal += p["equal_lp_greedy"]
+            requests += p["requests"]
+    med = {k: _median(v) for k, v in cells.items()}
+    commands: dict[str, str] = {}
+    for run in group:
+        for p in run["points"]:
+            commands.setdefault(p["server"], _server_line(p.get("server_command")))
+    lp_servers = [s for s in servers if peer_of(s) == "lp"]
+    ratio_servers = [s for s in lp_servers if s not in NO_RATIO]
+    peer_servers = [s for s in servers if peer_of(s) not in ("lp", None)]
+    best_peer = max(peer_servers, key=lambda s: sum(v for (srv, _, _), v in med.items() if srv == s))
+    rows = sorted({(w, c) for (_, w, c) in med})
+    label = lambda s: LABELS.get(s, s)  # noqa: E731
+    head = ["workload", "clients"] + [label(s) for s in lp_servers + peer_servers] + \
+           [f"{label(s)} / {label(best_peer)}" for s in ratio_servers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for w, c in rows:
+        vals = [med.get((s, w, c)) for s in lp_servers + peer_servers]
+        ratios = []
+        for s in ratio_servers:
+            a, b = med.get((s, w, c)), med.get((best_peer, w, c))
+            ratios.append(f"{a / b:.2f}x" if a is not None and b else "–")
+        lines.append("| " + " | ".join([w, str(c)] + [f"{v:.1f}" if v is not None else "–" for v in vals] + ratios)
+                     + " |")
+    clients = sorted({c for _, c in rows})
+    at = 8 if 8 in clients else clients[-1]
+    t_notes = []
+    for s in lp_servers + peer_servers:
+        ts = [_median(v) for (srv, _, c), v in ttft.items() if srv == s and c == at]
+        if ts:
+            t_notes.append(f"{label(s)} {min(ts):.2f}-{max(ts):.2f} s" if len(ts) > 1 else f"{label(s)} {ts[0]:.2f} s")
+    first = group[0]
+    notes = [
+        "",
+        f"Aggregate tokens/s (median over each point's repeats), greedy streaming {first['max_tokens']}-token "
+        f"requests from concurrent `openai` clients, {first['threads']} threads per server; "
+        f"{equal} of {requests} texts equal lp's offline greedy decode. Time to first token p50 at {at} "
+        f"clients: {', '.join(t_notes)}. lp at commit {first['commit']}; machine: {first['machine']}. "
+        "Servers: " + "; ".join(f"{label(srv)} `{commands[srv]}`" for srv in lp_servers + peer_servers
+                                if commands.get(srv)) + ".",
+        "",
+        "Produced by:",
+        "",
+    ]
+    for run in group:
+        notes.append(f"    {_shell_command(run['command'])}    # bench/results/{run['folder']}")
+    return "\n".join(lines + notes)
+
+
+def results_block(results: Path) -> str:
+    """What goes between the README's markers: one table per comparison, from ``results``."""
+    runs = peer_runs(results)
+    if not runs:
+        raise ValueError(f"no */concurrency.json with lp and a peer server under {results}")
+    groups = _groups(runs)
+    # the most recent comparison (vs vLLM) first: tables ordered by peers, vLLM, transformers, llama.cpp
+    order = {name: i for i, name in enumerate(PEERS.values())}
+    groups.sort(key=lambda g: min(order.get(peer_of(p["server"]), 9) for r in g for p in r["points"]
+                                  if peer_of(p["server"]) not in ("lp", None)))
+    found = {peer_of(p["server"]) for g in groups for r in g for p in r["points"]}
+    parts = ["<!-- generated by `python -m bench.report --readme` from bench/results: edit those, not this -->"]
+    for g in groups:
+        peers = sorted({peer_of(p["server"]) for r in g for p in r["points"]} - {"lp", None})
+        parts += ["", f"**lp vs {', '.join(peers)}** (bench/results/{', bench/results/'.join(r['folder'] for r in g)}):",
+                  "", peer_table(g)]
+    missing = [name for name in PEERS.values() if name not in found]
+    if missing:
+        parts += ["", f"No run against {' or '.join(missing)} is recorded in bench/results."]
+    return "\n".join(parts)
+
+
+def replace_between_markers(text: str, block: str) -> str:
+    """``text`` with the lines strictly between the begin and end marker lines replaced by ``block``."""
+    lines = text.split("\n")
+    begins = [i for i, ln in enumerate(lines) if ln.strip() == BEGIN]
+    ends = [i for i, ln in enumerate(lines) if ln.strip() == END]
+    if len(begins) != 1 or len(ends) != 1 or begins[0] > ends[0]:
+        raise ValueError(f"README must contain the line {BEGIN} once, followed later by the line {END} once "
+                         f"(found {len(begins)} begin and {len(ends)} end marker lines"
+                         + (", end before begin" if begins and ends and begins[0] > ends[0] else "") + ")")
+    return "\n".join(lines[:begins[0] + 1] + block.split("\n") + lines[ends[0]:])
+
+
+def update_readme(readme: Path, results: Path) -> bool:
+    """Rewrite ``readme``'s results block from ``results``; True if the file changed."""
+    text = readme.read_text()
+    new = replace_between_markers(text, results_block(results))
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--readme":
+        import argparse
+
+        ap = argparse.ArgumentParser(prog="python -m bench.report --readme")
+        ap.add_argument("readme", nargs="?", default=str(ROOT / "README.md"))
+        ap.add_argument("--results", default=str(ROOT / "bench" / "results"))
+        a = ap.parse_args(argv[1:])
+        try:
+            changed = update_readme(Path(a.readme), Path(a.results))
+        except ValueError as e:
+            print(f"error: {a.readme}: {e}", file=sys.stderr)
+            return 2
+        print(f"{'updated' if changed else 'unchanged'}: {a.readme}")
+        return 0
     if len(argv) != 1:
-        print("usage: python -m bench.report RESULTS_DIR", file=sys.stderr)
+        print("usage: python -m bench.report RESULTS_DIR | --readme [README] [--results DIR]", file=sys.stderr)
         return 2
     out = Path(argv[0])
     machine = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}

@@ -232,7 +232,7 @@ class ModelRunner:
         if compile not in COMPILE:
             raise ValueError(f"model.compile must be one of {', '.join(COMPILE)}, got {compile!r}")
         # auto stays eager: a compile costs every new process 35 s to minutes, for a 7-15% faster
-        # server on this project's CPU (bench/results/vs_vllm_compiled2; one sequence's step:
+        # server on this project's CPU (run vs_vllm_compiled2, in bench/results' git history; one sequence's step:
         # bench/results/step_cost)
         self.compiled = compile == "on"
         if self.compiled and static:

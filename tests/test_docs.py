@@ -1,0 +1,422 @@
+"""The docs point at real things: README.md and docs/*.md links resolve, their Hydra overrides name
+real fields, and ``python -m bench.report --readme`` builds the README's results table from
+bench/results.
+
+Contract of the checkers (each test runs them on the real docs and on literal bad snippets, so a
+broken checker fails too):
+
+* ``broken_links(path, text)``: every relative markdown link ``[text](target)`` outside code
+  (``target`` a file or folder relative to the document, ``#anchor`` a heading of the target
+  markdown file or of the document itself) that does not resolve.
+* ``bad_overrides(text)``: the Hydra overrides in code blocks and code spans. A command
+  (``lp generate|serve|bench|run``, ``python -m lp.generate|lp.serve|bench.run``, torchrun's
+  ``-m lp.generate``, ``launch/lp_run.py``) composes its overrides with Hydra's compose API on the
+  entry point's own config (conf/ and the typed schemas its module registers); a value that is a
+  placeholder (``K``, ``PATH``, ``<venv>``) is checked by its key only. A code span that is only
+  overrides (``decoding.drafts=suffix``, ``decoding=paper``, ``+preset=drafts``) must compose on
+  one of the three configs; ``key=value`` without a dot is taken as an override only when ``key``
+  is a config group or top-level field there (so ``OUT=DIR`` or ``G=0`` in prose are not).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def doc_files() -> list[Path]:
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+
+
+# ---------------------------------------------------------------------------
+# links
+
+FENCE_RE = re.compile(r"^(```|~~~).*?^\1\s*$", re.S | re.M)
+SPAN_RE = re.compile(r"`[^`\n]*`")
+LINK_RE = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+IMAGE_RE = re.compile(r"!\[[^\]]*\]\(\s*([^)\s]+)[^)]*\)")
+
+
+def strip_code(text: str) -> str:
+    """``text`` without fenced blocks, indented code lines and code spans (links there are not links)."""
+    text = FENCE_RE.sub("", text)
+    text = "\n".join(ln for ln in text.split("\n") if not ln.startswith("    "))
+    return SPAN_RE.sub("", text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, markup and punctuation dropped, spaces -> '-'."""
+    h = re.sub(r"`|\*\*|\*|_(?=\W)|(?<=\W)_", "", heading.strip().lower())
+    h = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", h)
+    h = re.sub(r"[^\w\- ]", "", h)
+    return h.replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    out: set[str] = set()
+    seen: dict[str, int] = {}
+    for ln in FENCE_RE.sub("", text).split("\n"):
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", ln)
+        if m:
+            s = slug(m.group(1))
+            n = seen.get(s, 0)
+            out.add(s if n == 0 else f"{s}-{n}")
+            seen[s] = n + 1
+    out |= set(re.findall(r"<a\s+(?:name|id)=\"([^\"]+)\"", text))
+    return out
+
+
+def broken_links(path: Path, text: str) -> list[str]:
+    bad = []
+    body = strip_code(text)
+    for target in LINK_RE.findall(body) + IMAGE_RE.findall(body):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if file_part and not dest.exists():
+            bad.append(f"{path.name}: link to {target}: {dest} does not exist")
+            continue
+        if anchor and (dest == path or dest.is_file() and dest.suffix == ".md"):
+            dest_text = text if dest == path else dest.read_text()
+            if anchor not in anchors(dest_text):
+                bad.append(f"{path.name}: link to {target}: no heading #{anchor} in {dest.name}")
+    return bad
+
+
+# ---------------------------------------------------------------------------
+# Hydra overrides
+
+OVERRIDE_RE = re.compile(r"^(\+\+|\+|~)?([A-Za-z_][\w]*(?:\.[\w]+)*)(=|$)")
+PLACEHOLDER_RE = re.compile(r"<[^>]*>|^[A-Z][A-Z0-9_]*$|\.\.\.|^(PATH|DIR|FILE)(\b|/)")
+# entry point tokens -> the config it composes on
+ENTRIES = [
+    (("lp", "generate"), "generate"), (("lp", "serve"), "serve"), (("lp", "bench"), "bench"), (("lp", "run"), "generate"),
+    (("-m", "lp.generate"), "generate"), (("-m", "lp.serve"), "serve"), (("-m", "bench.run"), "bench"),
+    (("launch/lp_run.py",), "generate"), (("launch/lp_run.sh",), "generate"),
+]
+ENTRY_CONFIGS = ("generate", "serve", "bench")
+SKIP_LANGS = {"python", "py", "json", "yaml", "yml", "toml", "cpp", "c", "text", "http", "jsonc"}
+
+
+@lru_cache(maxsize=None)
+def _compose_setup():
+    from bench.run import SCHEMAS as BENCH
+    from lp import cli
+    from lp.generate import SCHEMAS as GENERATE
+    from lp.serve import SCHEMAS as SERVE
+
+    for s in (GENERATE, SERVE, BENCH):
+        cli.register(s)
+    return {"generate": (str(ROOT / "conf"), "generate"), "serve": (str(ROOT / "conf"), "serve"),
+            "bench": (str(ROOT / "conf" / "bench"), "bench")}
+
+
+_initialized: list[str] = []  # the entry Hydra's global state holds (one at a time)
+
+
+@lru_cache(maxsize=None)
+def compose(entry: str, overrides: tuple[str, ...]):
+    """Hydra's composed config of ``entry`` with ``overrides`` (raises what Hydra raises)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    conf_dir, name = _compose_setup()[entry]
+    if _initialized != [entry] or not GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+        initialize_config_dir(config_dir=conf_dir, version_base="1.3")  # stays initialized: no `with`
+        _initialized[:] = [entry]
+    return hydra_compose(name, overrides=list(overrides))
+
+
+@lru_cache(maxsize=None)
+def _known_keys(entry: str) -> frozenset[str]:
+    """Top-level fields and config groups of ``entry`` (for overrides without a dot)."""
+    from hydra.core.config_store import ConfigStore
+
+    cfg = compose(entry, ())
+    groups = {g for g in ConfigStore.instance().repo if isinstance(ConfigStore.instance().repo[g], dict)}
+    conf_dir = Path(_compose_setup()[entry][0])
+    groups |= {p.name for p in conf_dir.iterdir() if p.is_dir()}
+    return frozenset(set(cfg.keys()) | groups)
+
+
+def _split(line: str) -> list[str]:
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError:  # an unbalanced quote in prose: plain words
+        return line.split()
+
+
+def _is_override(tok: str) -> bool:
+    """``key=value``, ``+key=value``, ``++key=value`` or ``~key``: Hydra's override forms."""
+    return bool(OVERRIDE_RE.match(tok)) and ("=" in tok or tok.startswith("~"))
+
+
+def commands(snippet: str) -> list[tuple[str, list[str]]]:
+    """(entry config, its overrides) for every lp/Hydra command line in ``snippet``."""
+    out = []
+    for line in snippet.replace("\\\n", " ").split("\n"):
+        toks = _split(line)
+        i = 0
+        while i < len(toks):
+            for pattern, entry in ENTRIES:
+                if tuple(toks[i:i + len(pattern)]) == pattern:
+                    rest = toks[i + len(pattern):]
+                    stop = next((k for k, t in enumerate(rest) if t in ("&&", "||", "|", ";", "&")), len(rest))
+                    args = rest[:stop]
+                    if "--module" in args and pattern[0] == "launch/lp_run.py":
+                        entry = "serve" if "lp.serve" in args else entry
+                    if "--module=lp.serve" in args:
+                        entry = "serve"
+                    out.append((entry, [t for t in args if _is_override(t)]))
+                    i += len(pattern) + stop
+                    break
+            else:
+                i += 1
+    return out
+
+
+def code_snippets(text: str) -> tuple[list[str], list[str]]:
+    """(command-bearing snippets: fenced blocks not in a skipped language and indented lines,
+    inline code spans)."""
+    blocks = []
+    for m in re.finditer(r"^(```|~~~)([^\n]*)\n(.*?)^\1\s*$", text, re.S | re.M):
+        if m.group(2).strip().lower() not in SKIP_LANGS:
+            blocks.append(m.group(3))
+    rest = FENCE_RE.sub("", text)
+    blocks += [ln[4:] for ln in rest.split("\n") if ln.startswith("    ")]
+    spans = [s[1:-1] for s in SPAN_RE.findall("\n".join(ln for ln in rest.split("\n") if not ln.startswith("    ")))]
+    return blocks, spans
+
+
+@lru_cache(maxsize=None)
+def _check_cached(entry: str, overrides: tuple[str, ...]) -> str | None:
+    return _check(entry, list(overrides))
+
+
+def _check(entry: str, overrides: list[str]) -> str | None:
+    """None if ``overrides`` compose on ``entry`` (placeholders: key only), else Hydra's message."""
+    from omegaconf import OmegaConf
+
+    concrete = [o for o in overrides if not PLACEHOLDER_RE.search(o.partition("=")[2])]
+    try:
+        cfg = compose(entry, tuple(concrete))
+    except Exception as e:  # noqa: BLE001 - Hydra's errors have several types; the message is the report
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    for o in overrides:
+        if o in concrete:
+            continue
+        key = OVERRIDE_RE.match(o).group(2)
+        if not o.startswith("+") and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+            return f"no field {key} (value {o.partition('=')[2]!r} is a placeholder)"
+    return None
+
+
+def bad_overrides(text: str, where: str = "") -> list[str]:
+    """Messages for the overrides in ``text``'s code that do not compose (see the module docstring)."""
+    blocks, spans = code_snippets(text)
+    tasks: list[tuple[str, tuple[str, ...]]] = []  # (entry, overrides) for one command each
+    alone: list[tuple[str, tuple[str, ...]]] = []  # (span, overrides): must compose on some entry
+    for snippet in blocks + spans:
+        tasks += [(entry, tuple(o)) for entry, o in commands(snippet) if o]
+    for span in spans:
+        if commands(span) or "(" in span:
+            continue
+        toks = _split(span)
+        if not toks or not all(_is_override(t) for t in toks):
+            continue
+        first = OVERRIDE_RE.match(toks[0]).group(2)
+        if "." not in first and not toks[0].startswith("+") and \
+                not any(first in _known_keys(e) for e in ENTRY_CONFIGS):
+            continue  # `OUT=DIR`, `G=0`: not a Hydra override
+        alone.append((span, tuple(toks)))
+    # grouped by entry point: Hydra holds one config dir at a time
+    for entry in ENTRY_CONFIGS:
+        for e, o in tasks:
+            if e == entry:
+                _check_cached(e, o)
+        for _, o in alone:
+            _check_cached(entry, o)
+    bad = [f"{where}: `{' '.join(o)}` on {e}: {_check_cached(e, o)}" for e, o in tasks if _check_cached(e, o)]
+    for span, o in alone:
+        errs = [_check_cached(e, o) for e in ENTRY_CONFIGS]
+        if all(errs):
+            bad.append(f"{where}: `{span}` composes on no entry point: {errs[0]}")
+    return bad
+
+
+# ---------------------------------------------------------------------------
+# the real docs
+
+
+def test_links_in_readme_and_docs_resolve():
+    files = doc_files()
+    assert files[0].is_file()
+    bad = [b for p in files for b in broken_links(p, p.read_text())]
+    assert not bad, "\n".join(bad)
+
+
+def test_overrides_in_readme_and_docs_name_real_fields():
+    checked = 0
+    bad = []
+    for p in doc_files():
+        text = p.read_text()
+        blocks, spans = code_snippets(text)
+        checked += sum(len(o) for s in blocks + spans for _, o in commands(s))
+        bad += bad_overrides(text, p.name)
+    assert checked >= 5, checked  # the README's quickstart alone has more: the scan found the commands
+    assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------
+# the checkers on literal bad snippets (the plants, kept)
+
+
+def test_link_checker_rejects_missing_targets(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# Title\n\n## Some `code` section\n")
+    doc = tmp_path / "README.md"
+    good = "[a](docs/a.md) [b](docs/a.md#some-code-section) [c](docs) [d](#top) [w](https://x.y/z)\n# Top\n"
+    assert broken_links(doc, good) == []
+    for target in ("docs/missing.md", "docs/a.md#no-such-heading", "nodir/", "#nowhere"):
+        bad = broken_links(doc, good + f"\nsee [x]({target})\n")
+        assert len(bad) == 1 and target in bad[0], (target, bad)
+    assert broken_links(doc, "`[x](missing.md)`\n\n```\n[y](missing.md)\n```\n") == []  # code is not a link
+
+
+@pytest.mark.parametrize("snippet", [
+    "```bash\nlp generate decoding.max_new_token=64\n```",                 # misspelled field
+    "```bash\npython -m lp.generate decoding=papr\n```",                   # no such group choice
+    "```bash\nlp serve server.max_batches=8 model.dtype=float32\n```",     # serve's field misspelled
+    "```bash\nlp bench +preset=draft prompts.num_prompts=5\n```",          # no such preset
+    "```bash\nlp run --nproc 2 parallel.worker=K\n```",                    # a placeholder value, a bad key
+    "```bash\nlp generate decoding.W=seven\n```",                          # a value of the wrong type
+    "Set `decoding.draft_budgets=all` for ...",                             # a span alone
+    "`model.quant=exact4 server.prefix_cach=true`",                        # one good, one bad
+    "    python -m bench.run concurrency.clients=[1,8] concurrency.servrs=[lp]",  # an indented block
+])
+def test_override_checker_rejects_bad_fields(snippet):
+    assert bad_overrides(snippet, "literal"), snippet
+
+
+def test_override_checker_accepts_good_ones():
+    text = ("```bash\nlp generate decoding=paper decoding.max_new_tokens=8 prompt=\"two words\" output=PATH\n"
+            "lp run --nproc 2 parallel.workers=2 parallel.tp=1 && lp serve server.port=8000\n"
+            "python launch/lp_run.py --module lp.serve parallel.workers=2 server.port=8000\n"
+            "lp bench +preset=drafts 'prompts.sets=[humaneval]' name=x   # comment decoding.nope=1\n```\n"
+            "`decoding.drafts=suffix`, `decoding=paper`, `+preset=drafts`, `OUT=DIR bash x.sh`, `G=0`,"
+            " `parallel.workers=K`, `f(a=1)`\n")
+    assert bad_overrides(text, "literal") == []
+    blocks, spans = code_snippets(text)
+    found = [c for s in blocks + spans for c in commands(s)]
+    assert ("serve", ["parallel.workers=2", "server.port=8000"]) in found
+
+
+# ---------------------------------------------------------------------------
+# python -m bench.report --readme
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def test_report_readme_builds_the_table_from_bench_results(tmp_path):
+    """A README with the markers gets a table whose cells are the medians of the real JSON points,
+    with the commit and command; the text outside the markers is untouched; a second run changes nothing."""
+    from bench.report import BEGIN, END
+
+    readme = tmp_path / "README.md"
+    before, after = "# Title\n\nintro line\n", "\n## Next\ntail `lp generate`\n"
+    readme.write_text(f"{before}{BEGIN}\nstale table\n{END}{after}")
+    proc = subprocess.run([sys.executable, "-m", "bench.report", "--readme", str(readme)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = readme.read_text()
+    assert out.startswith(before + BEGIN + "\n") and out.endswith(END + after) and "stale table" not in out
+    block = out[out.index(BEGIN):out.index(END)]
+    n_tables = 0
+    for path in sorted(RESULTS.glob("*/concurrency.json")):
+        summary = json.loads(path.read_text())
+        servers = {p["server"] for p in summary["points"]}
+        if not any(s.startswith(("vllm", "transformers", "llama")) for s in servers):
+            continue
+        n_tables += 1
+        meta = json.loads((path.parent / "run.json").read_text())
+        assert f"commit {summary.get('commit') or meta['commit']}" in block, path
+        assert f"bench/results/{path.parent.name}" in block
+        assert "concurrency.clients=[" in summary["command"] and \
+            summary["command"].split("concurrency.clients=")[1].split()[0] in block
+        for (server, workload, clients) in {(p["server"], p.get("workload", "chat"), p["clients"])
+                                            for p in summary["points"]}:
+            tps = _median([p["tokens_per_s"] for p in summary["points"] if p["server"] == server
+                           and p.get("workload", "chat") == workload and p["clients"] == clients])
+            row = [ln for ln in block.splitlines() if ln.startswith(f"| {workload} | {clients} |")]
+            assert any(f"| {tps:.1f} |" in r for r in row), (path.parent.name, server, workload, clients, tps, row)
+    assert n_tables >= 2  # vLLM (spr_native + sweep) and transformers (concurrency)
+    assert "| chat | 1 | 32.1 | 55.8 | 23.7 | 1.36x | 2.35x |" in block  # vs_vllm_spr_native, by hand
+    assert "lp vs vLLM" in block and "lp vs transformers" in block
+    assert "No run against llama.cpp" in block
+    proc = subprocess.run([sys.executable, "-m", "bench.report", "--readme", str(readme)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0 and "unchanged" in proc.stdout and readme.read_text() == out
+
+
+@pytest.mark.parametrize("text", ["# no markers\n", "<!-- results:begin -->\nonly the start\n",
+                                  "<!-- results:end -->\n<!-- results:begin -->\n",
+                                  "<!-- results:begin -->\n<!-- results:begin -->\n<!-- results:end -->\n"])
+def test_report_readme_refuses_a_readme_without_markers(tmp_path, text):
+    readme = tmp_path / "README.md"
+    readme.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "bench.report", "--readme", str(readme)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2
+    assert "<!-- results:begin -->" in proc.stderr and "<!-- results:end -->" in proc.stderr, proc.stderr
+    assert readme.read_text() == text  # nothing written
+
+
+def test_real_readme_results_block_is_current():
+    """Once README.md has the markers, its block is what bench.report builds from bench/results."""
+    from bench.report import BEGIN, END, replace_between_markers, results_block
+
+    text = (ROOT / "README.md").read_text()
+    if BEGIN not in text:
+        pytest.skip("README.md has no results markers yet")
+    assert replace_between_markers(text, results_block(RESULTS)) == text, \
+        "README's results table is stale: run python -m bench.report --readme"
+
+
+def test_no_code_reads_a_removed_results_folder():
+    """Paths under bench/results named by code, tests and bench docs exist (or are outputs a run creates)."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not installed")
+    files = subprocess.run([git, "ls-files", "lp", "bench", "tests", "conf", "launch"], capture_output=True,
+                           text=True, cwd=ROOT).stdout.split()
+    bad = []
+    for f in files:
+        if f.startswith("bench/results/") or not f.endswith((".py", ".md", ".sh", ".yaml")):
+            continue
+        text = (ROOT / f).read_text(errors="replace")
+        for m in re.finditer(r"bench/results/([\w.-]+)", text):
+            name = m.group(1).rstrip(".")
+            line = text[text.rfind("\n", 0, m.start()) + 1:text.find("\n", m.end())]
+            if name in ("README.md", "tmp", "gpu") or "--out" in line or "out_dir" in line or "default=" in line:
+                continue  # where a run writes (created by the run), not a result read
+            if not (RESULTS / name).exists():
+                bad.append(f"{f}: bench/results/{name}")
+    assert not bad, "\n".join(bad)
