@@ -152,3 +152,10 @@ def test_generate_refuses_before_any_weights_load(ckpts, tmp_path, monkeypatch):
                          decoding=DecodingConfig(max_new_tokens=4), prompt="hi", stream=False)
     with pytest.raises(ValueError, match=r"weights need .* GiB per rank at parallel.tp=1"):
         run(cfg)
+    # model.quant=int8: the quantized weights (115968 bytes) fit 0.9 x 500000, loading's peak
+    # (525568: the float32 checkpoint whole, then quantized) does not
+    monkeypatch.setattr(memory, "_free_bytes", lambda device: (500_000, "a small device"))
+    cfg = GenerateConfig(model=ModelConfig(path=str(folder), dtype="float32", quant="int8"),
+                         decoding=DecodingConfig(max_new_tokens=4), prompt="hi", stream=False)
+    with pytest.raises(ValueError, match=r"loading the model peaks at .* GiB per rank \(model.quant=int8"):
+        run(cfg)
