@@ -209,3 +209,107 @@ def test_tool_auto_and_multi_turn_with_tool_messages(server):
 ])
 def test_bad_tools_are_400_naming_the_field(server, body, param):
     assert_400_naming(server, body, param)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_required_call_cut_by_max_tokens_is_a_partial_call(server, smollm2_tok, tool_choice):
+    """A required / named call cut by max_tokens: tool_calls with the call as far as it got (the
+    name once the output determines it, the arguments' JSON text so far), finish_reason "length",
+    never content; streamed alike."""
+    client = server.client()
+    whole = ask(client, ASK, tools=TOOLS, tool_choice=tool_choice).choices[0].message.tool_calls[0].function
+    head = '{"name": "get_weather", "arguments": '
+    for cut in (4, 7, 14):  # the name not begun or not through; into the arguments
+        r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": ASK}],
+                                           max_tokens=cut, temperature=0, tools=TOOLS, tool_choice=tool_choice,
+                                           extra_body={"lookahead": {"return_token_ids": True}})
+        ch = r.choices[0]
+        text = smollm2_tok.decode(r.model_extra["lookahead"]["output_ids"])
+        assert head.startswith(text) or text.startswith(head), text
+        assert ch.finish_reason == "length" and ch.message.content is None, ch
+        # named: the name is known; required: once the text rules out search_flights
+        if isinstance(tool_choice, dict) or len(text) > len('{"name": "'):
+            (call,) = ch.message.tool_calls
+            assert call.function.name == whole.name == "get_weather" and call.id.startswith("call_")
+            assert call.function.arguments == text[len(head):]
+            assert whole.arguments.startswith(call.function.arguments)
+        else:
+            assert ch.message.tool_calls == []
+        name, args, finish = None, "", None
+        for c in client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": ASK}],
+                                                max_tokens=cut, temperature=0, tools=TOOLS, tool_choice=tool_choice,
+                                                stream=True):
+            if c.choices:
+                assert not c.choices[0].delta.content
+                for tc in c.choices[0].delta.tool_calls or []:
+                    name, args = tc.function.name or name, args + (tc.function.arguments or "")
+                finish = c.choices[0].finish_reason or finish
+        got = ch.message.tool_calls[0].function if ch.message.tool_calls else None
+        assert (name, args, finish) == ((got.name, got.arguments) if got else (None, "")) + ("length",)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok():
+    from lp.model.loader import load_tokenizer, resolve_model_path
+
+    return load_tokenizer(resolve_model_path("smollm2", None))
+
+
+def forced(client, text: str, tool_choice, stream: bool = False):
+    """A chat answer forced to be ``text`` (a one-choice structured output) with TOOLS offered."""
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": ASK}], max_tokens=M, temperature=0, tools=TOOLS,
+              tool_choice=tool_choice, extra_body={"structured_outputs": {"choice": [text]}})
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0]
+    content, calls, finish = "", [], None
+    for c in client.chat.completions.create(stream=True, **kw):
+        if c.choices:
+            content += c.choices[0].delta.content or ""
+            calls += [(tc.function.name, tc.function.arguments) for tc in c.choices[0].delta.tool_calls or []]
+            finish = c.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+BAD_CALL = json.dumps({"name": "get_weather", "arguments": {"city": "Paris", "unit": "kelvin"}})
+GOOD_CALL = json.dumps({"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}})
+
+
+def test_auto_malformed_call_is_content_and_none_never_calls(server):
+    """auto: a call whose arguments break the parameters schema is the answer's text, a valid one a
+    call; tool_choice none: the tools are in the prompt (more prompt tokens) and even a valid call's
+    JSON is text. Whole and streamed."""
+    client = server.client()
+    ch = forced(client, BAD_CALL, "auto")
+    assert ch.message.content == BAD_CALL and not ch.message.tool_calls and ch.finish_reason == "stop"
+    assert forced(client, BAD_CALL, "auto", stream=True) == (BAD_CALL, [], "stop")
+    ch = forced(client, GOOD_CALL, "auto")
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert json.loads(ch.message.tool_calls[0].function.arguments) == json.loads(GOOD_CALL)["arguments"]
+    assert forced(client, GOOD_CALL, "auto", stream=True)[1:] == (
+        [("get_weather", ch.message.tool_calls[0].function.arguments)], "tool_calls")
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": ASK}], max_tokens=M,
+                                       temperature=0, tools=TOOLS, tool_choice="none",
+                                       extra_body={"structured_outputs": {"choice": [GOOD_CALL]}})
+    ch = r.choices[0]
+    assert ch.message.content == GOOD_CALL and not ch.message.tool_calls and ch.finish_reason == "stop"
+    assert forced(client, GOOD_CALL, "none", stream=True) == (GOOD_CALL, [], "stop")
+    plain = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": ASK}], max_tokens=1)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 100  # the two tools' definitions
+
+
+def test_sampled_structured_valid_and_seeded(server):
+    """Sampled structured output through the server: valid for its schema, the same seed twice gives
+    the same answer; n = 3 choices, every one valid."""
+    client = server.client()
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMAS["person"]}}
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": PROMPTS["person"]}], max_tokens=128,
+              temperature=1.0, response_format=rf)
+    a, b = (client.chat.completions.create(seed=11, **kw).choices[0].message.content for _ in range(2))
+    jsonschema.validate(json.loads(a), SCHEMAS["person"])
+    assert a == b
+    r = client.chat.completions.create(seed=5, n=3, **kw)
+    assert len(r.choices) == 3
+    for ch in r.choices:
+        assert ch.finish_reason == "stop", ch.message.content
+        jsonschema.validate(json.loads(ch.message.content), SCHEMAS["person"])
+    assert len({ch.message.content for ch in r.choices} | {a}) >= 3, [ch.message.content for ch in r.choices]

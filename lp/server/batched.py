@@ -73,7 +73,7 @@ class BatchedEngine:
             from lp.grammar.matcher import warm
 
             # the grammar matcher's one-time set-up, here rather than in the first structured request
-            log.info("[lp.serve] grammar matcher (llguidance) ready in %.1f s",
+            log.info("[lp.serve] start-up: the grammar matcher (llguidance's tokenizer) done in %.1f s",
                      warm(tokenizer, runner.vocab_size, eos))
 
     # -- API for the HTTP side ---------------------------------------------
