@@ -477,8 +477,14 @@ def _sharded_load_rank(rank: int, world: int, folder: str):
         for dtype, fp32 in (("bfloat16", {"o_proj", "lp_scale"}), ("float16", {"o_proj", "lp_scale", "down_proj"}),
                             ("float32", set())):
             model, _ = load_sharded(folder, dtype, "cpu", mesh["tp"], tokenizer=False)
-            ref = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).state_dict()
+            ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+            ref = ref_model.state_dict()
             got = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+            # the buffers no checkpoint holds (rotary inv_freq, ...): computed alike
+            ref_buffers = dict(ref_model.named_buffers())
+            for k, v in model.named_buffers():
+                assert v.dtype == ref_buffers[k].dtype and torch.equal(v, ref_buffers[k]), (dtype, k)
+            assert {k for k, _ in model.named_buffers()} == set(ref_buffers), dtype
             assert set(got) == set(ref), (dtype, set(got) ^ set(ref))
             assert any(isinstance(p, DTensor) and p.to_local().shape != p.shape for p in model.parameters()) == (
                 world > 1), "nothing sharded"
@@ -497,7 +503,8 @@ def test_sharded_load_reads_persistent_buffers_and_keeps_fp32_modules(tmp_path):
     persistent buffer with non-default values (arange / 7; the class builds ones) and whose
     class keeps modules in float32: loaded as bfloat16, float16 and float32, every parameter
     and buffer equals ``from_pretrained``'s, dtype included (o_proj and the buffer float32 under
-    both half dtypes, down_proj under float16 only, as transformers does)."""
+    both half dtypes, down_proj under float16 only, as transformers does); the buffers no
+    checkpoint holds (rotary frequencies) are computed alike."""
     import torch.multiprocessing as mp
 
     from tests.helpers import _family_config
