@@ -170,3 +170,18 @@ def test_non_contiguous_slots(op):
     assert not strided.is_contiguous()
     for _ in range(5):
         assert torch.equal(op(query, key, value, spans, masks, strided, 0.2, False, attention.NATIVE_ROWS), want)
+
+
+def test_an_infinite_key_is_nan_or_hidden_like_the_python_op(op):
+    """A key with one infinite element: a +inf score makes its row NaN (exp(inf - inf)), a
+    -inf one hides the key, per query head by the sign of its query element, as the Python op."""
+    query, key, value, spans, masks, slots = _batch([(1, 37, False), (2, 20, True)], seed=7)
+    inf_D = torch.zeros(D)
+    inf_D[0] = float("inf")
+    key[0, 0, spans[0, FIRST] + 3] = inf_D  # sequence 0, query heads 0-2: +inf or -inf by query[..., 0]'s sign
+    want = attention.paged_attention(query, key, value, spans, masks, slots, 0.17, False)
+    got = op(query, key, value, spans, masks, slots, 0.17, False, attention.NATIVE_ROWS)
+    nan_QH = torch.isnan(want).all(-1)[0]
+    assert torch.equal(nan_QH, torch.isnan(want).any(-1)[0]) and 0 < int(nan_QH[0, :3].sum()) < 3  # both signs
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.allclose(got[~torch.isnan(got)], want[~torch.isnan(want)], rtol=1e-5, atol=2e-6)
