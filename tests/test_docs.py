@@ -280,6 +280,22 @@ def test_overrides_in_readme_and_docs_name_real_fields():
     assert not bad, "\n".join(bad)
 
 
+def test_checkers_catch_a_planted_error_in_the_real_readme():
+    """The real README with one override renamed (its last key part + 'x') and with one link pointed
+    at a missing file: each checker reports exactly that."""
+    path = ROOT / "README.md"
+    text = path.read_text()
+    blocks, _ = code_snippets(text)
+    override = next(o for b in blocks for _, os_ in commands(b) for o in os_ if "." in o.partition("=")[0])
+    key = override.partition("=")[0]
+    planted = text.replace(override, override.replace(key, key + "x", 1), 1)
+    bad = bad_overrides(planted, "README.md")
+    assert bad and all(key + "x" in b for b in bad), bad
+    link = next(t for t in LINK_RE.findall(strip_code(text)) if not re.match(r"^[a-z]+:", t) and "#" not in t)
+    bad = broken_links(path, text.replace(f"]({link})", f"]({link}.missing)", 1))
+    assert len(bad) == 1 and f"{link}.missing" in bad[0], bad
+
+
 # ---------------------------------------------------------------------------
 # the checkers on literal bad snippets (the plants, kept)
 
