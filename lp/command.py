@@ -37,7 +37,7 @@ SUBCOMMANDS = {
     "bench": ("bench.run", "the benchmark harness (python -m bench.run)",
               "lp bench +preset=drafts prompts.num_prompts=5"),
     "run": ("launch/lp_run.py", "LP under torchrun (python launch/lp_run.py)",
-            "lp run --nproc 2 prompt=\"def quicksort(arr):\" raw_prompt=true"),
+            'lp run --nproc 2 prompt="Write a haiku about caches" decoding.max_new_tokens=64'),
 }
 
 LAUNCHER = Path(__file__).resolve().parent.parent / "launch" / "lp_run.py"

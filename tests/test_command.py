@@ -45,6 +45,11 @@ def test_help_lists_every_subcommand_with_an_example(tmp_path):
         assert name in SUBCOMMANDS
         example = SUBCOMMANDS[name][2]
         assert example.startswith(f"lp {name} ") and example in proc.stdout, (name, proc.stdout)
+    from tests.test_docs import bad_overrides, commands
+
+    examples = "```bash\n" + "\n".join(e for _, _, e in SUBCOMMANDS.values()) + "\n```"
+    assert len([c for c in commands(examples) if c[1]]) == 4  # every example has overrides, all checked
+    assert bad_overrides(examples, "lp --help") == []  # ... and they compose on their entry point's config
 
 
 def test_unknown_or_missing_subcommand_exits_2(tmp_path):
