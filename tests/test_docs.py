@@ -1,5 +1,5 @@
-"""The docs point at real things: README.md and docs/*.md links resolve, their Hydra overrides name
-real fields, and ``python -m bench.report --readme`` builds the README's results table from
+"""The docs point at real things: README.md, docs/*.md and bench's markdown (links resolve, their
+Hydra overrides name real fields), and ``python -m bench.report --readme`` builds the README's results table from
 bench/results.
 
 Contract of the checkers (each test runs them on the real docs and on literal bad snippets, so a
@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def doc_files() -> list[Path]:
-    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    """README.md, docs/*.md (whatever exist) and the benchmark docs."""
+    bench = [ROOT / "bench" / "README.md", ROOT / "bench" / "SCALING.md", ROOT / "bench" / "results" / "README.md"]
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")) + [p for p in bench if p.is_file()]
 
 
 # ---------------------------------------------------------------------------
