@@ -5,8 +5,8 @@ Layers, lowest first (``lp/<folder>/__init__.py`` states each one's contract)::
     config < lookahead < grammar < drafts < model < parallel < engine < server < entry points
 
 ``lp.config`` is a leaf every layer may read; the entry points are ``lp/__init__`` (the public
-API), ``lp.cli``, ``lp.generate`` and ``lp.serve``. A module may import its own layer or a lower
-one, never a higher one; no two modules import each other, directly or around a circle
+API), ``lp.cli``, ``lp.command`` (the ``lp`` script), ``lp.generate`` and ``lp.serve``. A module
+may import its own layer or a lower one, never a higher one; no two modules import each other, directly or around a circle
 (imports inside functions count: they run too). Only lp/parallel/ touches torch.distributed;
 lp/lookahead/ and lp/drafts/ never touch transformers.
 """
@@ -37,7 +37,7 @@ def modules(root: Path = ROOT) -> dict[str, Path]:
 
 def layer(mod: str) -> str:
     parts = mod.split(".")
-    if len(parts) == 1 or parts[1] in ("cli", "generate", "serve"):
+    if len(parts) == 1 or parts[1] in ("cli", "command", "generate", "serve"):
         return "entry"
     if parts[1] == "config":
         return "config"
