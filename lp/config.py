@@ -51,6 +51,10 @@ class DecodingConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    # sampling seed. lp.generate and the Python API use it as given: the default 0 is fixed, so an
+    # offline run is reproducible (set another to draw other samples). lp.serve ignores it for
+    # requests: a request's own ``seed`` is used, and a sampled request without one draws a fresh
+    # seed (lp.server.protocol.draw_seed, reported as lookahead.seed), as OpenAI's API does
     seed: int = 0
     stop_strings: list[str] = field(default_factory=list)
     # logits processors (lp.lookahead.processors), applied to every verified row with that row's own

@@ -43,6 +43,7 @@ from lp.server.protocol import (
     CompletionRequest,
     ServingContext,
     chat_logprobs,
+    choice_seed,
     chunk,
     completion_logprobs,
     full_response,
@@ -215,8 +216,9 @@ class _Completions:
                    prompt_logprobs=prep.prompt_logprobs, prompt_only=prep.prompt_only)
 
     async def _choices(self, request, kind, endpoint, prep):
-        """``n`` > 1 (not streamed): one job per choice (choice i sampled with seed + i; greedy
-        ones are alike), answered together: choices in order, usage counting the prompt once."""
+        """``n`` > 1 (not streamed): one job per choice (choice i sampled with seed + i wrapped
+        into int64, ``choice_seed``; greedy ones are alike), answered together: choices in order,
+        usage counting the prompt once."""
         jobs, refused = self._choice_jobs(endpoint, prep)
         if refused is not None:
             return refused
@@ -240,9 +242,9 @@ class _Completions:
         return JSONResponse(out)
 
     def _choice_jobs(self, endpoint, prep):
-        """One job per choice (choice i sampled with seed + i; greedy ones are alike), all
+        """One job per choice (choice i sampled with ``choice_seed(seed, i)``; greedy ones alike), all
         submitted; -> (jobs, None) or (None, the refusal) with the submitted ones cancelled."""
-        jobs = [self._job(endpoint, prep, dataclasses.replace(prep.decoding, seed=prep.decoding.seed + i)
+        jobs = [self._job(endpoint, prep, dataclasses.replace(prep.decoding, seed=choice_seed(prep.decoding.seed, i))
                           if prep.decoding.do_sample else prep.decoding) for i in range(prep.n)]
         for k, job in enumerate(jobs):
             refused = self._submit(job, endpoint)

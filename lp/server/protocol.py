@@ -7,7 +7,10 @@ a validated ``DecodingConfig``. Every problem is an ``ApiError`` carrying the HT
 and OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; nothing here
 touches the model. Request fields not sent take the server's ``decoding`` group values
 (so a request without ``temperature`` decodes greedily under the default config);
-``temperature: 0`` is greedy, ``> 0`` samples. ``lookahead: {W, N, G, return_token_ids}``
+``temperature: 0`` is greedy, ``> 0`` samples. A sampled request without ``seed`` draws a fresh
+one (``draw_seed``, never the server's decoding.seed), so identical requests answer differently;
+the response's ``lookahead.seed`` names the seed used (send it back to reproduce the answer).
+``lookahead: {W, N, G, return_token_ids}``
 is an extension: W/N/G bounded by ``server.max_W/max_N/max_G``; ``return_token_ids`` adds
 the completion's token ids (``output_ids``) to the response's ``lookahead`` object.
 
@@ -23,6 +26,7 @@ answer is parsed with (lp.server.tools).
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -286,7 +290,8 @@ def prepare(req: _Common, ctx: ServingContext) -> Prepared:
 
 def _choices(req: _Common, lim) -> int:
     """``n``: choices per request, each decoded as its own sequence (sampled ones with seeds
-    seed, seed + 1, ...), at most server.max_n; streamed too (chunks carry their choice's index)."""
+    seed, seed + 1, ... wrapped into int64, ``choice_seed``), at most server.max_n; streamed too
+    (chunks carry their choice's index)."""
     n = 1 if req.n is None else req.n
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= getattr(lim, "max_n", 1):
         raise _bad("n", f"expected an integer in [1, {getattr(lim, 'max_n', 1)}]", req.n)
@@ -377,10 +382,30 @@ def _decoding(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: 
                        "response_format / structured_outputs.", param="tool_choice", code="invalid_value")
     upd.update(calls)
     d = dataclasses.replace(ctx.base, **upd)
+    if d.do_sample and req.seed is None:  # unseeded: fresh randomness per request (lookahead.seed reports it)
+        d = dataclasses.replace(d, seed=draw_seed())
     try:
         return d.validate()
     except ValueError as e:  # should not happen after the checks above; still a client error
         raise ApiError(str(e), code="invalid_value") from None
+
+
+def draw_seed() -> int:
+    """A fresh seed in [0, 2**63) from the OS's randomness, for a sampled request that sends no
+    ``seed`` (as OpenAI's API, vLLM and llama.cpp draw fresh randomness per request). Drawn on
+    rank 0 only: under LP it rides with the request to every rank (lp.server.engine.pack_request)."""
+    return secrets.randbits(63)
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """Choice i's seed of an ``n`` > 1 request: seed + i wrapped into the signed 64-bit range
+    (two's complement, so 2**63 - 1 is followed by -2**63): every choice's seed stays a valid
+    request seed and fits the LP request channel's int64 fields.
+
+        >>> choice_seed(5, 2), choice_seed(2**63 - 1, 1), choice_seed(-1, 1)
+        (7, -9223372036854775808, 0)
+    """
+    return (seed + i - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def _bad(param: str, what: str, got) -> ApiError:
@@ -535,6 +560,7 @@ def lookahead_info(result, decoding: DecodingConfig, workers: int, ttft_s: float
         "queue_time_s": round(queue_s, 4),
         "W": decoding.W, "N": decoding.N, "G": decoding.G, "workers": workers,
         "forced_tokens": st.forced_tokens,  # output tokens from the grammar's forced drafts (lp.grammar)
+        "seed": decoding.seed if decoding.do_sample else None,  # the request's, or the one drawn for it
     }
 
 
