@@ -179,3 +179,29 @@ def test_lookahead_equals_generate_on_the_converted_model(q4_model):
         assert engine.result(i).output_ids == hf_greedy(model, p, 40)
     assert torch._dynamo.utils.counters["stats"]["calls_captured"] > 0, "the batched step never ran compiled"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_one_pass_encoder_equals_the_torch_reference(q4_model):
+    """lp_exact4.encode (C++, one pass) finds the very blocks encode_torch finds, and declines what
+    it declines: a weight one ulp off its block, a NaN, a block minimum that is not a float16 value,
+    a constant block (d = 0)."""
+    lins = [m for m in q4_model.modules() if isinstance(m, nn.Linear) and m is not q4_model.get_output_embeddings()]
+    cases = [lin.weight.detach().clone() for lin in lins]
+    w = lins[0].weight.detach()
+    off = w.clone()
+    off[3, 37] = torch.nextafter(off[3, 37], torch.tensor(float("inf")))
+    nan = w.clone()
+    nan[0, 0] = float("nan")
+    not_half = w.clone()
+    not_half[5, 32] = -1.0 / 3.0  # the second block's new minimum, not a float16 value
+    const = w.clone()
+    const[2, :32] = 0.25  # d = 0: q = 0 everywhere, w = c
+    cases += [off, nan, not_half, const]
+    accepted = 0
+    for case in cases:
+        a, b = exact4.encode(case), exact4.encode_torch(case)
+        assert (a is None) == (b is None)
+        if a is not None:
+            accepted += 1
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert accepted == len(lins) + 1  # every rounded linear and the constant block; the three others declined

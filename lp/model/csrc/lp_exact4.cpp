@@ -126,6 +126,62 @@ torch::Tensor exact4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch
   return y;
 }
 
+// The blocks of w [N, K] float32 in one pass (lp.model.exact4.encode's torch-side check, same
+// arithmetic): per 32 weights c = min, d = float16((max - c) / 15), q = round-half-even((w - c) / d)
+// clamped to 0..15 (d = 0: divided by 1), accepted when c and d are float16 values, every weight
+// finite and q * d + c == w bit for bit (q * d is exact, so the add is the one rounding, as in
+// the kernel's fma). Returns (ok, q [N, K / 2] uint8 in the kernel's layout, d, c [N, K / 32]).
+std::tuple<bool, at::Tensor, at::Tensor, at::Tensor> exact4_encode(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == torch::kFloat32 && w_in.device().is_cpu(),
+              "exact4_encode: w must be [N, K] float32 on the CPU");
+  const at::Tensor w = w_in.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % kBlock == 0, "exact4_encode: K must be a multiple of 32");
+  const int64_t blocks = K / kBlock;
+  at::Tensor q = torch::empty({N, K / 2}, torch::kUInt8);
+  at::Tensor d = torch::empty({N, blocks}, torch::kFloat32);
+  at::Tensor c = torch::empty({N, blocks}, torch::kFloat32);
+  const float* wp = w.data_ptr<float>();
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float* dp = d.data_ptr<float>();
+  float* cp = c.data_ptr<float>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    uint8_t qs[kBlock];
+    for (int64_t n = r0; n < r1 && ok.load(std::memory_order_relaxed); ++n) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* wb = wp + n * K + b * kBlock;
+        float lo = wb[0], hi = wb[0];
+        for (int64_t j = 0; j < kBlock; ++j) {
+          if (!std::isfinite(wb[j])) { ok = false; return; }
+          lo = std::min(lo, wb[j]);
+          hi = std::max(hi, wb[j]);
+        }
+        const float cv = lo;
+        const volatile float span = (hi - cv) / 15.0f;  // float32 sub and div, as torch computes them
+        const float dv = static_cast<float>(c10::Half(span));
+        if (static_cast<float>(c10::Half(cv)) != cv || !std::isfinite(dv)) { ok = false; return; }
+        const float safe = dv > 0.0f ? dv : 1.0f;
+        for (int64_t j = 0; j < kBlock; ++j) {
+          const volatile float diff = wb[j] - cv;
+          const volatile float ratio = diff / safe;
+          float qf = std::nearbyint(static_cast<float>(ratio));
+          qf = std::min(15.0f, std::max(0.0f, qf));
+          const volatile float prod = qf * dv;  // exact
+          const volatile float back = prod + cv;
+          if (back != wb[j]) { ok = false; return; }
+          qs[j] = static_cast<uint8_t>(qf);
+        }
+        uint8_t* qb = qp + n * (K / 2) + b * 16;
+        for (int64_t j = 0; j < 16; ++j) qb[j] = static_cast<uint8_t>(qs[j] | (qs[j + 16] << 4));
+        dp[n * blocks + b] = dv;
+        cp[n * blocks + b] = cv;
+      }
+    }
+  });
+  return {ok.load(), q, d, c};
+}
+
 bool exact4_avx512() {
 #if defined(__AVX512F__)
   return true;
@@ -159,5 +215,6 @@ TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact4_mm", &exact4_mm, "x @ W.T with W as exact 4-bit blocks (float32 math)");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
+  m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("parallel_width", &exact4_parallel_width, "threads the kernel's parallel_for runs on");
 }
