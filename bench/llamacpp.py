@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "rows": rows, "total_tokens": total_tokens, "total_s": total_s,
                  "tokens_per_s": round(total_tokens / total_s, 2) if total_s > 0 else None,
                  **{k: ok[0][k] for k in ("W", "N", "G") if ok and k in ok[0]}}
-    summary = {"command": "python -m bench.llamacpp " + " ".join(sys.argv[1:] if argv is None else argv),
+    summary = {"command": "python -m bench.llamacpp " + shlex.join(sys.argv[1:] if argv is None else argv),
                "llamacpp": version_info(bench_exe), "gguf": str(gguf), "threads": a.threads, "tokens": a.tokens,
                "prompts": {"sets": sets, "start": a.start, "per_set": a.per_set},
                "texts_compared": False, "machine_before": before, "machine_after": machine(),
