@@ -498,9 +498,12 @@ def results_block(results: Path) -> str:
         peers = sorted({peer_of(p["server"]) for r in g for p in r["points"]} - {"lp", None})
         parts += ["", f"**lp vs {', '.join(peers)}** (bench/results/{', bench/results/'.join(r['folder'] for r in g)}):",
                   "", peer_table(g)]
-    missing = [name for name in PEERS.values() if name not in found]
-    if missing:
-        parts += ["", f"No run against {' or '.join(missing)} is recorded in bench/results."]
+    for prefix, name in PEERS.items():
+        if name in found:
+            continue
+        alone = sorted(d.name for d in results.iterdir() if d.is_dir() and d.name.startswith(prefix))
+        where = f" ({name} alone, no lp side by side: bench/results/{', bench/results/'.join(alone)})" if alone else ""
+        parts += ["", f"No run of lp against {name} is recorded in bench/results{where}."]
     return "\n".join(parts)
 
 

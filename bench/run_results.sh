@@ -8,7 +8,7 @@ python -m bench.run +preset=lookahead_vs_ar out_dir=bench/results/lookahead_vs_a
 # issue: Lookahead Parallelism -- one process vs 2 workers, same W/N/G, 1 thread per worker
 python -m bench.run name=lp_vs_single 'prompts.sets=[humaneval]' prompts.num_prompts=10 \
   'methods=[ar,lookahead,lp]' 'workers=[1,2]' threads=1 reference_threads=0 sweep=none \
-  lookahead=cpu lookahead.scale_with_workers=false scaling_check=false plots=false
+  lookahead=cpu lookahead.scale_with_workers=false scaling_check=false plots=false out_dir=bench/results/default/lp_vs_single
 # issue: strong scaling -- humaneval + mt_bench, 10 prompts each, 128 new tokens
 python -m bench.run name=default 'tp_engines=[manual]'
 # bf16 on this CPU (no AMX: bf16 rows are not cheap here), fewer prompts

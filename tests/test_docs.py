@@ -388,7 +388,9 @@ def test_report_readme_builds_the_table_from_bench_results(tmp_path):
     assert n_tables >= 2  # vLLM (spr_native + sweep) and transformers (concurrency)
     assert "| chat | 1 | 32.1 | 55.8 | 23.7 | 1.36x | 2.35x |" in block  # vs_vllm_spr_native, by hand
     assert "lp vs vLLM" in block and "lp vs transformers" in block
-    assert "No run against llama.cpp" in block
+    assert "No run of lp against llama.cpp" in block
+    if (RESULTS / "llamacpp").is_dir():
+        assert "llama.cpp alone, no lp side by side: bench/results/llamacpp" in block
     proc = subprocess.run([sys.executable, "-m", "bench.report", "--readme", str(readme)], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0 and "unchanged" in proc.stdout and readme.read_text() == out
