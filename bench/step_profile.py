@@ -1,6 +1,6 @@
 """Where a one-sequence decode step's time goes, on lp.serve's path with its defaults.
 
-Contract: ``python -m bench.step_profile [--tokens 96] [--out bench/results/step_profile]`` loads
+Contract: ``python -m bench.step_profile [--tokens 96] [--out bench/results/step_cost/profile]`` loads
 the default model as ``lp.serve`` does (``model.quant=auto``: exact4 where the linears are 4-bit
 blocks; ``model.compile``, ``model.head`` and the rest at their defaults unless given as
 ``--override key=value`` on ``ModelConfig``), runs one greedy chat request through a
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--override", action="append", default=[], help="ModelConfig field=value (e.g. compile=on)")
-    ap.add_argument("--out", default="bench/results/step_profile")
+    ap.add_argument("--out", default="bench/results/step_cost/profile")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from lp.config import DecodingConfig, ModelConfig
