@@ -9,7 +9,7 @@ LP spans the nodes. Multi-node: pass ``--nnodes``, ``--node-rank`` and
 go to torchrun unchanged. Sets one run dir (LP_RUN_DIR) for every rank and
 ``OMP_NUM_THREADS`` (LP_THREADS, default 1 per worker on CPU).
 
-    python launch/lp_run.py parallel.workers=2 prompt="def quicksort(arr):" raw_prompt=true
+    python launch/lp_run.py parallel.workers=2 'prompt="def quicksort(arr):"' raw_prompt=true
     python launch/lp_run.py parallel.workers=4 parallel.tp=2                  # 8 processes: LP 4 x TP 2
     python launch/lp_run.py --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500 parallel.workers=8
     python launch/lp_run.py --module lp.serve parallel.workers=2 server.port=8000   # the HTTP server
