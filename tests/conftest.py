@@ -30,6 +30,18 @@ def _torch_threads(request):
     torch.set_num_threads(old)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _hydra_cleared():
+    """No module leaves Hydra's global state initialized for the next one (tests/test_docs.py
+    keeps one composed entry point across its tests; a later ``initialize_config_dir`` would
+    refuse to start)."""
+    yield
+    import sys
+
+    if "hydra.core.global_hydra" in sys.modules:
+        sys.modules["hydra.core.global_hydra"].GlobalHydra.instance().clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_factory():
     """Memoized tiny model builder: tiny_factory(family, attn=..., vocab=..., seed=...)."""
