@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.overhead import _cpu_name
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -33,16 +34,6 @@ def _commit() -> str:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def run_request(engine, ids, dcfg, eos):
@@ -131,7 +122,7 @@ def main(argv=None) -> int:
         engine.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     result = {"command": "python -m bench.step_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "commit": _commit(), "cpu": _cpu(), "threads": a.threads, "model": {**vars(mc)},
+              "commit": _commit(), "cpu": _cpu_name(), "threads": a.threads, "model": {**vars(mc)},
               "resolved": {"quant": runner.quant, "compiled": bool(runner.compiled), "attention": runner.attention,
                            "linears": runner.linears},
               "load_s": load_s, "runs": rows, "profile_20_one_row_steps": table}

@@ -414,8 +414,7 @@ def test_real_readme_results_block_is_current():
     from bench.report import BEGIN, END, replace_between_markers, results_block
 
     text = (ROOT / "README.md").read_text()
-    if BEGIN not in text:
-        pytest.skip("README.md has no results markers yet")
+    assert BEGIN in text and END in text, "README.md lost its results markers"
     assert replace_between_markers(text, results_block(RESULTS)) == text, \
         "README's results table is stale: run python -m bench.report --readme"
 
@@ -423,8 +422,7 @@ def test_real_readme_results_block_is_current():
 def test_no_code_reads_a_removed_results_folder():
     """Paths under bench/results named by code, tests and bench docs exist (or are outputs a run creates)."""
     git = shutil.which("git")
-    if git is None:
-        pytest.skip("git is not installed")
+    assert git is not None, "git is needed to list the tracked files (CI runs in a git clone)"
     files = subprocess.run([git, "ls-files", "lp", "bench", "tests", "conf", "launch"], capture_output=True,
                            text=True, cwd=ROOT).stdout.split()
     bad = []
