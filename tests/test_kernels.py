@@ -302,3 +302,43 @@ def test_kernel_builds_are_kept_per_cpu(monkeypatch, tmp_path):
         assert d.startswith(str(tmp_path)) and d.endswith("/lp_attention") and Path(d).is_dir()
     monkeypatch.setattr(kernels.torch, "__version__", "0.0.0")  # another torch: another build
     assert kernels.build_extension("lp_attention", "a test") not in dirs.values()
+
+
+def test_a_load_killed_midway_does_not_hang_later_loads(tmp_path):
+    """torch's extension loader holds a lock *file* in the build folder around every load and
+    waits without end while one exists: a process killed inside the loader (a worker killed at
+    start-up) left every later server hanging at "loading the kernel" (CI, 92 errors). The
+    leftover is planted here on the real (prebuilt) kernel's folder and a fresh process must
+    load it within the timeout; a holder killed while holding lp's own flock frees it too."""
+    import signal
+    import subprocess
+    import sys
+
+    from lp.model import kernels
+
+    folder = kernels.build_directory("lp_attention")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "lock").touch()  # what a process killed inside cpp_extension.load leaves
+    load = "from lp.model import kernels; kernels.build_extension('lp_attention', 'a test'); print('loaded')"
+    try:
+        out = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a leftover torch lock file made the kernel's load wait forever")
+    finally:
+        (folder / "lock").unlink(missing_ok=True)
+    assert out.returncode == 0 and "loaded" in out.stdout, out.stderr[-2000:]
+
+    hold = ("import sys, time; from pathlib import Path; from lp.model import kernels\n"
+            "with kernels._build_lock(Path(sys.argv[1]), 'a test'):\n print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match="another process has been building the kernel in"):
+            with kernels._build_lock(tmp_path, "a test", wait_s=0.5):
+                pass
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        with kernels._build_lock(tmp_path, "a test", wait_s=10):  # the OS dropped the dead holder's flock
+            pass
+    finally:
+        holder.kill()

@@ -40,6 +40,7 @@ GEMV is as fast). The calibration times Q = 1 both ways like any other Q.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import weakref
@@ -231,12 +232,52 @@ def build_extension(name: str, what: str):
                                      what, name)
     folder = build_directory(name)
     folder.mkdir(parents=True, exist_ok=True)
-    try:
-        return cpp_extension.load(name=name, sources=[str(CSRC / f"{name}.cpp")],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(folder),
-                                  verbose=False)
-    except Exception as e:  # a compiler or ninja missing: the user's fix, said plainly
-        raise ValueError(f"{what} needs a C++ compiler (g++) and ninja to build its kernel: {e}") from e
+    with _build_lock(folder, what):
+        try:
+            return cpp_extension.load(name=name, sources=[str(CSRC / f"{name}.cpp")],
+                                      extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(folder),
+                                      verbose=False)
+        except Exception as e:  # a compiler or ninja missing: the user's fix, said plainly
+            raise ValueError(f"{what} needs a C++ compiler (g++) and ninja to build its kernel: {e}") from e
+
+
+BUILD_WAIT_S = 900.0  # the longest one process waits for another's build of the same kernel
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path, what: str, wait_s: float | None = None):
+    """Hold ``folder``'s build lock: an ``fcntl.flock`` on ``folder/lp.flock``, which the OS
+    drops when its holder dies. torch's own loader takes a lock *file* (``folder/lock``, created
+    and removed around every load, even of an up-to-date build) and waits without end while it
+    exists, so a process killed inside ``cpp_extension.load`` (a worker a test or a supervisor
+    kills at start-up) left every later load of that kernel hanging. Under the flock no other
+    lp process is inside the loader, so a ``lock`` file found then is such a leftover and is
+    removed. Waits at most ``wait_s`` (``BUILD_WAIT_S``) for another process's build, then a
+    ValueError naming the folder."""
+    import fcntl
+    import time
+
+    wait_s = BUILD_WAIT_S if wait_s is None else wait_s
+    with open(folder / "lp.flock", "a+") as guard:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ValueError(f"{what}: another process has been building the kernel in {folder} for "
+                                     f"over {wait_s:.0f} s; stop it (or remove {folder}) and start again") from None
+                time.sleep(0.1)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logging.getLogger(__name__).warning("%s: removing %s, left by a process that died while loading "
+                                                    "the kernel", what, stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def opaque_op(schema: str, fake):
