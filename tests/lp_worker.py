@@ -5,7 +5,8 @@ torchrun worker group (spec "tp": LP workers x tp processes, lp.parallel.tp shar
 process when started without torchrun) and writes, from rank 0, one result per job: output ids,
 steps, rows per rank. ``planted_bug``: the name of a wrong verifier in tests.helpers swapped in
 on every rank (a negative control). ``kill_rank_at_step: [R, S]``: rank R SIGKILLs itself after
-its step S (a dead worker for the survivors to detect). ``load: "whole"``: every rank loads
+its step S (a dead worker for the survivors to detect). ``tokenizer: true``: every rank loads the
+model's tokenizer and passes it to ``generate`` (structured output: decoding.json_schema / grammar). ``load: "whole"``: every rank loads
 the whole replica and shards it in memory (the default reads only its shards). The first
 result carries ``memory``: per global rank, peak RSS before and after loading, the dtypes and
 every parameter's local shape.
@@ -55,10 +56,11 @@ def main() -> None:
     path = spec.get("model_path") or resolve_model_path("smollm2", None)
     rss_before = peak_rss_mb()
     if spec.get("load") == "whole":  # every rank loads the whole replica, then shards it in memory
-        model, _ = load_model(path, spec.get("dtype", "float32"), quant=spec.get("quant", "none"))
+        model, tokenizer = load_model(path, spec.get("dtype", "float32"), quant=spec.get("quant", "none"))
         shard_for(model, group)
     else:  # spec "tp" > 1: each rank reads only its shards of the checkpoint
-        model, _ = load_for(path, spec.get("dtype", "float32"), "cpu", spec.get("quant", "none"), group)
+        model, tokenizer = load_for(path, spec.get("dtype", "float32"), "cpu", spec.get("quant", "none"), group,
+                                    tokenizer=bool(spec.get("tokenizer")))
     memory = {"rss_before_load_mb": rss_before, "peak_rss_mb": peak_rss_mb(),
               "local_shapes": local_shapes(model), "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
     runner = ModelRunner(model)
@@ -71,7 +73,7 @@ def main() -> None:
     results = []
     for job in spec["jobs"]:
         res = LookaheadDecoder(runner, DecodingConfig(**job["decoding"]), group).generate(
-            job["prompt_ids"], job.get("eos", []), on_step=on_step
+            job["prompt_ids"], job.get("eos", []), on_step=on_step, tokenizer=tokenizer if spec.get("tokenizer") else None
         )
         results.append(
             {
@@ -79,6 +81,8 @@ def main() -> None:
                 "steps": res.stats.steps,
                 "mean_rows_per_rank": res.stats.mean_rows_per_rank,
                 "accept_hist": res.stats.accept_hist,
+                "forced_tokens": res.stats.forced_tokens,
+                "finish_reason": res.finish_reason,
             }
         )
     if group is not None and group.tp_size > 1:

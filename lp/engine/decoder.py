@@ -314,9 +314,6 @@ class LookaheadDecoder:
         bad = [t for t in self.cfg.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"decoding.logit_bias keys must be token ids in [0, {vocab}), got {bad[0]}")
-        if self.grammar_text is not None and self.workers > 1:
-            raise ValueError("structured output (decoding.json_schema / grammar, response_format) is not supported "
-                             "with parallel.workers > 1 yet; use one process")
         if self.cfg.logprobs and self.workers > 1:
             raise ValueError("decoding.logprobs is not supported with parallel.workers > 1 (the verifying rows "
                              "may live on another worker); use one process")
