@@ -81,6 +81,9 @@ def main() -> None:
                 "steps": res.stats.steps,
                 "mean_rows_per_rank": res.stats.mean_rows_per_rank,
                 "accept_hist": res.stats.accept_hist,
+                # decoding.logprobs: [token, logprob, [[top id, top logprob], ...]] per output token
+                "logprobs": None if res.logprobs is None else [[t.token, t.logprob, [list(x) for x in t.top]]
+                                                               for t in res.logprobs],
                 "forced_tokens": res.stats.forced_tokens,
                 "finish_reason": res.finish_reason,
             }

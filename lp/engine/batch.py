@@ -228,9 +228,6 @@ class BatchEngine:
         of each prompt token given the ones before it and the top k there (the prompt is
         computed whole: no prefix-cache hit); ``prompt_only``: finish once the prompt is in
         the cache, with no new token (finish_reason "length")."""
-        if (prompt_logprobs is not None or prompt_only) and self.group is not None:
-            raise ValueError("prompt logprobs and prompt-only requests (echo with logprobs or max_tokens 0) are not "
-                             "supported with LP workers; run one process")
         if prompt_logprobs is not None and not (isinstance(prompt_logprobs, int) and 0 <= prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {prompt_logprobs!r}")
         prompt = [int(t) for t in prompt_ids]
@@ -639,6 +636,7 @@ class BatchEngine:
             ko += n
         return verdicts
 
+                run.lp_local = dec.local_logprobs(it.prop, it.layout, it.raw, verdicts[-1])  # LP + logprobs
     @staticmethod
     def _prompt_logprobs(it: _Item, logits_PV: torch.Tensor) -> None:
         """Raw logprobs of the prompt tokens these rows predict (row j: pending[j + 1])."""
@@ -667,7 +665,7 @@ class BatchEngine:
         frames = []
         for it, v in live:
             dec = it.req.decoder
-            frames.append((dec.merge.frame, dec.payload(it.prop, v), dec._state_hash(it.req.run)))
+            frames.append((dec.merge.frame, dec.payload(it.prop, v, it.req.run.lp_local), dec._state_hash(it.req.run)))
         rows = iter(self.group.exchange_batch(frames))
         return [None if v is None else it.req.decoder.merge_rows(it.prop, next(rows))
                 for it, v in zip(items, verdicts)]

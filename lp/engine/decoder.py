@@ -47,7 +47,8 @@ import torch
 
 from lp.drafts.budget import AcceptanceModel, GainCalibration
 from lp.config import DecodingConfig
-from lp.parallel.dist import Frame, greedy_payload, read_greedy, read_sampled, sampled_payload
+from lp.parallel.dist import (Frame, greedy_payload, read_greedy, read_logprobs, read_sampled, sampled_payload,
+                              with_logprobs)
 from lp.drafts.select import FORCED, Scored, observe, predicted_gain, select_tree, suffix_drafts
 from lp.lookahead.layout import build_tree_layout
 from lp.model.head import argmax_rows
@@ -189,7 +190,7 @@ class GatherMerge:
         return self.group.share_curve(curve, small_rows)
 
     def __call__(self, dec: "LookaheadDecoder", run: "_Run", prop: "_Proposal", verdict, cancel: bool):
-        rows, cancelled = self.group.exchange(dec.payload(prop, verdict), cancel, dec._state_hash(run))
+        rows, cancelled = self.group.exchange(dec.payload(prop, verdict, run.lp_local), cancel, dec._state_hash(run))
         path, z_all = dec.merge_rows(prop, rows)
         return path, z_all, cancelled
 
@@ -241,6 +242,7 @@ class _Run:
     forced_tokens: int = 0  # emitted tokens that came from the grammar's forced draft
     out: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    lp_local: list | None = None  # LP + logprobs: this rank's own walk's TokenLogprobs this step (``local_logprobs``)
     step: int = 0
     done: bool = False
     finish: str = "length"
@@ -314,9 +316,6 @@ class LookaheadDecoder:
         bad = [t for t in self.cfg.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"decoding.logit_bias keys must be token ids in [0, {vocab}), got {bad[0]}")
-        if self.cfg.logprobs and self.workers > 1:
-            raise ValueError("decoding.logprobs is not supported with parallel.workers > 1 (the verifying rows "
-                             "may live on another worker); use one process")
         limit = self.runner.max_positions
         need = len(prompt_ids) + self.cfg.max_new_tokens
         if limit is not None and need > limit:
@@ -375,6 +374,7 @@ class LookaheadDecoder:
             raw_KV = self.runner.forward(layout, run.cache, argmax_only=greedy_only)
             logits_KV = raw_KV if run.proc is None else run.proc.apply(raw_KV, row_extras(layout))
             verdict = self.verify(run, prop, layout, logits_KV)  # the step's one device->host read
+            run.lp_local = self.local_logprobs(prop, layout, raw_KV, verdict)
             t2 = time.perf_counter()
             asked = self.rank == 0 and cancel is not None and bool(cancel())
             path, z_all, cancelled = self.merge_verdicts(run, prop, verdict, asked)
@@ -434,7 +434,8 @@ class LookaheadDecoder:
         if cache is None:
             rows = self.max_step_rows()
             cache = self.runner.new_cache(len(prompt_ids) + cfg.max_new_tokens + rows, rows)
-        self.merge.begin(Frame(self.max_draft + 1, self.draft_rows, cfg.W + cfg.N - 2))
+        lp_slots = 1 + 2 * cfg.top_logprobs if cfg.logprobs and self.workers > 1 else 0  # logprobs ride along
+        self.merge.begin(Frame(self.max_draft + 1, self.draft_rows, cfg.W + cfg.N - 2, lp_slots))
         proc = RowProcessor(cfg, prompt_ids, self.runner.vocab_size, self.runner.device) if wants_processing(cfg) \
             else None
         grammar = None
@@ -534,16 +535,36 @@ class LookaheadDecoder:
         """(path over all candidates, z of every column in order, cancelled)."""
         return self.merge(self, run, prop, verdict, cancel)
 
-    def payload(self, prop: _Proposal, verdict) -> list[int]:
-        """This worker's verdict as its int64 exchange payload (lp.parallel.dist, this run's frame)."""
+    def payload(self, prop: _Proposal, verdict, lps: list[TokenLogprob] | None = None) -> list[int]:
+        """This worker's verdict as its int64 exchange payload (lp.parallel.dist, this run's frame);
+        ``lps``: its own walk's logprobs (``local_logprobs``) when the frame carries them."""
         frame = self.merge.frame
         if not self.cfg.do_sample:
             local, z_local = verdict
             own = prop.plan[self.rank].candidates
             winner = own[local.winner] if local.winner is not None else -1
-            return greedy_payload(frame, local.hits, winner, local.emitted, z_local)
-        root, outcomes, z_local = verdict
-        return sampled_payload(frame, root, outcomes, z_local)
+            out = greedy_payload(frame, local.hits, winner, local.emitted, z_local)
+        else:
+            root, outcomes, z_local = verdict
+            out = sampled_payload(frame, root, outcomes, z_local)
+        if frame.logprobs:
+            out = with_logprobs(frame, out, [(x.logprob, x.top) for x in lps])
+        return out
+
+    def local_logprobs(self, prop: _Proposal, layout, raw_KV: torch.Tensor, verdict) -> list[TokenLogprob] | None:
+        """LP with logprobs: the raw logprobs of this worker's own walk (greedy: its local path;
+        sampled: the walk from its own root through its own subtrees), read from its own rows;
+        the exchange carries them to every rank (``payload`` / ``merge_rows``). None otherwise."""
+        frame = self.merge.frame
+        if frame is None or not frame.logprobs:
+            return None
+        if not self.cfg.do_sample:
+            local = verdict[0]
+        else:
+            root, outcomes, _ = verdict
+            own = [prop.candidates[c] for c in prop.plan[self.rank].candidates]
+            local = walk(own, root, lambda depth, i: outcomes[layout.paths[i][depth - 1]])
+        return _logprobs(raw_KV, layout, local, len(local.emitted), self.cfg.top_logprobs)
 
     def merge_rows(self, prop: _Proposal, rows: list[list[int]]) -> tuple[Path, list[int]]:
         """Every LP worker's payload (``rows[k]``) -> (path over all candidates, z of every
@@ -551,9 +572,11 @@ class LookaheadDecoder:
         frame = self.merge.frame
         if not self.cfg.do_sample:
             table = read_greedy(frame, rows, prop.plan)
-            best = table[max(range(len(table)), key=lambda k: (table[k].hits, -k))]  # longest, lowest rank
+            kb = max(range(len(table)), key=lambda k: (table[k].hits, -k))  # longest, lowest rank
+            best = table[kb]
             z_all = [t for hit in table for t in hit.z]
-            return Path(best.emitted, best.winner if best.winner >= 0 else None, best.hits), z_all
+            path = Path(best.emitted, best.winner if best.winner >= 0 else None, best.hits)
+            return _with_logprobs(frame, path, rows[kb], rows[kb]), z_all
         roots, nodes, zs = read_sampled(frame, rows, prop.plan)
         owner = {c: (k, i) for k, s in enumerate(prop.plan) for i, c in enumerate(s.candidates)}
         tries = [merge_trie([prop.candidates[c] for c in s.candidates]) for s in prop.plan]
@@ -562,7 +585,11 @@ class LookaheadDecoder:
             k, i = owner[c]
             return nodes[k][tries[k].paths[i][depth - 1]]
 
-        return walk(prop.candidates, roots[0], outcome), [t for z in zs for t in z]
+        path = walk(prop.candidates, roots[0], outcome)
+        k = owner[path.winner][0] if path.winner is not None else 0
+        # the owner walked from its own root: the same path when its root is rank 0's
+        return _with_logprobs(frame, path, rows[0], rows[k] if roots[k] == roots[0] else None), \
+            [t for z in zs for t in z]
 
     def publish(self, run: _Run, emitted: list[int], cancelled: bool, tokenizer) -> list[int]:
         """Truncate by max_new_tokens, eos, stop strings; append; decide whether to stop."""
@@ -670,11 +697,34 @@ def _row_index(sk) -> dict[int, int]:
     return {row: i for i, row in enumerate(sk.keep)}
 
 
+@dataclass(frozen=True)
+class MergedPath(Path):
+    """LP with logprobs: the merged path and its tokens' logprobs, from the rank that verified them."""
+
+    logprobs: tuple = ()
+
+
+def _with_logprobs(frame: Frame, path: Path, first: list[int], rest: list[int] | None) -> Path:
+    """``path`` with its logprobs when the frame carries them: the first token's from the payload
+    ``first``, the accepted ones' from ``rest`` (None: that rank walked another way, only reached
+    if two ranks' root rows differ in their last bits; those tokens' logprobs are NaN)."""
+    if not frame.logprobs:
+        return path
+    entries = read_logprobs(frame, first, 1)
+    entries += read_logprobs(frame, rest, len(path.emitted))[1:] if rest is not None else \
+        [(float("nan"), ())] * (len(path.emitted) - 1)
+    lps = tuple(TokenLogprob(t, c, top) for t, (c, top) in zip(path.emitted, entries))
+    return MergedPath(path.emitted, path.winner, path.hits, lps)
+
+
 def _logprobs(raw_KV: torch.Tensor, layout, path: Path, count: int, top: int) -> list[TokenLogprob]:
     """Raw logprobs of the first ``count`` emitted tokens, read from the rows that verified them:
-    the ordinary row, then the accepted candidate's rows (one process: candidate = own candidate)."""
+    the ordinary row, then the accepted candidate's rows (one process: candidate = own candidate);
+    under LP the merged path carries them (``MergedPath``, from the exchange)."""
     if count == 0:
         return []
+    if isinstance(path, MergedPath):
+        return list(path.logprobs[:count])
     row_of = _row_index(layout.skeleton)
     rows = [layout.skeleton.num_pending - 1]
     if path.winner is not None:

@@ -46,6 +46,13 @@ sampled  [root, outcome[0..M-1], z[0..C-1], state_hash]
          verify. All ranks walk the whole trie with rank 0's root and each node's
          outcome from the rank that owns it, so all reach the same decision.
 
+logprobs (a frame with ``logprobs`` > 0 slots a token: ``decoding.logprobs`` under LP): after the
+         verdict, padded to a fixed offset (``Frame.base``), each rank's own walk's raw logprobs,
+         ``emit`` entries of [chosen, top ids[0..k-1], top values[0..k-1]] (floats as their
+         float64 bits), k = top_logprobs: a few numbers per token, never a vocabulary row.
+         Greedy: the longest hit's rank's own; sampled: the rank owning the accepted subtree
+         (its walk from its own root, the same as rank 0's when their root rows agree).
+
 ``state_hash`` is a fingerprint of pool, window and output taken before the step
 when ``parallel.check_divergence`` is on (else 0), compared over every process
 (tp ranks included), per sequence in a batch; a mismatch stops the job at the first
@@ -62,6 +69,7 @@ import datetime
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -158,8 +166,9 @@ class Frame:
     """The fixed shape of one sequence's exchange payload (chosen once per generation):
     ``emit``: most tokens a step publishes (longest candidate + 1); ``nodes``: most
     draft-trie rows of a step; ``columns``: most window columns one rank can own
-    (W + N - 2: the warm-up window is widest). ``size``: the larger of the greedy and
-    sampled payloads, plus cancel flag and state hash."""
+    (W + N - 2: the warm-up window is widest); ``logprobs``: slots per emitted token's
+    logprobs (1 + 2 x top_logprobs; 0: none asked). ``base``: the larger of the greedy and
+    sampled payloads; ``size``: base, the logprobs, cancel flag and state hash."""
 
     emit: int
     nodes: int
@@ -167,7 +176,7 @@ class Frame:
 
     @property
     def size(self) -> int:
-        return max(2 + self.emit, 1 + self.nodes) + self.columns + 2
+        return self.base + self.emit * self.logprobs + 2
 
 
 def greedy_payload(frame: Frame, hits: int, winner: int, emitted: list[int], z_local: list[int]) -> list[int]:
@@ -180,6 +189,11 @@ def sampled_payload(frame: Frame, root: int, outcomes: list[int], z_local: list[
 
 def read_greedy(frame: Frame, rows: list[list[int]], plan) -> list[RankHit]:
     """Every LP worker's greedy payload (``rows[k]``) -> its RankHit."""
+    logprobs: int = 0
+
+    @property
+    def base(self) -> int:
+        return max(2 + self.emit, 1 + self.nodes) + self.columns
     out = []
     for k, row in enumerate(rows):
         n = row[0] + 1
@@ -213,6 +227,32 @@ class WorkerGroup:
                  tp: int = 1, mesh=None):
         self.rank = rank  # global process rank
         self.world_size = world_size
+def with_logprobs(frame: Frame, payload: list[int], entries) -> list[int]:
+    """``payload`` padded to ``frame.base``, then this rank's logprobs: ``entries`` =
+    [(chosen logprob, ((top id, top logprob), ...))] of its own walk, at most ``frame.emit``."""
+    k = (frame.logprobs - 1) // 2
+    assert len(entries) <= frame.emit and all(len(top) == k for _, top in entries), (len(entries), k)
+    floats = np.zeros((frame.emit, frame.logprobs), dtype=np.float64)
+    ids = np.full((frame.emit, k), -1, dtype=np.int64)
+    for i, (chosen, top) in enumerate(entries):
+        floats[i, 0] = chosen
+        for j, (t, v) in enumerate(top):
+            ids[i, j], floats[i, 1 + k + j] = t, v
+    block = floats.view(np.int64)
+    block[:, 1 : 1 + k] = ids
+    return _pad(payload, frame.base) + block.reshape(-1).tolist()
+
+
+def read_logprobs(frame: Frame, row: list[int], count: int) -> list[tuple[float, tuple]]:
+    """The first ``count`` logprob entries of one rank's payload row (``with_logprobs``)."""
+    k = (frame.logprobs - 1) // 2
+    block = np.asarray(row[frame.base : frame.base + count * frame.logprobs], dtype=np.int64)
+    block = block.reshape(count, frame.logprobs)
+    floats = block.view(np.float64)
+    return [(float(floats[i, 0]), tuple(zip(block[i, 1 : 1 + k].tolist(), floats[i, 1 + k :].tolist())))
+            for i in range(count)]
+
+
         self.local_rank = local_rank
         self.device = device
         self.tp_size = tp
