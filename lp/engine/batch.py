@@ -631,12 +631,12 @@ class BatchEngine:
                 if run.proc is not None:  # logit_bias / penalties along the tree (lp.lookahead.processors)
                     logits, rows = run.proc.apply(logits, row_extras(it.layout)), None
                 verdicts.append(dec.verify(run, it.prop, it.layout, logits, rows))
+                run.lp_local = dec.local_logprobs(it.prop, it.layout, it.raw, verdicts[-1])  # LP + logprobs
             else:
                 verdicts.append(None)
             ko += n
         return verdicts
 
-                run.lp_local = dec.local_logprobs(it.prop, it.layout, it.raw, verdicts[-1])  # LP + logprobs
     @staticmethod
     def _prompt_logprobs(it: _Item, logits_PV: torch.Tensor) -> None:
         """Raw logprobs of the prompt tokens these rows predict (row j: pending[j + 1])."""

@@ -173,6 +173,11 @@ class Frame:
     emit: int
     nodes: int
     columns: int
+    logprobs: int = 0
+
+    @property
+    def base(self) -> int:
+        return max(2 + self.emit, 1 + self.nodes) + self.columns
 
     @property
     def size(self) -> int:
@@ -189,11 +194,6 @@ def sampled_payload(frame: Frame, root: int, outcomes: list[int], z_local: list[
 
 def read_greedy(frame: Frame, rows: list[list[int]], plan) -> list[RankHit]:
     """Every LP worker's greedy payload (``rows[k]``) -> its RankHit."""
-    logprobs: int = 0
-
-    @property
-    def base(self) -> int:
-        return max(2 + self.emit, 1 + self.nodes) + self.columns
     out = []
     for k, row in enumerate(rows):
         n = row[0] + 1
@@ -211,22 +211,6 @@ def read_sampled(frame: Frame, rows: list[list[int]], plan):
     return roots, nodes, zs
 
 
-def _write_frame(buf, payload: list[int], cancel: bool, state_hash: int) -> None:
-    """One frame into ``buf`` (a numpy view of its ``Frame.size`` slots): payload, -1 padding,
-    cancel flag, state hash."""
-    n = len(payload)
-    assert n + 2 <= len(buf), (n, len(buf))
-    buf[:n] = payload
-    buf[n:-2] = -1
-    buf[-2] = int(cancel)
-    buf[-1] = state_hash
-
-
-class WorkerGroup:
-    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, cfg: ParallelConfig,
-                 tp: int = 1, mesh=None):
-        self.rank = rank  # global process rank
-        self.world_size = world_size
 def with_logprobs(frame: Frame, payload: list[int], entries) -> list[int]:
     """``payload`` padded to ``frame.base``, then this rank's logprobs: ``entries`` =
     [(chosen logprob, ((top id, top logprob), ...))] of its own walk, at most ``frame.emit``."""
@@ -253,6 +237,22 @@ def read_logprobs(frame: Frame, row: list[int], count: int) -> list[tuple[float,
             for i in range(count)]
 
 
+def _write_frame(buf, payload: list[int], cancel: bool, state_hash: int) -> None:
+    """One frame into ``buf`` (a numpy view of its ``Frame.size`` slots): payload, -1 padding,
+    cancel flag, state hash."""
+    n = len(payload)
+    assert n + 2 <= len(buf), (n, len(buf))
+    buf[:n] = payload
+    buf[n:-2] = -1
+    buf[-2] = int(cancel)
+    buf[-1] = state_hash
+
+
+class WorkerGroup:
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, cfg: ParallelConfig,
+                 tp: int = 1, mesh=None):
+        self.rank = rank  # global process rank
+        self.world_size = world_size
         self.local_rank = local_rank
         self.device = device
         self.tp_size = tp
