@@ -66,3 +66,18 @@ def test_lp_json_schema_greedy_and_sampled_equal_one_process(tmp_path):
     assert single[0]["finish_reason"] == "stop"  # greedy: a whole, valid object
     assert multi[0]["forced_tokens"] > 0 and sum(multi[0]["accept_hist"][2:]) > 0, multi[0]  # forced drafts, LP
     assert single[2]["output_ids"] != single[3]["output_ids"]  # the seeds draw different objects
+
+
+def test_request_channel_carries_the_grammar():
+    """lp.serve's request message (lp.server.engine.pack_request) carries the request's grammar text
+    to the other ranks byte for byte (any length, non-ASCII), and None stays None (the base's own)."""
+    from lp.config import DecodingConfig
+    from lp.grammar.matcher import compile_grammar
+    from lp.server.engine import pack_step, unpack_step
+
+    texts = [compile_grammar("json_schema", SCHEMA), compile_grammar("choice", ["naïve", "ß", "x" * 13]), "a", None]
+    joins = [(k, [5, 6, 7], DecodingConfig(grammar=t, stop_strings=["é"], logit_bias={3: -1.5}))
+             for k, t in enumerate(texts)]
+    got, _, _, _, _ = unpack_step(*pack_step(joins, [], [], False), DecodingConfig())
+    assert [d.grammar for _, _, d in got] == texts
+    assert all(p == [5, 6, 7] and d.stop_strings == ["é"] and d.logit_bias == {3: -1.5} for _, p, d in got)

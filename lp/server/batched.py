@@ -69,7 +69,7 @@ class BatchedEngine:
         self.stopping = False
         self.failed: str | None = None
         self._thread: threading.Thread | None = None  # the thread in run()
-        if tokenizer is not None and self.workers == 1:  # grammars run in one process only (lp.engine.decoder)
+        if tokenizer is not None:  # every LP rank warms its own (worker_loop): each holds the request's matcher
             from lp.grammar.matcher import warm
 
             # the grammar matcher's one-time set-up, here rather than in the first structured request
@@ -287,6 +287,10 @@ def worker_loop(engine: BatchEngine, tokenizer, eos: list[int], base, group) -> 
     (the per-request fields ride in the message). Raises WorkerFailure when rank 0 stays
     silent past parallel.timeout_s or a collective fails."""
     channel = RequestChannel(group)
+    if tokenizer is not None:  # the grammar matcher's set-up, as rank 0's BatchedEngine does (lp.grammar)
+        from lp.grammar.matcher import warm
+
+        warm(tokenizer, engine.runner.vocab_size, eos)
     steps = 0
     while True:
         kind, fields, payload = channel.recv()

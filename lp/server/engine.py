@@ -10,7 +10,9 @@ step's verified tokens, then ``("done", Outcome)`` or ``("error", ApiError)``;
 Under LP (torchrun) rank 0 hands the batch's changes to every rank through
 ``lp.parallel.dist.RequestChannel`` as int64s, no pickling: ``pack_request`` (one request: header
 fields + prompt ids, stop strings, logit bias) and ``pack_step`` (one step's joins, each a
-packed request with rank 0's request id, its aborts and its admissions).
+packed request with rank 0's request id, its aborts and its admissions). A structured request's
+grammar (llguidance text, lp.grammar) rides as its UTF-8 bytes, 8 to an int64, so every rank builds the
+same matcher.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def _i2f(i: int) -> float:
 
 def pack_request(prompt_ids: list[int], d: DecodingConfig) -> tuple[list[int], list[int]]:
     """Header fields and payload for RequestChannel: the per-request decoding settings,
-    then the prompt ids followed by each stop string as [byte length, bytes...]."""
+    then the prompt ids followed by each stop string as [byte length, bytes...], the logit
+    bias as [token, value bits] pairs and the grammar text (``_pack_text``; None: [-1])."""
     fields = [
         len(prompt_ids),
         d.max_new_tokens,
@@ -115,7 +118,27 @@ def pack_request(prompt_ids: list[int], d: DecodingConfig) -> tuple[list[int], l
         payload += [len(b), *b]
     for t, b in d.logit_bias.items():
         payload += [int(t), _f2i(b)]
+    payload += _pack_text(d.grammar)  # structured output: every rank builds the same matcher (lp.grammar)
     return fields, payload
+
+
+def _pack_text(text: str | None) -> list[int]:
+    """[-1] for None, else [byte length, the UTF-8 bytes 8 to an int64 (little-endian, zero-padded)...]."""
+    if text is None:
+        return [-1]
+    b = text.encode("utf-8")
+    words = struct.unpack(f"<{-(-len(b) // 8)}q", b.ljust(-(-len(b) // 8) * 8, b"\0"))
+    return [len(b), *words]
+
+
+def _unpack_text(payload: list[int], i: int) -> tuple[str | None, int]:
+    """(the text ``_pack_text`` put at ``payload[i]``, the index after it)."""
+    n = payload[i]
+    if n < 0:
+        return None, i + 1
+    k = -(-n // 8)
+    b = struct.pack(f"<{k}q", *payload[i + 1 : i + 1 + k])[:n]
+    return b.decode("utf-8"), i + 1 + k
 
 
 def unpack_request(fields: list[int], payload: list[int], base: DecodingConfig) -> tuple[list[int], DecodingConfig]:
@@ -128,12 +151,14 @@ def unpack_request(fields: list[int], payload: list[int], base: DecodingConfig) 
         stops.append(bytes(payload[i + 1 : i + 1 + n]).decode("utf-8"))
         i += 1 + n
     bias = {payload[i + 2 * k]: _i2f(payload[i + 2 * k + 1]) for k in range(n_bias)}
+    grammar, i = _unpack_text(payload, i + 2 * n_bias)
+    assert i == len(payload), (i, len(payload))
     d = dataclasses.replace(
         base, max_new_tokens=max_new, W=None if W < 0 else W, N=None if N < 0 else N, G=None if G < 0 else G,
         do_sample=bool(do_sample), temperature=_i2f(temp), top_k=top_k, top_p=_i2f(top_p), seed=seed,
         stop_strings=stops, window_policy=_POLICIES[policy], prompt_pool=bool(pool),
         repetition_penalty=_i2f(rep), frequency_penalty=_i2f(freq), presence_penalty=_i2f(pres), min_p=_i2f(min_p),
-        logit_bias=bias,
+        logit_bias=bias, grammar=grammar,
     )
     return prompt_ids, d
 

@@ -19,9 +19,9 @@ are valid for that function's ``parameters`` (an ``anyOf`` over the functions). 
 model decodes freely and lp decides afterwards: the answer is a tool call when the whole output
 (stripped) is a JSON object with a known function's ``name`` and ``arguments`` that validate
 against that function's ``parameters`` (jsonschema), text (``content``) otherwise, so a malformed
-call is never returned as a call. (Not a grammar in auto mode: grammars run in one process only,
-auto is the default whenever tools are sent and must keep working under LP workers, and a mask on
-every free-text row would cost every such request.)
+call is never returned as a call. (Not a grammar in auto mode: auto is the default whenever tools
+are sent, and a mask on every free-text row would cost every such request. Grammars run under LP
+workers as in one process.)
 
 ``answer(plan, text, finish_reason)`` returns (OpenAI ``tool_calls`` or None for a text answer,
 the finish reason): a complete call gives ``"tool_calls"``. A ``required`` / named answer that is
