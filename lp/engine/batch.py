@@ -164,9 +164,14 @@ class BatchEngine:
     def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = 16, max_batch: int = 8,
                  max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None, draft_policy: str = "budget",
                  static_batch: int = 4, group=None, prefix_cache: bool = False, batch_cost: BatchCost | None = None):
-        if runner.attention == "flash" or runner._static is not None:
-            raise ValueError("batched steps need model.attention=sdpa, eager or flex (no cascade kernel, no "
-                             "static shapes / CUDA graphs)")
+        if runner._static is not None:
+            raise ValueError("batched steps need model.attention=sdpa, eager or flex without static shapes / "
+                             "CUDA graphs (model.cuda_graphs=false)")
+        if runner.attention == "flash":  # the cascade has no batched form (model.attention=auto picks it on CUDA)
+            from lp.model.attention import batch_attention
+
+            runner.attention = batch_attention(runner.attention, runner.device)
+            runner.attn_impl = {"sdpa": "sdpa", "flex": "lp_flex"}[runner.attention]
         if max_batch < 1:
             raise ValueError(f"server.max_batch must be an integer >= 1, got {max_batch}")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:

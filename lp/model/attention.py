@@ -55,6 +55,16 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
 
 
+def batch_attention(attention: str, device: torch.device) -> str:
+    """The kernel a batched step (lp.engine.batch) runs for a runner resolved to ``attention``:
+    the cascade (``flash``: one sequence's unmasked prefix + its tree) has no batched form, so it
+    becomes what ``model.attention=auto`` picks without flash-attn: ``flex`` on CUDA (one call per
+    layer for the whole batch), ``sdpa`` elsewhere (``lp_batch_sdpa``); any other kernel as is."""
+    if attention != "flash":
+        return attention
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
 def _repeat_kv(x_BHkvKD: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return x_BHkvKD

@@ -6,7 +6,10 @@ a model whose linears are exact 4-bit blocks) and ``csrc/lp_attention.cpp`` (the
 CPU attention) with ``lp.model.kernels.build_extension`` into its per-CPU cache, prints one line a
 kernel (built or loaded, seconds, whether the AVX-512 path is in) and exits 0; a kernel that
 cannot be built (no g++ or ninja) is reported and skipped (exit 0: lp then runs its other
-kernels). Only where they run: nothing is built on a machine without an x86 CPU build of torch.
+kernels). Only where they run: nothing is built on a machine without an x86 CPU build of torch,
+nor for a GPU target (``--target auto``, the default: ``cuda`` when torch has CUDA; the GPU
+runs neither kernel, and 8 ranks would queue 30-60 s on one build lock); ``--target cpu``
+builds them on a CUDA machine too (lp on its CPU).
 
 Why here and not in the package build: the kernels are compiled with ``-march=native`` for the
 machine that runs them, against the torch installed there; a setuptools extension would be built
@@ -16,15 +19,34 @@ wheel on a CPU machine) and the CPU of the build host baked in.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
+TARGETS = ("auto", "cpu", "cuda")
 
-def main() -> int:
+
+def cpu_kernels_wanted(target: str, cuda: bool, x86_cpu_torch: bool) -> str | None:
+    """None when lp's CPU kernels are to be built for ``target`` (``auto``: cuda when ``cuda``,
+    torch has CUDA, else cpu), else why not."""
+    if target not in TARGETS:
+        raise ValueError(f"--target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if target == "cuda" or (target == "auto" and cuda):
+        return "the target is a GPU (torch has CUDA): lp's CPU kernels do not run there (--target cpu builds them)"
+    if not x86_cpu_torch:
+        return "not an x86 CPU build of torch; lp's CPU kernels do not run here"
+    return None
+
+
+def main(argv=None) -> int:
     import torch
 
-    if not torch.backends.mkldnn.is_available():
-        print("[lp] prebuild: not an x86 CPU build of torch; lp's CPU kernels do not run here")
+    ap = argparse.ArgumentParser(description="Build lp's C++ CPU kernels now.")
+    ap.add_argument("--target", default="auto", help="auto (cuda when torch has CUDA, else cpu), cpu or cuda")
+    args = ap.parse_args(argv)
+    why = cpu_kernels_wanted(args.target, torch.cuda.is_available(), torch.backends.mkldnn.is_available())
+    if why is not None:
+        print(f"[lp] prebuild: nothing built: {why}")
         return 0
     from lp.model import attention, exact4
 

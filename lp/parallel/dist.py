@@ -138,7 +138,7 @@ def init_worker_group(cfg: ParallelConfig, device: torch.device) -> "WorkerGroup
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    timeout = pg_timeout(backend, cfg.timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
@@ -153,6 +153,22 @@ def init_worker_group(cfg: ParallelConfig, device: torch.device) -> "WorkerGroup
         mesh = init_device_mesh(device.type, (workers, tp), mesh_dim_names=("lp", "tp"),
                                 backend_override={"lp": (backend, opts), "tp": (backend, opts)})
     return WorkerGroup(rank, world, local_rank, device, cfg, tp=tp, mesh=mesh)
+
+
+# NCCL's watchdog aborts the whole process once a collective outlives the process group's timeout (lp's
+# WorkerFailure message never shows), and 8 ranks' start-up (loads, kernel builds, compiles) skews by minutes
+NCCL_STARTUP_S = 600.0
+
+
+def pg_timeout(backend: str, timeout_s: float) -> datetime.timedelta:
+    """The process group's timeout for ``parallel.timeout_s``: gloo raises it in the calling thread (lp's
+    WorkerFailure), so gloo gets it as is; NCCL gets the longer of twice it and it + ``NCCL_STARTUP_S``, so its
+    watchdog never aborts within lp's own bound nor within start-up skew (not yet run on a GPU: docs/gpu.md)."""
+    if not timeout_s > 0:
+        raise ValueError(f"parallel.timeout_s must be > 0, got {timeout_s!r}")
+    if backend == "nccl":
+        return datetime.timedelta(seconds=max(2 * timeout_s, timeout_s + NCCL_STARTUP_S))
+    return datetime.timedelta(seconds=timeout_s)
 
 
 def _pg_options(backend: str, timeout: datetime.timedelta):

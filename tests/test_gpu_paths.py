@@ -1,0 +1,94 @@
+"""The CUDA paths of issue 37, by their CPU-testable logic (no GPU here, none needed):
+
+* ``model.attention=auto`` on CUDA with flash-attn resolves to the cascade (``flash``), which has
+  no batched form: the batched engine runs what auto picks without flash-attn (flex on CUDA, sdpa
+  on the CPU) instead of refusing; on the CPU a runner with ``attention=flash`` serves batches whose
+  outputs equal transformers' greedy ``generate``;
+* ``python -m lp.model.prebuild`` builds lp's CPU kernels for a CPU target only;
+* NCCL's watchdog timeout is longer than ``parallel.timeout_s`` (lp's own bound), gloo's equal to it.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+
+from lp.config import DecodingConfig
+from lp.engine.batch import BatchEngine
+from lp.model import attention, prebuild
+from lp.model.runner import ModelRunner, resolve_attention
+from lp.parallel.dist import NCCL_STARTUP_S, pg_timeout
+from tests.helpers import REPETITIVE_PROMPT, hf_greedy
+
+CUDA = torch.device("cuda")  # a device object only: nothing runs on it
+CPU = torch.device("cpu")
+
+
+def test_auto_on_cuda_with_flash_attn_resolves_to_a_batched_kernel(monkeypatch):
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    assert resolve_attention("auto", CUDA, "sdpa") == "flash"  # the one-sequence decoder's cascade
+    assert attention.batch_attention("flash", CUDA) == "flex"  # one call per layer for the whole batch
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    assert resolve_attention("auto", CUDA, "sdpa") == "flex"  # the same kernel without flash-attn
+    assert attention.batch_attention("flash", CPU) == "sdpa"
+    for name in ("sdpa", "eager", "flex", "rowexact"):
+        assert attention.batch_attention(name, CUDA) == attention.batch_attention(name, CPU) == name
+
+
+def test_batch_engine_takes_a_flash_runner_and_equals_generate(tiny_factory):
+    """What ``lp.serve model.attention=flash`` builds on the CPU (it refused before issue 37)."""
+    model = tiny_factory("llama")
+    runner = ModelRunner(model, attention="flash")
+    assert runner.attention == "flash"
+    engine = BatchEngine(runner, kv_tokens=512, block_size=8, max_batch=4)
+    assert (runner.attention, runner.attn_impl) == ("sdpa", "sdpa")
+    prompts = [REPETITIVE_PROMPT, [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5]]
+    cfg = DecodingConfig(max_new_tokens=20, W=3, N=3, G=3)
+    ids = [engine.add(p, cfg) for p in prompts]
+    outs: dict = {}
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_tokens)
+    for rid, p in zip(ids, prompts):
+        assert outs[rid] == hf_greedy(model, p, 20)
+
+
+def test_batch_engine_still_refuses_static_shapes(tiny_factory):
+    runner = ModelRunner(tiny_factory("llama"), attention="sdpa", static_shapes=True)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        BatchEngine(runner, kv_tokens=256, block_size=8)
+
+
+def test_prebuild_builds_cpu_kernels_for_a_cpu_target_only(monkeypatch, capsys):
+    assert prebuild.cpu_kernels_wanted("auto", cuda=True, x86_cpu_torch=True) is not None
+    assert prebuild.cpu_kernels_wanted("cuda", cuda=False, x86_cpu_torch=True) is not None
+    assert prebuild.cpu_kernels_wanted("auto", cuda=False, x86_cpu_torch=True) is None
+    assert prebuild.cpu_kernels_wanted("cpu", cuda=True, x86_cpu_torch=True) is None
+    assert prebuild.cpu_kernels_wanted("cpu", cuda=False, x86_cpu_torch=False) is not None
+    with pytest.raises(ValueError, match="--target must be one of auto, cpu, cuda"):
+        prebuild.cpu_kernels_wanted("gpu", cuda=True, x86_cpu_torch=True)
+    # main on a CUDA machine: no build is even attempted
+    from lp.model import exact4
+
+    def boom():
+        raise AssertionError("a CPU kernel was built for a GPU target")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(exact4, "extension", boom)
+    monkeypatch.setattr(attention, "native_op", boom)
+    assert prebuild.main([]) == 0
+    assert "nothing built: the target is a GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("lp_s", [0.5, 10, 60, 600, 3600])
+def test_nccl_watchdog_outlives_lp_timeout(lp_s):
+    nccl = pg_timeout("nccl", lp_s)
+    assert nccl > datetime.timedelta(seconds=lp_s)  # lp's bound comes first, never NCCL's abort
+    assert nccl >= datetime.timedelta(seconds=lp_s + NCCL_STARTUP_S)  # start-up skew of 8 ranks
+    assert pg_timeout("gloo", lp_s) == datetime.timedelta(seconds=lp_s)  # gloo raises lp's own in time
+    with pytest.raises(ValueError, match="parallel.timeout_s"):
+        pg_timeout("nccl", 0)
