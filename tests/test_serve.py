@@ -577,6 +577,42 @@ def test_metrics_count_this_tests_requests(one):
     assert httpx.get(one.url + "/health", timeout=10).status_code == 200
 
 
+def test_lp_structured_and_tool_calls_equal_one_process(one, lp2):
+    """Structured output under 2 LP workers (every rank holds the request's grammar, sent through the
+    request channel, and masks its own rows): a json_schema answer (greedy with the default drafts,
+    the grammar's forced ones among them; sampled with a seed) and a tool_choice "required" call equal
+    the one-process server's token for token; the forced drafts were accepted under LP."""
+    import jsonschema
+
+    from tests.test_structured_serve import ASK, PROMPTS, SCHEMAS, TOOLS
+
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMAS["person"], "strict": True}}
+    person = [{"role": "user", "content": PROMPTS["person"]}]
+    cases = [
+        dict(messages=person, response_format=rf, temperature=0, extra_body={"lookahead": {"return_token_ids": True}}),
+        dict(messages=person, response_format=rf, temperature=0.8, top_p=0.95, seed=3,
+             extra_body={"lookahead": dict(SAMPLED_SHAPE, return_token_ids=True)}),  # same trees: same draws
+        dict(messages=[{"role": "user", "content": ASK}], tools=TOOLS, tool_choice="required", temperature=0,
+             extra_body={"lookahead": {"return_token_ids": True}}),
+    ]
+    for kw in cases:
+        a, b = (s.client().chat.completions.create(model="smollm2", max_tokens=48, **kw) for s in (one, lp2))
+        la_a, la_b = a.model_extra["lookahead"], b.model_extra["lookahead"]
+        assert (la_a["workers"], la_b["workers"]) == (1, 2)
+        assert la_b["output_ids"] == la_a["output_ids"], (a.choices[0].message, b.choices[0].message)
+        ca, cb = a.choices[0], b.choices[0]
+        assert (cb.message.content, cb.finish_reason) == (ca.message.content, ca.finish_reason)
+        calls = [[(c.function.name, c.function.arguments) for c in ch.message.tool_calls or []] for ch in (ca, cb)]
+        assert calls[0] == calls[1]
+        if "tools" in kw:
+            assert cb.finish_reason == "tool_calls" and calls[1][0][0] == "get_weather", cb
+        else:
+            assert cb.finish_reason == "stop", cb
+            jsonschema.validate(json.loads(cb.message.content), SCHEMAS["person"])
+        if kw["temperature"] == 0:
+            assert la_b["forced_tokens"] > 0, la_b  # the grammar's forced drafts, verified under LP
+
+
 def test_sigterm_during_a_long_stream_is_clean(one):
     """SIGTERM while a long generation streams: the stream gets the server's 503 error event
     (type server_error) and [DONE] instead of hanging or a torn connection, and the server
