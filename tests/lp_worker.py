@@ -9,7 +9,8 @@ its step S (a dead worker for the survivors to detect). ``tokenizer: true``: eve
 model's tokenizer and passes it to ``generate`` (structured output: decoding.json_schema / grammar). ``load: "whole"``: every rank loads
 the whole replica and shards it in memory (the default reads only its shards). The first
 result carries ``memory``: per global rank, peak RSS before and after loading, the dtypes and
-every parameter's local shape.
+every parameter's local shape, the scheme ``model.quant`` resolved to and the count of each module
+class, the bytes its weights hold. ``return_logits``: the first result also carries the first job's prompt logits.
 """
 
 import faulthandler
@@ -17,6 +18,7 @@ import json
 import os
 import signal
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -36,6 +38,23 @@ def peak_rss_mb() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def held_bytes(model) -> int:
+    """The bytes this rank's model holds: every parameter and buffer (a DTensor's local shard,
+    a tied one once) and the int8 weights and float32 bias of lp.model.quant's RowInt8Linear
+    (prepacked for fbgemm: read back by unpacking)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    for m in model.modules():
+        if type(m).__name__ == "RowInt8Linear":
+            total += torch.ops.quantized.linear_unpack(m._packed)[0].numel()
+            total += 0 if m._bias_O is None else m._bias_O.numel() * 4
+    return total
 
 
 def main() -> None:
@@ -62,7 +81,9 @@ def main() -> None:
         model, tokenizer = load_for(path, spec.get("dtype", "float32"), "cpu", spec.get("quant", "none"), group,
                                     tokenizer=bool(spec.get("tokenizer")))
     memory = {"rss_before_load_mb": rss_before, "peak_rss_mb": peak_rss_mb(),
-              "local_shapes": local_shapes(model), "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+              "local_shapes": local_shapes(model), "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+              "quant": getattr(model, "_lp_quant", None) or "none",
+              "modules": dict(Counter(type(m).__name__ for m in model.modules())), "weight_bytes": held_bytes(model)}
     runner = ModelRunner(model)
     kill = spec.get("kill_rank_at_step")
 
@@ -98,6 +119,9 @@ def main() -> None:
         dist.all_gather(peers, logits, group=group.tp_mesh.get_group())
         for r in results:
             r["tp_logits_identical"] = all(torch.equal(peers[0], p) for p in peers)
+    if spec.get("return_logits") and results:  # the first job's prompt logits (float32, rank 0's)
+        with torch.inference_mode():
+            results[0]["logits"] = model(torch.tensor([spec["jobs"][0]["prompt_ids"]])).logits[0].float().tolist()
     memory["peak_rss_end_mb"] = peak_rss_mb()  # after the forwards touched every weight
     if results:  # every rank's memory and local shapes, on the first result
         if group is None:

@@ -69,15 +69,16 @@ def test_cli_composes_parallel_tp_and_refuses_a_one_process_mesh():
         run(cfg)  # before any model loads
 
 
-def test_quantized_weights_with_tp_are_refused_before_loading(tmp_path):
+def test_int4_with_tp_is_refused_before_loading(tmp_path):
     from lp.parallel.tp import check_tp_path
 
     make_tiny_model().save_pretrained(tmp_path)
-    for quant in ("int8", "int4"):
-        with pytest.raises(ValueError, match=rf"model.quant={quant} cannot be combined with parallel.tp=2"):
-            check_tp_path(tmp_path, 2, quant)
-    check_tp_path(tmp_path, 2, "none")
-    check_tp_path(tmp_path, 1, "int8")
+    with pytest.raises(ValueError, match=r"model.quant=int4 cannot be combined with parallel.tp=2 .*use "
+                                         r"model.quant=int8, exact4, auto or none"):
+        check_tp_path(tmp_path, 2, "int4")
+    for quant in ("none", "auto", "int8", "exact4"):  # each rank quantizes its shards (test_tp2_quantized_...)
+        check_tp_path(tmp_path, 2, quant)
+    check_tp_path(tmp_path, 1, "int4")
 
 
 def test_tp_must_divide_the_heads():
@@ -234,6 +235,53 @@ def test_killed_rank_ends_every_rank_within_timeout(tiny_dir, tmp_path):
     assert elapsed < 120, elapsed  # startup + at most parallel.timeout_s, not torch's 30-minute default
     assert "exchange failed" in proc.stderr and ("Signal 9" in proc.stderr or "SIGKILL" in proc.stderr), \
         proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def q4_dir(tmp_path_factory):
+    """The tiny random Llama (untied head) with every linear but the head rounded to exact
+    4-bit blocks (tests/test_exact4.py's Q4_1 rounding): what exact4 (and auto) converts."""
+    from tests.test_exact4 import to_q4_blocks
+
+    path = tmp_path_factory.mktemp("tiny_q4_tp")
+    to_q4_blocks(make_tiny_model()).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant, scheme, module", [("int8", "int8", "RowInt8Linear"),
+                                                   ("auto", "exact4", "Exact4Linear")])
+def test_tp2_quantized_equals_one_process(q4_dir, tmp_path, quant, scheme, module):
+    """LP 1 x TP 2, each rank quantizing its own shards after the sharded load, equals the same
+    quantized model in one process: greedy tokens (lookahead window and tree drafts), and the
+    prompt's logits to float32 rounding (int8's row-parallel shards are scaled by their full
+    rows: with per-slice scales they differ by ~0.08). ``auto`` resolves to exact4 on the mesh as
+    in one process (the o_proj / down_proj slices of K, 32 and 64, start on 32-blocks). For int8
+    the memory plan's per-rank weight bytes are what each rank holds, within 10%."""
+    from transformers import AutoConfig
+
+    from lp.parallel.memory import weights_bytes
+
+    jobs = [{"prompt_ids": p, "decoding": dict(c, max_new_tokens=20)}
+            for p in (REPETITIVE_PROMPT, [7, 3, 99, 41, 7, 3, 99, 12, 60, 7, 3]) for c in TINY_JOBS[::2]]
+    spec = {"model_path": str(q4_dir), "jobs": jobs, "timeout_s": 120, "quant": quant, "return_logits": True}
+    proc1, one = run_worker(1, spec, tmp_path)
+    assert proc1.returncode == 0, proc1.stderr[-3000:]
+    proc, mesh = run_worker(2, dict(spec, tp=2), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for mem in one[0]["memory"] + mesh[0]["memory"]:
+        assert mem["quant"] == scheme and mem["modules"].get(module, 0) == one[0]["memory"][0]["modules"][module]
+    assert mesh[0]["memory"][0]["modules"]["RowParallel"] == 4  # o_proj, down_proj of 2 layers
+    for job, a, b in zip(jobs, one, mesh):
+        assert b["output_ids"] == a["output_ids"], (job["decoding"], f"{quant} on TP 2 differs from one process")
+    err = (torch.tensor(one[0]["logits"]) - torch.tensor(mesh[0]["logits"])).abs().max().item()
+    assert err < 1e-5, f"{quant} on TP 2: prompt logits differ from one process by {err:.3g}"
+    if quant == "int8":
+        config = AutoConfig.from_pretrained(q4_dir)
+        for tp, out in ((1, one), (2, mesh)):
+            planned = weights_bytes(q4_dir, config, tp, torch.float32, torch.device("cpu"), "int8")[0]
+            for mem in out[0]["memory"]:
+                assert abs(planned - mem["weight_bytes"]) <= 0.1 * mem["weight_bytes"], (tp, planned, mem)
 
 
 # ---------------------------------------------------------------------------

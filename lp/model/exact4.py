@@ -94,8 +94,20 @@ def has_blocks(model: nn.Module) -> bool:
     """Whether some bias-free float32 linear of ``model`` other than its head holds exact 4-bit
     blocks (the torch-side check of ``encode``, no kernel built): what ``model.quant=auto`` asks
     before it builds exact4's kernel. Stops at the first linear that does."""
+    head = _head(model)
+    return any(_plain(m) and m is not head and _blocks(_local(m.weight.detach())) is not None for m in model.modules())
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    """The LM head's linear (under lp.parallel.tp's quantized path a gathered head wraps its
+    local shard as ``linear``)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return any(_plain(m) and m is not head and _blocks(m.weight.detach()) is not None for m in model.modules())
+    return getattr(head, "linear", head)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel weight (a DTensor of lp.parallel.tp), else ``w``."""
+    return w.to_local() if hasattr(w, "to_local") else w
 
 
 def encode(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -180,7 +192,7 @@ def _plain(m) -> bool:
 
 def convert(model: nn.Module) -> tuple[int, int]:
     """Swap the linears whose weights encode exactly (see module doc); (converted, left)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _head(model)
 
     def make(parts):
         codes = [encode(p.weight.detach()) for p in parts]

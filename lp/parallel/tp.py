@@ -25,9 +25,12 @@ fast path when grad is off), so the forward costs plain matmuls plus 2 all-reduc
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def _heads(config) -> tuple[int, int]:
@@ -123,7 +126,7 @@ def _finish(model, tp_mesh) -> None:
     model.forward = _collective_failures(model.forward)
 
 
-def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True):
+def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True, quant: str = "none"):
     """(model, tokenizer or None) holding only this rank's shards, read from the checkpoint.
 
     The model is built with its parameters on the meta device (accelerate's
@@ -142,34 +145,59 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True)
     class's ``_keep_in_fp32_modules`` (under float16) and ``_keep_in_fp32_modules_strict``
     (under float16 and bfloat16) keep their parameters and buffers float32 (transformers'
     own ``_get_dtype_plan``). Peak memory per rank: the replicated parameters + weights / tp
-    + the runtime (bench/results/tp_memory measures it)."""
+    + the runtime (bench/results/tp_memory measures it). ``quant``: each rank then quantizes
+    its own shards (``quantize_shards``)."""
     from pathlib import Path
-
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.distributed.sharding_utils import DtensorShardOperation
 
     from lp.model.loader import load_tokenizer, resolve_dtype
 
     path = Path(path)
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    model = _sharded_skeleton(path, torch_dtype, tp_mesh)
+    owner, by_file = _checkpoint_index(path, model)
+    keep = _dtype_plan(model, torch_dtype)
+    with torch.no_grad():
+        _read_parameters(model, by_file, dev, keep)
+        _read_buffers(model, owner, dev, keep)
+    model.tie_weights()
+    for module in model.modules():  # buffers were built on the host
+        for bname, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[bname] = buf.to(dev)
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not meta, f"parameters left unloaded: {meta[:5]}"
+    quantize_shards(model, quant, dev, tp_mesh)
+    _finish(model, tp_mesh)
+    model._lp_sharded_load = True
+    return model, (load_tokenizer(path) if tokenizer else None)
+
+
+def _sharded_skeleton(path, torch_dtype: torch.dtype, tp_mesh):
+    """The model built on the meta device and sharded by the plan (DTensor placeholders)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(path)
     check_tp(config, tp_mesh.size())
-    files = _weight_files(path)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
     model.eval()
     _shard_modules(model, tp_mesh)
+    return model
+
+
+def _checkpoint_index(path, model) -> tuple[dict, dict]:
+    """(checkpoint key -> file, file -> [(name, parameter)] to read from it): every parameter
+    once, a tied head's alias left to the embedding; a ValueError for one the files lack."""
+    from safetensors import safe_open
+
     owner = {}  # checkpoint key -> file
-    for f in files:
+    for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as st:
             owner.update({k: f for k in st.keys()})
     head = model.get_output_embeddings()
     tied_head = {f"{n}.weight" for n, m in model.named_modules() if m is head} if _tied(model) else set()
-    keep = _dtype_plan(model, torch_dtype)
     seen: set[int] = set()
     by_file: dict = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -181,45 +209,48 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True)
                              "(parallel.tp > 1 reads transformers-named safetensors; re-save the model "
                              "with save_pretrained or use parallel.tp=1)")
         by_file.setdefault(owner[name], []).append((name, param))
+    return owner, by_file
+
+
+def _read_parameters(model, by_file: dict, dev: torch.device, keep) -> None:
+    """Each parameter from its file: a DTensor as only this rank's slice, the rest whole."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed.sharding_utils import DtensorShardOperation
+
     modules = dict(model.named_modules())
-    with torch.no_grad():
-        for f, params in by_file.items():
-            for name, param in params:
-                # one memory map per tensor, closed once its slice is copied out: the pages a
-                # slice touches (all of them for a column slice of a row-major weight) leave
-                # this process's resident set with it instead of piling up for the whole file
-                dtype = keep(name, param.dtype)
-                with safe_open(str(f), framework="pt") as st:
-                    source = st.get_slice(name)
-                    if isinstance(param, DTensor):
-                        local = _owned(DtensorShardOperation(param).shard_tensor(source), dev, dtype)
-                        value = DTensor.from_local(local, param.device_mesh, param.placements,
-                                                   run_check=False, shape=param.shape, stride=param.stride())
-                    else:
-                        value = _owned(source[...], dev, dtype)
-                    del source
-                module_name, _, pname = name.rpartition(".")
-                modules[module_name]._parameters[pname] = torch.nn.Parameter(value, requires_grad=False)
-        # persistent buffers are in the checkpoint (state_dict saves them): read them whole
-        for module_name, module in modules.items():
-            for bname, buf in list(module._buffers.items()):
-                name = f"{module_name}.{bname}" if module_name else bname
-                if buf is None or bname in module._non_persistent_buffers_set or name not in owner:
-                    continue
-                with safe_open(str(owner[name]), framework="pt") as st:
-                    source = st.get_slice(name)
-                    module._buffers[bname] = _owned(source[...], dev, keep(name, buf.dtype))
-                    del source
-    model.tie_weights()
-    for module in model.modules():  # buffers were built on the host
+    for f, params in by_file.items():
+        for name, param in params:
+            # one memory map per tensor, closed once its slice is copied out: the pages a
+            # slice touches (all of them for a column slice of a row-major weight) leave
+            # this process's resident set with it instead of piling up for the whole file
+            dtype = keep(name, param.dtype)
+            with safe_open(str(f), framework="pt") as st:
+                source = st.get_slice(name)
+                if isinstance(param, DTensor):
+                    local = _owned(DtensorShardOperation(param).shard_tensor(source), dev, dtype)
+                    value = DTensor.from_local(local, param.device_mesh, param.placements,
+                                               run_check=False, shape=param.shape, stride=param.stride())
+                else:
+                    value = _owned(source[...], dev, dtype)
+                del source
+            module_name, _, pname = name.rpartition(".")
+            modules[module_name]._parameters[pname] = torch.nn.Parameter(value, requires_grad=False)
+
+
+def _read_buffers(model, owner: dict, dev: torch.device, keep) -> None:
+    """Persistent buffers the checkpoint holds (state_dict saves them), read whole."""
+    from safetensors import safe_open
+
+    for module_name, module in model.named_modules():
         for bname, buf in list(module._buffers.items()):
-            if buf is not None:
-                module._buffers[bname] = buf.to(dev)
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
-    assert not meta, f"parameters left unloaded: {meta[:5]}"
-    _finish(model, tp_mesh)
-    model._lp_sharded_load = True
-    return model, (load_tokenizer(path) if tokenizer else None)
+            name = f"{module_name}.{bname}" if module_name else bname
+            if buf is None or bname in module._non_persistent_buffers_set or name not in owner:
+                continue
+            with safe_open(str(owner[name]), framework="pt") as st:
+                source = st.get_slice(name)
+                module._buffers[bname] = _owned(source[...], dev, keep(name, buf.dtype))
+                del source
 
 
 def _dtype_plan(model, dtype: torch.dtype):
@@ -265,6 +296,143 @@ def _weight_files(path) -> list:
     return files
 
 
+# ---------------------------------------------------------------------------
+# quantized shards: each rank quantizes its own slices after the sharded load
+
+
+def quantize_shards(model, quant: str, device: torch.device, tp_mesh) -> str:
+    """Quantize this rank's shards in place (lp.model.quant's schemes); returns the scheme.
+
+    ``auto`` resolves as in one process (lp.model.quant.resolve_auto reads the local shards).
+    Before a scheme swaps the linears, the plan's linears become plain modules of their local
+    shards with their collectives explicit (``_localize``: a row-parallel one in ``RowParallel``,
+    the gathered head in ``GatheredColumns``). Then:
+
+    * ``int8`` (CPU): a column-parallel shard holds whole output rows and reads the whole
+      (replicated) input, so its per-row weight scales and per-row activation scales are one
+      process's: its columns are one process's bits. A row-parallel shard holds a slice of K:
+      its weights are scaled by the full row's maximum (one all-reduce MAX at load) and each
+      activation row by the full row's maximum (one all-reduce MAX of M floats per call), so
+      the int8 weights, int8 activations and integer products are the one-process ones
+      restricted to the slice and the ranks' integer sums add up to one process's exactly;
+      the float outputs differ only in rounding order (each rank's partial scaled to float,
+      then summed by the all-reduce), as a dense TP model differs from one process.
+    * ``exact4``: blocks run along K, so a column shard encodes as in one process; a row shard
+      encodes where its slice starts on a 32-block boundary (K / tp a multiple of 32), else
+      that linear stays float32 (one log line), as a linear that does not encode does in one
+      process. Nothing is approximated either way (``encode`` checks every weight).
+    * ``int4`` and CUDA ``int8`` (torchao) are refused: their scales are torchao's, per K slice
+      on a row shard, i.e. another quantization than one process's."""
+    from lp.model import quant as q
+
+    scheme = q.resolve_quant(quant, device)
+    tp = tp_mesh.size()
+    if scheme in ("int4",) or (scheme == "int8" and device.type != "cpu"):
+        raise ValueError(f"model.quant={quant} on {device.type} cannot be combined with parallel.tp={tp} (torchao's "
+                         "scales of a row-parallel shard would cover only its slice of K); use model.quant=int8 on "
+                         "the CPU, exact4, auto or none, or parallel.tp=1")
+    if scheme == "auto":
+        scheme, why = q.resolve_auto(model, device)
+        q.log.info("model.quant=auto -> %s on parallel.tp=%d: %s", scheme, tp, why)
+    if scheme == "none":
+        return scheme
+    _localize(model, tp_mesh)
+    rows = [m for m in model.modules() if isinstance(m, RowParallel)]
+    if scheme == "int8":
+        torch.backends.quantized.engine = "fbgemm"
+        for m in rows:
+            m.linear = _row_int8(m.linear, tp_mesh.get_group())
+    else:
+        from lp.model.exact4 import BLOCK
+
+        for m in rows:
+            if m.linear.in_features % BLOCK:
+                log.info("model.quant=exact4 on parallel.tp=%d: a row-parallel shard holds %d of K, not a multiple "
+                         "of %d: its blocks are split, it stays float32", tp, m.linear.in_features, BLOCK)
+    return q.quantize(model, scheme, device)
+
+
+def _row_int8(linear, group):
+    """lp.model.quant's RowInt8Linear of a row-parallel shard: scales of its full rows."""
+    from lp.model.quant import RowInt8Linear
+
+    import torch.distributed as dist
+
+    amax_O = linear.weight.detach().float().abs().amax(dim=1)
+    dist.all_reduce(amax_O, op=dist.ReduceOp.MAX, group=group)
+    return RowInt8Linear(linear, row_amax_O=amax_O, amax_group=group)
+
+
+class RowParallel(torch.nn.Module):
+    """A row-parallel linear's local part: ``linear`` (this rank's slice of K, any module lp.model.quant
+    makes of it) on this rank's slice of the input, the ranks' partial products summed (one
+    all-reduce), the bias added once after."""
+
+    def __init__(self, linear, group, bias):
+        super().__init__()
+        self.linear, self.group, self.bias = linear, group, bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        y = self.linear(x)
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class GatheredColumns(torch.nn.Module):
+    """A column-parallel linear whose full output every rank needs (the LM head): ``linear`` on
+    this rank's columns, then the columns of every rank gathered (uneven splits included)."""
+
+    def __init__(self, linear, tp_mesh, out_features: int):
+        super().__init__()
+        self.linear, self.mesh = linear, tp_mesh
+        self.in_features, self.out_features = linear.in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        y = self.linear(x)
+        shape = (*y.shape[:-1], self.out_features)
+        full = DTensor.from_local(y, self.mesh, [Shard(y.dim() - 1)], run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+        return full.redistribute(self.mesh, [Replicate()]).to_local()
+
+
+def _localize(model, tp_mesh) -> None:
+    """The plan's linears as plain modules of this rank's shards (their DTensor parameters
+    replaced by the local tensors, in/out features the local ones, transformers' TP forward
+    dropped): column-parallel ones as they are (the input is replicated, the output this rank's
+    columns, as transformers' own inference path runs them), row-parallel ones in
+    ``RowParallel``, the gathered head in ``GatheredColumns``."""
+    from torch.distributed.tensor import DTensor
+
+    group = tp_mesh.get_group()
+    modules = dict(model.named_modules())
+    for name, style in _expand(model, tp_plan(model)).items():
+        module = modules.get(name)
+        if not isinstance(module, torch.nn.Linear):
+            continue  # a parameter's entry, or the vocab-parallel embedding (not quantized)
+        assert style in ("colwise", "rowwise", "colwise_gather_output"), (name, style)
+        full_out = module.out_features
+        for pname, p in list(module._parameters.items()):
+            if isinstance(p, DTensor):
+                module._parameters[pname] = torch.nn.Parameter(p.to_local(), requires_grad=False)
+        module.__dict__.pop("forward", None)  # transformers' TP forward: the collectives move to the wrappers
+        module.out_features, module.in_features = module.weight.shape
+        if style == "colwise":
+            continue
+        if style == "rowwise":
+            bias = module._parameters.get("bias")
+            module._parameters["bias"] = None  # added once, after the sum
+            wrapper = RowParallel(module, group, bias)
+        else:
+            wrapper = GatheredColumns(module, tp_mesh, full_out)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, wrapper)
+
+
 def load_for(path, dtype: str, device: str, quant: str, group, tokenizer: bool = True):
     """This rank's model: the whole replica without TP (lp.model.loader.load_model), only its
     shards with it (``load_sharded``); ``tokenizer=False``: (model, None)."""
@@ -273,7 +441,7 @@ def load_for(path, dtype: str, device: str, quant: str, group, tokenizer: bool =
     if group is None or group.tp_size == 1:
         return load_model(path, dtype, device, quant, tokenizer)
     check_tp_path(path, group.tp_size, quant)
-    return load_sharded(path, dtype, device, group.tp_mesh, tokenizer)
+    return load_sharded(path, dtype, device, group.tp_mesh, tokenizer, quant)
 
 
 def local_shapes(model) -> dict[str, list[int]]:
@@ -321,9 +489,10 @@ def check_tp_path(path, tp: int, quant: str = "none") -> None:
     """``check_tp`` from a model folder's config.json alone (before any weights load)."""
     if tp == 1:
         return
-    if quant not in ("none", "auto"):
-        raise ValueError(f"model.quant={quant} cannot be combined with parallel.tp={tp} (quantized linears are not "
-                         "sharded); use model.quant=none or parallel.tp=1")
+    if quant == "int4":
+        raise ValueError(f"model.quant={quant} cannot be combined with parallel.tp={tp} (torchao's int4 scales of a "
+                         "row-parallel shard would cover only its slice of K); use model.quant=int8, exact4, auto or "
+                         "none, or parallel.tp=1")
     from transformers import AutoConfig
 
     check_tp(AutoConfig.from_pretrained(path), tp)
