@@ -170,11 +170,15 @@ def test_step_message_round_trip():
     base = DecodingConfig(max_new_tokens=99)
     joins = [(3, [1, 2, 3], DecodingConfig(max_new_tokens=5, W=5, N=4, G=5, stop_strings=["é\n"])),
              (7, [9], DecodingConfig(max_new_tokens=8, do_sample=True, temperature=0.5, seed=11,
-                                     logit_bias={4: -2.5}))]
+                                     logit_bias={4: -2.5})),
+             # logprobs, and a completions echo's prompt logprobs / prompt-only (max_tokens 0) job
+             (8, [4, 5], DecodingConfig(logprobs=True, top_logprobs=4), 3, True),
+             (9, [6], DecodingConfig(logprobs=True), 0, False)]
     fields, payload = pack_step(joins, [1, 2], [3, 7], True, [32, 0])
     got_joins, aborts, admits, cached, run = unpack_step(fields, payload, base)
     assert (aborts, admits, cached, run) == ([1, 2], [3, 7], [32, 0], True)
-    assert [(rid, p) for rid, p, _ in got_joins] == [(3, [1, 2, 3]), (7, [9])]
-    for (_, _, want), (_, _, got) in zip(joins, got_joins):
+    assert [(rid, p) for rid, p, _ in got_joins] == [(3, [1, 2, 3]), (7, [9]), (8, [4, 5]), (9, [6])]
+    for (_, _, want, *extra), (_, _, got), join in zip(joins, got_joins, got_joins):
         assert got == want
+        assert (join.prompt_logprobs, join.prompt_only) == (tuple(extra) or (None, False))
     assert unpack_step(*pack_step([], [], [], False), base) == ([], [], [], [], False)

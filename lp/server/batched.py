@@ -55,7 +55,7 @@ class BatchedEngine:
         self.workers = self.batch.workers  # LP workers (x parallel.tp processes)
         self.channel = RequestChannel(group) if group is not None else None
         self.heartbeat_s = heartbeat_s
-        self._joined: list = []  # (id, prompt ids, decoding) added since the last STEP message (LP)
+        self._joined: list = []  # (id, prompt ids, decoding, prompt_logprobs, prompt_only) since the last STEP (LP)
         self._aborted: list[int] = []  # ids aborted since the last STEP message (LP)
         self.tokenizer = tokenizer
         self.eos = eos
@@ -195,7 +195,7 @@ class BatchedEngine:
         self._jobs[rid] = job
         self._cfgs[rid] = self.batch.waiting[-1].decoder.cfg
         if self.channel is not None:
-            self._joined.append((rid, job.prompt_ids, job.decoding))
+            self._joined.append((rid, job.prompt_ids, job.decoding, job.prompt_logprobs, job.prompt_only))
 
     def _reap_cancelled(self) -> None:
         """Abort the cancelled jobs (their blocks are free at once), update the gauges, then
@@ -300,8 +300,10 @@ def worker_loop(engine: BatchEngine, tokenizer, eos: list[int], base, group) -> 
             log.info("rank %d: shutdown from rank 0 after %d step(s)", group.rank, steps)
             return
         joins, aborts, admits, cached, run = unpack_step(fields, payload, base)
-        for rid, prompt_ids, d in joins:  # rank 0 accepted them: the same checks pass here
-            engine.add(prompt_ids, d, eos, tokenizer, request_id=rid)
+        for join in joins:  # rank 0 accepted them: the same checks pass here
+            rid, prompt_ids, d = join
+            engine.add(prompt_ids, d, eos, tokenizer, request_id=rid, prompt_logprobs=join.prompt_logprobs,
+                       prompt_only=join.prompt_only)
         for rid in aborts:
             engine.abort(rid)
             engine.result(rid)

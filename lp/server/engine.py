@@ -111,6 +111,8 @@ def pack_request(prompt_ids: list[int], d: DecodingConfig) -> tuple[list[int], l
         _f2i(d.presence_penalty),
         _f2i(d.min_p),
         len(d.logit_bias),
+        int(d.logprobs),
+        d.top_logprobs,
     ]
     payload = list(prompt_ids)
     for s in d.stop_strings:
@@ -143,7 +145,7 @@ def _unpack_text(payload: list[int], i: int) -> tuple[str | None, int]:
 
 def unpack_request(fields: list[int], payload: list[int], base: DecodingConfig) -> tuple[list[int], DecodingConfig]:
     n_prompt, max_new, W, N, G, do_sample, temp, top_k, top_p, seed, n_stop, policy, pool = fields[:13]
-    rep, freq, pres, min_p, n_bias = fields[13:18]
+    rep, freq, pres, min_p, n_bias, logprobs, top_logprobs = fields[13:20]
     prompt_ids = payload[:n_prompt]
     stops, i = [], n_prompt
     for _ in range(n_stop):
@@ -158,6 +160,7 @@ def unpack_request(fields: list[int], payload: list[int], base: DecodingConfig) 
         do_sample=bool(do_sample), temperature=_i2f(temp), top_k=top_k, top_p=_i2f(top_p), seed=seed,
         stop_strings=stops, window_policy=_POLICIES[policy], prompt_pool=bool(pool),
         repetition_penalty=_i2f(rep), frequency_penalty=_i2f(freq), presence_penalty=_i2f(pres), min_p=_i2f(min_p),
+        logprobs=bool(logprobs), top_logprobs=top_logprobs,
         logit_bias=bias, grammar=grammar,
     )
     return prompt_ids, d
@@ -166,23 +169,34 @@ def unpack_request(fields: list[int], payload: list[int], base: DecodingConfig) 
 def pack_step(joins: list[tuple[int, list[int], DecodingConfig]], aborts: list[int], admits: list[int],
               run: bool, cached: list[int] | None = None) -> tuple[list[int], list[int]]:
     """Header fields and payload of one step's changes (rank 0 -> every rank): ``joins`` =
-    [(request id, prompt ids, decoding)], the aborted ids, the ids the step admits, the
-    prompt rows each admitted one finds in rank 0's prefix cache (``cached``, None: none,
-    lp.engine.batch ``cached_rows``), and whether a step runs. Payload: per join
-    [id, n_fields, fields..., n_payload, payload...], then the aborted ids, then the admitted
-    ids, then their cached rows."""
+    [(request id, prompt ids, decoding[, prompt_logprobs, prompt_only])] (the last two: the job's
+    lp.engine.batch ``add`` arguments, echo with logprobs / max_tokens 0), the aborted ids, the
+    ids the step admits, the prompt rows each admitted one finds in rank 0's prefix cache
+    (``cached``, None: none, lp.engine.batch ``cached_rows``), and whether a step runs. Payload:
+    per join [id, n_fields, fields..., n_payload, payload..., prompt_logprobs (-1: None),
+    prompt_only], then the aborted ids, then the admitted ids, then their cached rows."""
     cached = [0] * len(admits) if cached is None else list(cached)
     assert len(cached) == len(admits), (admits, cached)
     payload = []
-    for rid, prompt_ids, d in joins:
+    for rid, prompt_ids, d, *extra in joins:
+        prompt_logprobs, prompt_only = extra or (None, False)
         fields, body = pack_request(prompt_ids, d)
-        payload += [rid, len(fields), *fields, len(body), *body]
+        payload += [rid, len(fields), *fields, len(body), *body, -1 if prompt_logprobs is None else prompt_logprobs,
+                    int(prompt_only)]
     payload += list(aborts) + list(admits) + cached
     return [len(joins), len(aborts), len(admits), int(run)], payload
 
 
+class Join(tuple):
+    """One joining request as ``unpack_step`` gives it: (id, prompt ids, decoding), and the job's
+    ``prompt_logprobs`` / ``prompt_only`` (lp.engine.batch ``add``) as attributes."""
+
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False
+
+
 def unpack_step(fields: list[int], payload: list[int], base: DecodingConfig):
-    """-> (joins [(id, prompt ids, decoding)], aborted ids, admitted ids, their cached rows, run)."""
+    """-> (joins [Join (id, prompt ids, decoding)], aborted ids, admitted ids, their cached rows, run)."""
     n_joins, n_aborts, n_admits, run = fields[:4]
     joins, i = [], 0
     for _ in range(n_joins):
@@ -190,8 +204,11 @@ def unpack_step(fields: list[int], payload: list[int], base: DecodingConfig):
         req_fields = payload[i + 2 : i + 2 + nf]
         nb = payload[i + 2 + nf]
         body = payload[i + 3 + nf : i + 3 + nf + nb]
-        i += 3 + nf + nb
-        joins.append((rid, *unpack_request(req_fields, body, base)))
+        join = Join((rid, *unpack_request(req_fields, body, base)))
+        plp, join.prompt_only = payload[i + 3 + nf + nb], bool(payload[i + 4 + nf + nb])
+        join.prompt_logprobs = None if plp < 0 else plp
+        i += 5 + nf + nb
+        joins.append(join)
     aborts = payload[i : i + n_aborts]
     admits = payload[i + n_aborts : i + n_aborts + n_admits]
     cached = payload[i + n_aborts + n_admits : i + n_aborts + 2 * n_admits]
