@@ -588,10 +588,13 @@ def test_lp_structured_and_tool_calls_equal_one_process(one, lp2):
 
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMAS["person"], "strict": True}}
     person = [{"role": "user", "content": PROMPTS["person"]}]
+    pool = {"lookahead": dict(SAMPLED_SHAPE, return_token_ids=True)}  # the pool: the same trees on 1 and 2 workers
     cases = [
+        # digits where the free model writes words: a rank verifying its rows without the grammar errs here
+        dict(messages=[{"role": "user", "content": CHAT[0]}], temperature=0, extra_body={
+            "structured_outputs": {"regex": "[0-9]{4}( [0-9]{4}){5}"}, **pool}),
         dict(messages=person, response_format=rf, temperature=0, extra_body={"lookahead": {"return_token_ids": True}}),
-        dict(messages=person, response_format=rf, temperature=0.8, top_p=0.95, seed=3,
-             extra_body={"lookahead": dict(SAMPLED_SHAPE, return_token_ids=True)}),  # same trees: same draws
+        dict(messages=person, response_format=rf, temperature=0.8, top_p=0.95, seed=3, extra_body=pool),
         dict(messages=[{"role": "user", "content": ASK}], tools=TOOLS, tool_choice="required", temperature=0,
              extra_body={"lookahead": {"return_token_ids": True}}),
     ]
@@ -606,11 +609,13 @@ def test_lp_structured_and_tool_calls_equal_one_process(one, lp2):
         assert calls[0] == calls[1]
         if "tools" in kw:
             assert cb.finish_reason == "tool_calls" and calls[1][0][0] == "get_weather", cb
+        elif "structured_outputs" in kw["extra_body"]:
+            assert re.fullmatch("[0-9]{4}( [0-9]{4}){5}", cb.message.content), cb
         else:
             assert cb.finish_reason == "stop", cb
             jsonschema.validate(json.loads(cb.message.content), SCHEMAS["person"])
-        if kw["temperature"] == 0:
-            assert la_b["forced_tokens"] > 0, la_b  # the grammar's forced drafts, verified under LP
+        if kw.get("response_format") and kw["temperature"] == 0 and "W" not in kw["extra_body"]["lookahead"]:
+            assert la_b["forced_tokens"] > 0, la_b  # the grammar's forced drafts (suffix mode), verified under LP
 
 
 def test_sigterm_during_a_long_stream_is_clean(one):
@@ -665,9 +670,6 @@ def test_lp_completion_stop_and_bad_input(lp2, refs):
     assert r.choices[0].text == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
     bad = httpx.post(lp2.url + "/v1/completions", json={"prompt": "x", "top_p": 0}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
-    for path, body in (("/v1/completions", {"prompt": "x", "logprobs": 1}), ("/v1/chat/completions", _chat_body(logprobs=True))):
-        bad = httpx.post(lp2.url + path, json=body, timeout=30)  # the verifying rows live on both workers
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs", bad.text
     # sampled requests carry temperature/top_p/seed to every rank: the tokens one process draws
     # (the offline CLI) for the same seed, and another seed draws others
     la = {"lookahead": dict(SAMPLED_SHAPE, return_token_ids=True)}
@@ -677,6 +679,46 @@ def test_lp_completion_stop_and_bad_input(lp2, refs):
     others = {lp2.client().completions.create(model="smollm2", prompt=RAW, max_tokens=12, temperature=0.8, top_p=0.9,
                                               seed=s).choices[0].text for s in (4, 5)}
     assert others - {a.choices[0].text}, "other seeds draw the same text"
+
+
+def _close_top(got: list, want: list) -> None:
+    """Chat ``top_logprobs`` entries: the same tokens in order, values to 1e-4."""
+    assert [t.token for t in got] == [t.token for t in want]
+    assert [t.logprob for t in got] == pytest.approx([t.logprob for t in want], abs=1e-4)
+
+
+def test_lp_logprobs_equal_one_process(one, lp2):
+    """Logprobs on 2 LP workers (each token's from the worker that verified it, carried by the step's
+    exchange; the prompt's from the prefill every worker runs) == the one-process server's: chat
+    greedy and sampled (same seed) with top_logprobs, streamed too; completions with echo + logprobs
+    (the prompt's logprobs first) and echo with max_tokens 0 (the prompt scored only)."""
+    sampled = dict(temperature=0.8, top_p=0.9, seed=3, top_logprobs=2,  # the same trees: the same draws
+                   extra_body={"lookahead": SAMPLED_SHAPE})
+    for kw in (dict(temperature=0, top_logprobs=3), sampled):
+        a, b = (chat_create(s, CHAT[0], max_tokens=24, logprobs=True, **kw) for s in (one, lp2))
+        assert b.choices[0].message.content == a.choices[0].message.content, kw
+        want, got = a.choices[0].logprobs.content, b.choices[0].logprobs.content
+        assert len(got) == len(want) > 0 and all(len(x.top_logprobs) == kw["top_logprobs"] for x in got)
+        _close_top(got, want)
+        for x, y in zip(got, want):
+            _close_top(x.top_logprobs, y.top_logprobs)
+    stream = lp2.client().chat.completions.create(model="smollm2", messages=[{"role": "user", "content": CHAT[0]}],
+                                                  max_tokens=24, temperature=0, logprobs=True, top_logprobs=3,
+                                                  stream=True)
+    streamed = [x for ch in stream if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    want = chat_create(one, CHAT[0], max_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
+    _close_top(streamed, want.choices[0].logprobs.content)
+    for max_tokens in (12, 0):
+        a, b = (s.client().completions.create(model="smollm2", prompt=RAW, max_tokens=max_tokens, temperature=0,
+                                              echo=True, logprobs=2) for s in (one, lp2))
+        assert b.choices[0].text == a.choices[0].text and a.choices[0].text.startswith(RAW)
+        want, got = a.choices[0].logprobs, b.choices[0].logprobs
+        assert got.tokens == want.tokens and got.text_offset == want.text_offset
+        assert got.token_logprobs[0] is None and want.token_logprobs[0] is None
+        assert got.token_logprobs[1:] == pytest.approx(want.token_logprobs[1:], abs=1e-4)
+        assert len(got.top_logprobs) == len(want.top_logprobs)
+        for x, y in zip(got.top_logprobs[1:], want.top_logprobs[1:]):
+            assert list(x) == list(y) and list(x.values()) == pytest.approx(list(y.values()), abs=1e-4)
 
 
 def test_lp_disconnect_then_next_request(lp2, refs):

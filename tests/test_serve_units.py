@@ -127,15 +127,15 @@ def test_prepare_rejects(tok, body, param):
 
 @pytest.mark.parametrize("body,kind", [({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "chat"),
                                        ({"prompt": "a", "logprobs": 2}, "completions")])
-def test_logprobs_refused_under_lp(tok, body, kind):
-    """Logprobs need every verifying row in one process: with 2 LP workers a request asking for
-    them is a 400 naming logprobs; with one process it is served with them."""
+def test_logprobs_served_under_lp(tok, body, kind):
+    """Logprobs under 2 LP workers (the verifying worker's ride the step's exchange): a request asking
+    for them is prepared as in one process (tests/test_serve.py compares the answers)."""
     cls = ChatRequest if kind == "chat" else CompletionRequest
     raw = json.dumps(body).encode()
-    assert prepare(parse(cls, raw), _ctx(tok)).decoding.logprobs is True
-    with pytest.raises(ApiError) as e:
-        prepare(parse(cls, raw), dataclasses.replace(_ctx(tok), workers=2))
-    assert e.value.status == 400 and e.value.param == "logprobs" and "LP workers" in str(e.value)
+    one = prepare(parse(cls, raw), _ctx(tok))
+    lp = prepare(parse(cls, raw), dataclasses.replace(_ctx(tok), workers=2))
+    assert one.decoding.logprobs is True and lp.decoding == one.decoding
+    assert lp.decoding.top_logprobs == (2 if kind == "completions" else 0)
     no = dict(body, logprobs=False if kind == "chat" else None)
     assert prepare(parse(cls, json.dumps(no).encode()), dataclasses.replace(_ctx(tok), workers=2)).decoding.logprobs \
         is False
@@ -187,9 +187,8 @@ def test_server_config_validation():
     ServeConfig(decoding=DecodingConfig(mode="ar")).validate()  # lp's own one-token steps
     from lp.config import GenerateConfig, ModelConfig, ParallelConfig
 
-    for cls in (ServeConfig, GenerateConfig):  # a compiled step over tensor-parallel shards: refused up front
-        with pytest.raises(ValueError, match="model.compile=on compiles whole"):
-            cls(model=ModelConfig(compile="on"), parallel=ParallelConfig(tp=2)).validate()
+    for cls in (ServeConfig, GenerateConfig):  # a compiled step over tensor-parallel shards (tests/test_tp.py)
+        cls(model=ModelConfig(compile="on"), parallel=ParallelConfig(tp=2)).validate()
         cls(model=ModelConfig(compile="on")).validate()
 
 

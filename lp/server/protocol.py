@@ -369,7 +369,7 @@ def _decoding(req: _Common, ctx: ServingContext, prompt_len: int, prompt_param: 
     upd.update(_sampling_fields(req))
     if req.logit_bias is not None:
         upd["logit_bias"] = _logit_bias(req.logit_bias, ctx.vocab_size)
-    upd.update(_logprobs_fields(req, ctx.workers))
+    upd.update(_logprobs_fields(req))
     upd.update(_stop_seed_lookahead(req, ctx.limits))
     from lp.server.structured import grammar_fields
 
@@ -488,8 +488,9 @@ def _logit_bias(logit_bias: dict, vocab_size: int) -> dict[int, float]:
     return bias
 
 
-def _logprobs_fields(req: _Common, workers: int) -> dict:
-    """Chat: logprobs (bool) + top_logprobs; completions: logprobs (int). One process only."""
+def _logprobs_fields(req: _Common) -> dict:
+    """Chat: logprobs (bool) + top_logprobs; completions: logprobs (int). Under LP workers too: the
+    verifying rank's values ride the step's exchange (lp.engine.decoder ``local_logprobs``)."""
     upd: dict = {}
     if isinstance(req, ChatRequest):
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -503,10 +504,6 @@ def _logprobs_fields(req: _Common, workers: int) -> dict:
         if not 0 <= req.logprobs <= 20:
             raise _bad("logprobs", "expected an integer in [0, 20]", req.logprobs)
         upd.update(logprobs=True, top_logprobs=req.logprobs)
-    if upd.get("logprobs") and workers > 1:
-        raise ApiError(f"Invalid value for 'logprobs': logprobs are not supported with {workers} LP workers "
-                       "(the verifying rows may live on another worker); run one process.", param="logprobs",
-                       code="unsupported_parameter")
     return upd
 
 
