@@ -10,7 +10,7 @@ model's tokenizer and passes it to ``generate`` (structured output: decoding.jso
 the whole replica and shards it in memory (the default reads only its shards). The first
 result carries ``memory``: per global rank, peak RSS before and after loading, the dtypes and
 every parameter's local shape, the scheme ``model.quant`` resolved to and the count of each module
-class, the bytes its weights hold. ``return_logits``: the first result also carries the first job's prompt logits.
+class, the bytes its weights hold. ``compile``: model.compile of the runner. ``return_logits``: the first result also carries the first job's prompt logits.
 """
 
 import faulthandler
@@ -84,7 +84,7 @@ def main() -> None:
               "local_shapes": local_shapes(model), "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
               "quant": getattr(model, "_lp_quant", None) or "none",
               "modules": dict(Counter(type(m).__name__ for m in model.modules())), "weight_bytes": held_bytes(model)}
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, compile=spec.get("compile", "auto"))
     kill = spec.get("kill_rank_at_step")
 
     def on_step(step, rec):

@@ -206,18 +206,27 @@ def test_lp2_tp2_equals_one_process_and_generate(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_lp1_tp3_equals_generate(smollm2_dense, tmp_path):
+def test_smollm2_lp1_tp3_equals_generate(smollm2, tmp_path):
+    """SmolLM2 (the GGUF Q4_1 model dequantized) on LP 1 x TP 3 with model.quant=auto, the entry
+    points' default: every rank resolves it as one process does (exact4 on an AVX-512 CPU: its K
+    slices of o_proj and down_proj, 192 and 512, start on 32-blocks, so every linear that converts
+    in one process converts on the mesh) and the outputs equal ``generate`` on the one-process model."""
     from lp.model.loader import resolve_model_path
     from tests.test_smollm2 import MAX_NEW, assert_equal_or_tie, eos_ids, prompt_ids, reference
 
-    model, tok = smollm2_dense  # the mesh runs float32 linears (model.quant=auto is none under TP)
+    model, tok = smollm2  # loaded with model.quant=auto
     held = [("code", 0), ("chat", 0)]
     ids = [prompt_ids(tok, k, i) for k, i in held]
     jobs = [{"prompt_ids": p, "eos": eos_ids(model), "decoding": {"W": 5, "N": 3, "G": 5, "max_new_tokens": MAX_NEW}}
             for p in ids]
-    spec = {"model_path": str(resolve_model_path("smollm2", None)), "jobs": jobs, "tp": 3, "timeout_s": 180}
+    spec = {"model_path": str(resolve_model_path("smollm2", None)), "jobs": jobs, "tp": 3, "timeout_s": 180,
+            "quant": "auto"}
     proc, out = run_worker(3, spec, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    blocks = sum(type(m).__name__ == "Exact4Linear" for m in model.modules())
+    for mem in out[0]["memory"]:
+        assert mem["quant"] == (getattr(model, "_lp_quant", None) or "none")
+        assert mem["modules"].get("Exact4Linear", 0) == blocks
     for (kind, i), p, r in zip(held, ids, out):
         assert_equal_or_tie(model, p, r["output_ids"], reference(model, kind, i, p), f"{kind}{i} LP 1 x TP 3")
 
@@ -282,6 +291,25 @@ def test_tp2_quantized_equals_one_process(q4_dir, tmp_path, quant, scheme, modul
             planned = weights_bytes(q4_dir, config, tp, torch.float32, torch.device("cpu"), "int8")[0]
             for mem in out[0]["memory"]:
                 assert abs(planned - mem["weight_bytes"]) <= 0.1 * mem["weight_bytes"], (tp, planned, mem)
+
+
+@pytest.mark.slow
+def test_tp2_compiled_step_equals_one_process(q4_dir, tmp_path):
+    """model.compile=on on LP 1 x TP 2 (gloo CPU, model.quant=auto: exact4 shards, row-parallel
+    all-reduces and the gathered head inside the compiled step) equals the eager one-process model
+    and ``generate`` on it. Costs inductor's compile on both ranks (~80-210 s here on 2 shared cores)."""
+    from lp.model.loader import load_model
+    from tests.helpers import lookahead
+
+    decoding = {"W": 4, "N": 3, "G": 4, "max_new_tokens": 16}
+    spec = {"model_path": str(q4_dir), "jobs": [{"prompt_ids": REPETITIVE_PROMPT, "decoding": decoding}],
+            "timeout_s": 300, "quant": "auto", "compile": "on", "tp": 2}
+    proc, mesh = run_worker(2, spec, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model, _ = load_model(q4_dir, "float32", quant="auto")
+    one = lookahead(model, REPETITIVE_PROMPT, **decoding).output_ids
+    assert [m["quant"] for m in mesh[0]["memory"]] == [model._lp_quant] * 2
+    assert mesh[0]["output_ids"] == one == hf_greedy(model, REPETITIVE_PROMPT, 16)
 
 
 # ---------------------------------------------------------------------------
