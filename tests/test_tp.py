@@ -81,6 +81,20 @@ def test_int4_with_tp_is_refused_before_loading(tmp_path):
     check_tp_path(tmp_path, 1, "int4")
 
 
+def test_torchao_schemes_on_shards_are_refused():
+    """int4 (and CUDA int8: torchao's) would scale a row-parallel shard over its slice of K only."""
+    from lp.parallel.tp import quantize_shards
+
+    class Mesh:
+        def size(self):
+            return 2
+
+    for quant, device in (("int4", "cpu"), ("int8", "cuda")):
+        with pytest.raises(ValueError, match=rf"model.quant={quant} on {device} cannot be combined with "
+                                             r"parallel.tp=2 .*slice of K"):
+            quantize_shards(None, quant, torch.device(device), Mesh())
+
+
 def test_tp_must_divide_the_heads():
     from transformers import LlamaConfig
 

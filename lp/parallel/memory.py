@@ -21,8 +21,11 @@ reads the whole checkpoint in ``model.dtype`` onto the device and only then quan
 (lp.model.quant), so with ``model.quant`` int8 / int4 the peak is the full-precision model plus a
 tied head's untied copy plus the working copies of one linear being quantized, well above the
 quantized steady state (int8 on the CPU first casts the whole model to float32). Without a
-quantization the two are equal. Loading comes before the K/V pool and the steps exist, so the
-peak is checked alone and the steady state together with them.
+quantization the two are equal. Under ``parallel.tp > 1`` each rank reads only its shards and
+quantizes them (lp.parallel.tp.quantize_shards): the same counts with the sharded tensors divided
+by tp (tests/test_tp.py holds int8 on TP 2 to the bytes each rank holds). Loading comes before
+the K/V pool and the steps exist, so the peak is checked alone and the steady state together
+with them.
 
 The estimates are upper-bound-ish and simple; measured peaks (bench/results/tp_memory) are
 what to trust.
@@ -201,7 +204,7 @@ def weights_bytes(path: Path, config, tp: int, dtype: torch.dtype, device: torch
     if shapes is None:
         return None, None, None
     element = torch.empty((), dtype=dtype).element_size()
-    if quant not in QUANT_BYTES:  # none, auto (resolves to none), exact4 (the float32 weights stay)
+    if quant not in QUANT_BYTES:  # none, auto, exact4: planned as the float32 weights (exact4's blocks are less)
         total, replicated = weight_bytes(path, config, tp, element)
         return total, replicated, total
     model = _meta_model(config)

@@ -20,6 +20,12 @@ of the row-wise all-reduce).
 
 Inference only: the sharded Linear layers run on their local shards (transformers' local
 fast path when grad is off), so the forward costs plain matmuls plus 2 all-reduces per layer.
+
+``model.quant`` under TP (``load_sharded(..., quant)``, ``quantize_shards``): each rank
+quantizes its own shards after the sharded load, int8 (CPU) with full-row scales on row-parallel
+shards (2 more all-reduces per layer, of one float per row), exact4 / auto on the blocks its
+shards hold; int4 is refused. ``model.compile=on`` compiles the sharded step (the all-reduces
+traced into the graph).
 """
 
 from __future__ import annotations
@@ -97,7 +103,11 @@ def _expand(model, plan: dict[str, str]) -> dict[str, str]:
 
 def apply_tp(model, tp_mesh) -> None:
     """Shard ``model`` in place over ``tp_mesh`` (every rank holds the full weights on entry;
-    ``load_sharded`` is the way that never holds them)."""
+    ``load_sharded`` is the way that never holds them). A quantized model is refused: shards are
+    quantized after sharding (``quantize_shards``)."""
+    if getattr(model, "_lp_quant", None):
+        raise ValueError(f"this model is already quantized ({model._lp_quant}): parallel.tp > 1 quantizes each "
+                         "rank's shards after sharding (load it with lp.parallel.tp.load_for / load_sharded)")
     _shard_modules(model, tp_mesh)
     _finish(model, tp_mesh)
 
