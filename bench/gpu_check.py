@@ -41,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 480
 # (name, time-out in seconds), cheapest first
-SECTIONS = (("env", 15), ("model", 40), ("exact", 70), ("tq", 25), ("lookahead", 50), ("batch", 40),
-            ("serve", 55), ("graphs", 40), ("sampling", 25), ("profile", 30), ("compile", 70))
+SECTIONS = (("env", 15), ("model", 60), ("exact", 60), ("tq", 20), ("lookahead", 40), ("batch", 35),
+            ("serve", 65), ("graphs", 35), ("sampling", 20), ("profile", 25), ("compile", 70))
 REHEARSE_SCALE = 3  # the rehearsal's time-outs: x3 on this machine's 2 shared cores (not a budget check)
 REHEARSE_SKIPS = {"compile": "inductor compiles for minutes on the CPU; the GPU run covers it"}
 IMPORTS = ("lp", "lp.serve", "lp.grammar", "hydra", "omegaconf", "antlr4", "llguidance", "gguf", "fastapi",
@@ -63,7 +63,7 @@ class Sizes:
 
 
 GPU = Sizes("cuda", 3, 64, 8, 128, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), 10, 8, 64)
-CPU = Sizes("cpu", 2, 12, 2, 16, (1, 2, 4, 8), 2, 8, 8)
+CPU = Sizes("cpu", 1, 12, 2, 16, (1, 2, 4, 8), 2, 8, 8)
 
 
 def check_budget(sections=SECTIONS, budget: int = BUDGET_S) -> int:
@@ -76,6 +76,11 @@ def write_json(out: Path, name: str, data: dict) -> None:
     tmp = out / f".{name}.json.tmp"
     tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
     tmp.replace(out / f"{name}.json")
+
+
+def progress(out: Path, name: str, data: dict) -> None:
+    """A section's rows so far (status ``partial``): what its time-out leaves behind."""
+    write_json(out, name, {"status": "partial", "seconds": None, **data})
 
 
 def run_section(out: Path, name: str, fn, *args) -> dict:
@@ -112,8 +117,11 @@ def run_child(out: Path, name: str, timeout_s: float, argv: list[str]) -> dict:
     proc.wait()
     log.close()
     seconds = round(time.perf_counter() - t, 1)
-    if path.exists():  # the child's own, also when it hung on its way out
+    if path.exists():  # the child's own, also when it hung on its way out or left a partial one
         data = json.loads(path.read_text())
+        if data["status"] == "partial":
+            data.update(status="timeout" if rc is None else "error", timeout_s=timeout_s)
+            write_json(out, name, data)
         print(f"[gpu_check] {name}: {data['status']} ({data['seconds']} s; {seconds} s with start-up)", flush=True)
         return data
     if rc is None:

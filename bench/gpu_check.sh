@@ -54,7 +54,7 @@ if [ "$KIT" = 2 ] || [ ! -d "$STAGE/wheels" ]; then
 fi
 "$PY" -m pip list --format=freeze 2>/dev/null | sort > "$WORK/pip_before.txt"
 PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --no-index --disable-pip-version-check "${FIND[@]}" \
-  hydra-core omegaconf llguidance gguf fastapi uvicorn jsonschema prometheus-client 2>&1 | tee "$OUT/install.txt"
+  hydra-core omegaconf llguidance gguf fastapi uvicorn jsonschema prometheus-client typing-extensions 2>&1 | tee "$OUT/install.txt"
 if [ "${PIPESTATUS[0]}" != 0 ]; then echo "[gpu_check] install from the kit failed (install.txt)"; exit 2; fi
 "$PY" -m pip list --format=freeze 2>/dev/null | sort > "$WORK/pip_after.txt"
 comm -13 "$WORK/pip_before.txt" "$WORK/pip_after.txt" > "$OUT/installed.txt"

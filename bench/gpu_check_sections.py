@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from bench.gpu_check import progress
+
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = Path(os.environ.get("LP_KIT_STAGE", ROOT / ".gpu_kit_stage"))
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -173,6 +175,7 @@ def exact(sizes, out) -> dict:
                                              .float(), 2).values
                         gap = round((top[0] - top[1]).item(), 5)
                     rows.append({**row, "equal": got == ref, "first_divergence": d, "top2_gap_there": gap})
+            progress(out, "exact", {"model": name, "kernels": kernels, "rows": rows})
         del m
     fp32 = [r for r in rows if r["dtype"] == "float32"]
     fp32_all_equal = all_equal(fp32)
@@ -211,6 +214,7 @@ def lookahead(sizes, out) -> dict:
         rows.append({"tokens": len(ref), "lookahead_tokens": len(res.output_ids), "generate_s": round(t_ar, 4),
                      "lookahead_s": round(t_la, 4), "S": round(res.stats.compression_ratio, 3),
                      "equal": res.output_ids == ref})
+        progress(out, "lookahead", {"model": name, "attention": runner.attention, "rows": rows})
     tot_ar, tot_la = sum(r["generate_s"] for r in rows), sum(r["lookahead_s"] for r in rows)
     return {"model": name, "attention": runner.attention, "speedup": round(tot_ar / tot_la, 3),
             "generate_tok_s": round(sum(r["tokens"] for r in rows) / tot_ar, 2),
@@ -283,7 +287,7 @@ def serve(sizes, out) -> dict:
     del m, dec
     server = ServerProcess(threads=4 if sizes.device == "cuda" else 1, log_path=out / "serve_server.log",
                            overrides=[f"model.path={path}", f"model.device={sizes.device}", "server.max_batch=8"],
-                           start_timeout_s=40 if sizes.device == "cuda" else 150)
+                           start_timeout_s=45 if sizes.device == "cuda" else 150)
     got: dict = {}
     try:
         def client(i):

@@ -48,6 +48,8 @@ CARRY_LIMIT = 64 * MiB
 # what the imports of lp, lp.serve and bench.gpu_check need beyond the image
 ROOTS = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "llguidance", "gguf", "fastapi", "uvicorn",
          "jsonschema", "prometheus-client")
+# in the kit though the image holds them (small; pydantic needs typing-extensions >= 4.14.1)
+ALWAYS = ("typing-extensions",)
 # the 'cuda' image's packages (KINDS.md, read 2026-11-17), normalized names
 IMAGE = frozenset("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
@@ -180,6 +182,12 @@ def requirement_closure(roots=ROOTS, image=IMAGE) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def _installed(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
 def _pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args], check=True)
 
@@ -220,6 +228,8 @@ def build(kit: Path, budget: int | None = None, part_bytes: int | None = None) -
     tree = tree_bytes()
     budget = budget or (60 * MiB - tree)
     pins = requirement_closure()
+    for name in ALWAYS:  # held by the image, perhaps older than lp's packages need: pip takes it only then
+        pins.setdefault(name, _installed(name))
     for d in ("wheels", "host", "model") + tuple(p.name for p in kit.glob("load*")):
         shutil.rmtree(kit / d, ignore_errors=True)
     fetch_wheels(pins, kit / "wheels", "3.12")

@@ -134,7 +134,8 @@ def test_section_timeouts_fit_the_budget():
 
 def test_runner_writes_each_json_when_its_section_ends(tmp_path):
     """Stand-in sections: a writes its JSON; b, started next, records whether a's line was already
-    in the JSONL, then hangs past its time-out; c exits without a JSON."""
+    in the JSONL, writes its rows so far (partial), then hangs past its time-out; c exits without
+    a JSON."""
     out, jsonl = tmp_path / "out", tmp_path / "sections.jsonl"
     out.mkdir()
     script = r"""
@@ -146,6 +147,7 @@ if name == "a":
 elif name == "b":
     seen = [json.loads(l)["section"] for l in jsonl.read_text().splitlines()] if jsonl.exists() else []
     (out / "b_saw.json").write_text(json.dumps(seen))
+    (out / "b.json").write_text(json.dumps({"status": "partial", "seconds": None, "rows": [1]}))
     time.sleep(60)
 else:
     sys.exit(3)
@@ -159,6 +161,7 @@ else:
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [(d["section"], d["status"]) for d in lines] == [("a", "ok"), ("b", "timeout"), ("c", "error")]
     assert lines[0]["x"] == 1 and "exit 3" in lines[2]["error"]
+    assert lines[1]["rows"] == [1]  # the hung section's rows so far, kept
     assert {n: s["status"] for n, s in summary["sections"].items()} == {"a": "ok", "b": "timeout", "c": "error"}
     assert json.loads((out / "summary.json").read_text()) == summary
 
