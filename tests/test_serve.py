@@ -694,7 +694,8 @@ def test_lp_logprobs_equal_one_process(one, lp2):
     (the prompt's logprobs first) and echo with max_tokens 0 (the prompt scored only)."""
     sampled = dict(temperature=0.8, top_p=0.9, seed=3, top_logprobs=2,  # the same trees: the same draws
                    extra_body={"lookahead": SAMPLED_SHAPE})
-    for kw in (dict(temperature=0, top_logprobs=3), sampled):
+    pool = dict(temperature=0, top_logprobs=3, extra_body={"lookahead": SAMPLED_SHAPE})  # candidates on both workers
+    for kw in (dict(temperature=0, top_logprobs=3), pool, sampled):
         a, b = (chat_create(s, CHAT[0], max_tokens=24, logprobs=True, **kw) for s in (one, lp2))
         assert b.choices[0].message.content == a.choices[0].message.content, kw
         want, got = a.choices[0].logprobs.content, b.choices[0].logprobs.content
