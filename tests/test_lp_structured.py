@@ -10,9 +10,12 @@ accepted under LP too (forced_tokens > 0).
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
+
+from lp.grammar.matcher import compile_grammar
 
 from tests.test_lp import torchrun
 
@@ -29,6 +32,7 @@ SHAPES = [
     {"W": 4, "N": 3, "G": 3, "prompt_pool": True},
 ]
 SAMPLED = {"do_sample": True, "temperature": 0.8, "top_p": 0.95}
+DIGITS = "[0-9]{4}( [0-9]{4}){5}"
 
 
 def chat_ids(text: str) -> list[int]:
@@ -47,13 +51,19 @@ def test_lp_json_schema_greedy_and_sampled_equal_one_process(tmp_path):
     jobs += [{"prompt_ids": prompt, "eos": eos, "decoding": dict(SHAPES[0], json_schema=json.dumps(SCHEMA),
                                                                     max_new_tokens=32, seed=s, **SAMPLED)}
              for s in (1, 2)]
+    # digits where the free model writes words: a rank verifying its rows unmasked errs here (greedy)
+    jobs.append({"prompt_ids": prompt, "eos": eos, "decoding": dict(W=4, N=4, G=4, grammar=compile_grammar("regex", DIGITS),
+                                                                    max_new_tokens=40)})
     spec = {"jobs": jobs, "tokenizer": True, "check_divergence": True}
     proc1, single = torchrun(1, spec, tmp_path)
     assert proc1.returncode == 0, proc1.stderr[-3000:]
     proc2, multi = torchrun(2, spec, tmp_path)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert len(single) == len(multi) == len(jobs)
-    for job, one, many in zip(jobs, single, multi):
+    assert re.fullmatch(DIGITS, tok.decode(single[-1]["output_ids"], skip_special_tokens=True)), single[-1]
+    assert multi[-1]["output_ids"] == single[-1]["output_ids"], (tok.decode(single[-1]["output_ids"]),
+                                                                 tok.decode(multi[-1]["output_ids"]))
+    for job, one, many in zip(jobs[:-1], single, multi):
         cfg = job["decoding"]
         assert many["output_ids"] == one["output_ids"], (cfg, tok.decode(one["output_ids"]),
                                                          tok.decode(many["output_ids"]))
