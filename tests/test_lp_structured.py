@@ -4,7 +4,8 @@ Contract checked: with a JSON schema (decoding.json_schema) every rank holds the
 matcher, advanced on the same committed tokens, masks its own rows and drafts the grammar's forced
 continuation into the shard plan like any candidate; the 2-worker output equals one process token
 for token, greedy and sampled (same seeds), is valid under the schema, and the forced drafts were
-accepted under LP too (forced_tokens > 0).
+accepted under LP too (forced_tokens > 0); a digits regex (decoding.grammar) on the pool shape equals
+one process too. lp.serve's request message carries the grammar text to the other ranks.
 """
 
 from __future__ import annotations
