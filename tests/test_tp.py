@@ -608,6 +608,39 @@ def test_sharded_load_reads_persistent_buffers_and_keeps_fp32_modules(tmp_path):
     mp.spawn(_sharded_load_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
 
 
+def _auto_dtype_rank(rank: int, world: int, folder: str, cases: list):
+    """One gloo rank on a pretend AMX CPU (model.dtype=auto is bf16 there): load_sharded with
+    model.dtype=auto and model.quant=auto gives the dtype and scheme load_model gives
+    (tests/test_defaults.py checks load_model's)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lp.model import loader
+    from lp.parallel.tp import load_sharded
+
+    torch.set_num_threads(1)
+    loader.cpu_has_amx_bf16 = lambda: True
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        for path, want in cases:
+            model, _ = load_sharded(path, "auto", "cpu", mesh["tp"], tokenizer=False, quant="auto")
+            got = (str(model.dtype), getattr(model, "_lp_quant", None) or "none")
+            assert got == want, (path, got)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_auto_dtype_and_quant_under_tp_follow_one_process(q4_dir, tiny_dir, tmp_path):
+    """model.dtype=auto + model.quant=auto on an AMX CPU under TP 2: float32 + exact4 for a model
+    whose linears are exact 4-bit blocks, bfloat16 + none for one whose are not, as in one process."""
+    import torch.multiprocessing as mp
+
+    cases = [(str(q4_dir), ("torch.float32", "exact4")), (str(tiny_dir), ("torch.bfloat16", "none"))]
+    mp.spawn(_auto_dtype_rank, args=(2, str(tmp_path), cases), nprocs=2, join=True)
+
+
 def test_sharded_load_needs_safetensors(tmp_path):
     from lp.parallel.tp import _weight_files
 

@@ -164,9 +164,13 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True,
     path = Path(path)
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    model = _sharded_skeleton(path, torch_dtype, tp_mesh)
+    # model.dtype=auto with model.quant=auto on an AMX CPU, as lp.model.loader.load_model: float32
+    # first, kept where the linears hold exact 4-bit blocks (on any tp rank: all ranks agree)
+    blocks_first = dtype == "auto" and quant == "auto" and dev.type == "cpu" and torch_dtype != torch.float32
+    read_dtype = torch.float32 if blocks_first else torch_dtype
+    model = _sharded_skeleton(path, read_dtype, tp_mesh)
     owner, by_file = _checkpoint_index(path, model)
-    keep = _dtype_plan(model, torch_dtype)
+    keep = _dtype_plan(model, read_dtype)
     with torch.no_grad():
         _read_parameters(model, by_file, dev, keep)
         _read_buffers(model, owner, dev, keep)
@@ -177,6 +181,13 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True,
                 module._buffers[bname] = buf.to(dev)
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     assert not meta, f"parameters left unloaded: {meta[:5]}"
+    if blocks_first:
+        from lp.model import exact4
+
+        if _all_true(tp_mesh.get_group(), dev, not exact4.has_blocks(model)):
+            model.to(torch_dtype)
+        else:
+            log.info("model.dtype=auto -> float32: its linears are exact 4-bit blocks (model.quant=auto runs them)")
     quantize_shards(model, quant, dev, tp_mesh)
     _finish(model, tp_mesh)
     model._lp_sharded_load = True
@@ -343,6 +354,8 @@ def quantize_shards(model, quant: str, device: torch.device, tp_mesh) -> str:
                          "the CPU, exact4, auto or none, or parallel.tp=1")
     if scheme == "auto":
         scheme, why = q.resolve_auto(model, device)
+        if not _all_true(tp_mesh.get_group(), device, scheme == "exact4"):
+            scheme, why = "none", "not every tp rank's shards hold exact 4-bit blocks"
         q.log.info("model.quant=auto -> %s on parallel.tp=%d: %s", scheme, tp, why)
     if scheme == "none":
         return scheme
