@@ -6,7 +6,10 @@ gives exactly the one-process greedy output and transformers ``generate``, with 
 window (explicit W/N/G) and with tree drafts (every node, and the budget on the t(Q) curve
 measured on the mesh), and samples the same tokens as one process for the same seed, every
 process's pool/window/output fingerprint equal at every step (tp ranks included); real
-SmolLM2 weights (9 heads, 3 KV heads) on LP 1 x TP 3 equal ``generate`` on held prompts;
+SmolLM2 weights (9 heads, 3 KV heads) on LP 1 x TP 3 with model.quant=auto (exact4 shards) equal
+``generate`` on held prompts; int8 and auto (exact4) shards on TP 2 equal the same quantized model
+in one process (tokens, prompt logits to rounding) and int8's memory plan the bytes held; the
+compiled step (model.compile=on) on TP 2 equals one process; int4 is refused under TP;
 two launches of launch/lp_run.py joined on localhost run LP 2 x TP 2; lp.serve on LP 2 x TP 2
 answers the real openai client with the greedy text; a killed rank ends every rank within
 parallel.timeout_s.
