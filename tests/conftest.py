@@ -76,8 +76,8 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_dense():
-    """(model, tokenizer) of SmolLM2 with plain float32 linears (``model.quant=none``): what a
-    tensor-parallel mesh runs (auto resolves to none under parallel.tp > 1)."""
+    """(model, tokenizer) of SmolLM2 with plain float32 linears (``model.quant=none``); a
+    tensor-parallel mesh with model.quant=auto runs exact4 shards, as one process does."""
     from lp.model.loader import load_model, resolve_model_path
 
     model, tokenizer = load_model(resolve_model_path("smollm2", None), "float32", quant="none")
