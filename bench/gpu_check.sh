@@ -30,7 +30,7 @@ if [ "$REHEARSE" = 1 ]; then
   # .gpu_kit/host: this machine's builds of the kit's few cp312-only wheels (same names and versions)
   FIND=(--find-links "$STAGE/wheels" --find-links .gpu_kit/host)
   FLAGS=(--rehearse)
-  LIMIT=1500  # the rehearsal's time-outs are the GPU's x3 (bench/gpu_check.py REHEARSE_SCALE)
+  LIMIT=2400  # the rehearsal's time-outs are the GPU's x5 (bench/gpu_check.py REHEARSE_SCALE)
 else
   OUT=${OUT:?set OUT to a folder}
   STAGE=${LP_KIT_STAGE:-$PWD/.gpu_kit_stage}
