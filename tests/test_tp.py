@@ -644,6 +644,45 @@ def test_auto_dtype_and_quant_under_tp_follow_one_process(q4_dir, tiny_dir, tmp_
     mp.spawn(_auto_dtype_rank, args=(2, str(tmp_path), cases), nprocs=2, join=True)
 
 
+def _split_blocks_rank(rank: int, world: int, folder: str):
+    """One gloo rank: exact4 shards of a model whose o_proj slice of K (96 / 2 = 48) splits its
+    32-blocks: o_proj stays float32, every other linear converts, logits equal one process's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lp.model.exact4 import Exact4Linear
+    from lp.model.loader import load_model
+    from lp.parallel.tp import RowParallel, load_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        model, _ = load_sharded(f"{folder}/model", "float32", "cpu", mesh["tp"], tokenizer=False, quant="exact4")
+        one, _ = load_model(f"{folder}/model", "float32", quant="exact4", tokenizer=False)
+        rows = {n: type(m.linear).__name__ for n, m in model.named_modules() if isinstance(m, RowParallel)}
+        assert {n: k for n, k in rows.items() if k != "Exact4Linear"} == {
+            f"model.layers.{i}.self_attn.o_proj": "SmallRowsLinear" for i in range(2)}, rows
+        assert sum(isinstance(m, Exact4Linear) for m in model.modules()) == sum(
+            isinstance(m, Exact4Linear) for m in one.modules()) - 2  # one o_proj per layer left dense
+        ids = torch.tensor([[5, 17, 30, 4, 5, 17, 30]])
+        with torch.inference_mode():
+            err = (model(ids).logits - one(ids).logits).abs().max().item()
+        assert err < 1e-5, err
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_exact4_shard_that_splits_blocks_stays_dense(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.test_exact4 import to_q4_blocks
+
+    to_q4_blocks(make_tiny_model(hidden_size=96)).save_pretrained(tmp_path / "model")
+    mp.spawn(_split_blocks_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
+
+
 def test_sharded_load_needs_safetensors(tmp_path):
     from lp.parallel.tp import _weight_files
 
