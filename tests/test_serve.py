@@ -687,6 +687,9 @@ def _close_top(got: list, want: list) -> None:
     assert [t.logprob for t in got] == pytest.approx([t.logprob for t in want], abs=1e-4)
 
 
+COUNT = "Count from 1 to 40, separated by commas."
+
+
 def test_lp_logprobs_equal_one_process(one, lp2):
     """Logprobs on 2 LP workers (each token's from the worker that verified it, carried by the step's
     exchange; the prompt's from the prefill every worker runs) == the one-process server's: chat
@@ -694,9 +697,10 @@ def test_lp_logprobs_equal_one_process(one, lp2):
     (the prompt's logprobs first) and echo with max_tokens 0 (the prompt scored only)."""
     sampled = dict(temperature=0.8, top_p=0.9, seed=3, top_logprobs=2,  # the same trees: the same draws
                    extra_body={"lookahead": SAMPLED_SHAPE})
-    pool = dict(temperature=0, top_logprobs=3, extra_body={"lookahead": SAMPLED_SHAPE})  # candidates on both workers
-    for kw in (dict(temperature=0, top_logprobs=3), pool, sampled):
-        a, b = (chat_create(s, CHAT[0], max_tokens=24, logprobs=True, **kw) for s in (one, lp2))
+    # the pool on a counting prompt: long hits, verified on either worker (taking rank 0's fails here)
+    pool = dict(temperature=0, top_logprobs=3, extra_body={"lookahead": SAMPLED_SHAPE})
+    for text, kw in ((CHAT[0], dict(temperature=0, top_logprobs=3)), (COUNT, pool), (CHAT[0], sampled)):
+        a, b = (chat_create(s, text, max_tokens=24, logprobs=True, **kw) for s in (one, lp2))
         assert b.choices[0].message.content == a.choices[0].message.content, kw
         want, got = a.choices[0].logprobs.content, b.choices[0].logprobs.content
         assert len(got) == len(want) > 0 and all(len(x.top_logprobs) == kw["top_logprobs"] for x in got)
@@ -709,10 +713,10 @@ def test_lp_logprobs_equal_one_process(one, lp2):
     streamed = [x for ch in stream if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
     want = chat_create(one, CHAT[0], max_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
     _close_top(streamed, want.choices[0].logprobs.content)
-    for max_tokens in (12, 0):
-        a, b = (s.client().completions.create(model="smollm2", prompt=RAW, max_tokens=max_tokens, temperature=0,
-                                              echo=True, logprobs=2) for s in (one, lp2))
-        assert b.choices[0].text == a.choices[0].text and a.choices[0].text.startswith(RAW)
+    for prompt, max_tokens, la in ((RAW, 12, {}), (RAW, 0, {}), ("1, 2, 3, 4, 5, 6, 7, 8,", 24, SAMPLED_SHAPE)):
+        a, b = (s.client().completions.create(model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                              echo=True, logprobs=2, extra_body={"lookahead": la}) for s in (one, lp2))
+        assert b.choices[0].text == a.choices[0].text and a.choices[0].text.startswith(prompt)
         want, got = a.choices[0].logprobs, b.choices[0].logprobs
         assert got.tokens == want.tokens and got.text_offset == want.text_offset
         assert got.token_logprobs[0] is None and want.token_logprobs[0] is None
