@@ -126,17 +126,17 @@ class RowInt8Linear(nn.Module):
     Legend: M rows, I in features, O out features.
     """
 
-    def __init__(self, *linears: nn.Linear, row_amax_O: torch.Tensor | None = None, amax_group=None):
-        """``row_amax_O`` and ``amax_group``: a row-parallel shard (lp.parallel.tp) holding a slice
+    def __init__(self, *linears: nn.Linear, row_amax_O: torch.Tensor | None = None, amax_max=None):
+        """``row_amax_O`` and ``amax_max``: a row-parallel shard (lp.parallel.tp) holding a slice
         of K: its weights scaled by their full rows' absolute maximum (all tp ranks'), and every
-        activation row by its full row's maximum (one all-reduce MAX over ``amax_group`` per
-        call), so its integers are the one-process model's, restricted to the slice."""
+        activation row by its full row's maximum (``amax_max``, an in-place all-reduce MAX given by
+        lp.parallel.tp, once per call; lp/model/ never imports torch.distributed), so its integers are the one-process model's, restricted to the slice."""
         super().__init__()
         assert linears and len({lin.in_features for lin in linears}) == 1
         w_OI = torch.cat([lin.weight.detach().float() for lin in linears])
         self.in_features, self.out_features = linears[0].in_features, w_OI.shape[0]
         self.splits = [lin.out_features for lin in linears]
-        self._amax_group = amax_group
+        self._amax_max = amax_max
         # the two pinning columns get zero weights: they shift nothing in the product
         w_OI2 = torch.cat([w_OI, w_OI.new_zeros(w_OI.shape[0], 2)], dim=1)
         amax_O = w_OI2.abs().amax(dim=1) if row_amax_O is None else row_amax_O.float()
@@ -170,10 +170,8 @@ class RowInt8Linear(nn.Module):
             self._buf = torch.cat([self._buf, self._buf[:1].expand(m - self._buf.shape[0], -1)]).contiguous()
         buf_MI2 = self._buf[:m]
         amax_M1 = x_MI.abs().amax(dim=1, keepdim=True)  # 2-7x cheaper than an inf-norm
-        if self._amax_group is not None:  # a K slice: the full row's maximum, as one process scales it
-            import torch.distributed as dist
-
-            dist.all_reduce(amax_M1, op=dist.ReduceOp.MAX, group=self._amax_group)
+        if self._amax_max is not None:  # a K slice: the full row's maximum, as one process scales it
+            self._amax_max(amax_M1)
         amax_M1.clamp_(min=1e-30)
         torch.mul(x_MI, torch.reciprocal(amax_M1), out=buf_MI2[:, : self.in_features])  # rows scaled to _C
         y_MO = torch.ops.quantized.linear_dynamic(buf_MI2, self._packed, _REDUCE_RANGE)

@@ -383,7 +383,8 @@ def _row_int8(linear, group):
 
     amax_O = linear.weight.detach().float().abs().amax(dim=1)
     dist.all_reduce(amax_O, op=dist.ReduceOp.MAX, group=group)
-    return RowInt8Linear(linear, row_amax_O=amax_O, amax_group=group)
+    return RowInt8Linear(linear, row_amax_O=amax_O,
+                         amax_max=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
 
 
 class RowParallel(torch.nn.Module):
