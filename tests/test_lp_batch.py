@@ -177,8 +177,8 @@ def test_step_message_round_trip():
     fields, payload = pack_step(joins, [1, 2], [3, 7], True, [32, 0])
     got_joins, aborts, admits, cached, run = unpack_step(fields, payload, base)
     assert (aborts, admits, cached, run) == ([1, 2], [3, 7], [32, 0], True)
-    assert [(rid, p) for rid, p, _ in got_joins] == [(3, [1, 2, 3]), (7, [9]), (8, [4, 5]), (9, [6])]
-    for (_, _, want, *extra), (_, _, got), join in zip(joins, got_joins, got_joins):
+    assert [(rid, p) for rid, p, *_ in got_joins] == [(3, [1, 2, 3]), (7, [9]), (8, [4, 5]), (9, [6])]
+    for (_, _, want, *extra), (_, _, got, *_), join in zip(joins, got_joins, got_joins):
         assert got == want
         assert (join.prompt_logprobs, join.prompt_only) == (tuple(extra) or (None, False))
     assert unpack_step(*pack_step([], [], [], False), base) == ([], [], [], [], False)

@@ -90,5 +90,5 @@ def test_request_channel_carries_the_grammar():
     joins = [(k, [5, 6, 7], DecodingConfig(grammar=t, stop_strings=["é"], logit_bias={3: -1.5}))
              for k, t in enumerate(texts)]
     got, _, _, _, _ = unpack_step(*pack_step(joins, [], [], False), DecodingConfig())
-    assert [d.grammar for _, _, d in got] == texts
-    assert all(p == [5, 6, 7] and d.stop_strings == ["é"] and d.logit_bias == {3: -1.5} for _, p, d in got)
+    assert [d.grammar for _, _, d, *_ in got] == texts
+    assert all(p == [5, 6, 7] and d.stop_strings == ["é"] and d.logit_bias == {3: -1.5} for _, p, d, *_ in got)

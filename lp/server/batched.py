@@ -300,10 +300,9 @@ def worker_loop(engine: BatchEngine, tokenizer, eos: list[int], base, group) -> 
             log.info("rank %d: shutdown from rank 0 after %d step(s)", group.rank, steps)
             return
         joins, aborts, admits, cached, run = unpack_step(fields, payload, base)
-        for join in joins:  # rank 0 accepted them: the same checks pass here
-            rid, prompt_ids, d = join
-            engine.add(prompt_ids, d, eos, tokenizer, request_id=rid, prompt_logprobs=join.prompt_logprobs,
-                       prompt_only=join.prompt_only)
+        for rid, prompt_ids, d, prompt_logprobs, prompt_only in joins:  # rank 0 accepted them: the same checks pass
+            engine.add(prompt_ids, d, eos, tokenizer, request_id=rid, prompt_logprobs=prompt_logprobs,
+                       prompt_only=prompt_only)
         for rid in aborts:
             engine.abort(rid)
             engine.result(rid)

@@ -22,6 +22,7 @@ import dataclasses
 import struct
 import threading
 import time
+from typing import NamedTuple
 from dataclasses import dataclass, field
 
 from lp.config import DecodingConfig
@@ -166,6 +167,17 @@ def unpack_request(fields: list[int], payload: list[int], base: DecodingConfig) 
     return prompt_ids, d
 
 
+class Join(NamedTuple):
+    """One joining request of a step message: rank 0's request id, its prompt ids and decoding,
+    and the job's lp.engine.batch ``add`` arguments (echo with logprobs / max_tokens 0)."""
+
+    rid: int
+    prompt_ids: list[int]
+    decoding: DecodingConfig
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False
+
+
 def pack_step(joins: list[tuple[int, list[int], DecodingConfig]], aborts: list[int], admits: list[int],
               run: bool, cached: list[int] | None = None) -> tuple[list[int], list[int]]:
     """Header fields and payload of one step's changes (rank 0 -> every rank): ``joins`` =
@@ -178,8 +190,7 @@ def pack_step(joins: list[tuple[int, list[int], DecodingConfig]], aborts: list[i
     cached = [0] * len(admits) if cached is None else list(cached)
     assert len(cached) == len(admits), (admits, cached)
     payload = []
-    for rid, prompt_ids, d, *extra in joins:
-        prompt_logprobs, prompt_only = extra or (None, False)
+    for rid, prompt_ids, d, prompt_logprobs, prompt_only in (Join(*j) for j in joins):
         fields, body = pack_request(prompt_ids, d)
         payload += [rid, len(fields), *fields, len(body), *body, -1 if prompt_logprobs is None else prompt_logprobs,
                     int(prompt_only)]
@@ -187,16 +198,8 @@ def pack_step(joins: list[tuple[int, list[int], DecodingConfig]], aborts: list[i
     return [len(joins), len(aborts), len(admits), int(run)], payload
 
 
-class Join(tuple):
-    """One joining request as ``unpack_step`` gives it: (id, prompt ids, decoding), and the job's
-    ``prompt_logprobs`` / ``prompt_only`` (lp.engine.batch ``add``) as attributes."""
-
-    prompt_logprobs: int | None = None
-    prompt_only: bool = False
-
-
 def unpack_step(fields: list[int], payload: list[int], base: DecodingConfig):
-    """-> (joins [Join (id, prompt ids, decoding)], aborted ids, admitted ids, their cached rows, run)."""
+    """-> (joins [Join], aborted ids, admitted ids, their cached rows, run)."""
     n_joins, n_aborts, n_admits, run = fields[:4]
     joins, i = [], 0
     for _ in range(n_joins):
@@ -204,11 +207,9 @@ def unpack_step(fields: list[int], payload: list[int], base: DecodingConfig):
         req_fields = payload[i + 2 : i + 2 + nf]
         nb = payload[i + 2 + nf]
         body = payload[i + 3 + nf : i + 3 + nf + nb]
-        join = Join((rid, *unpack_request(req_fields, body, base)))
-        plp, join.prompt_only = payload[i + 3 + nf + nb], bool(payload[i + 4 + nf + nb])
-        join.prompt_logprobs = None if plp < 0 else plp
+        plp, only = payload[i + 3 + nf + nb], bool(payload[i + 4 + nf + nb])
+        joins.append(Join(rid, *unpack_request(req_fields, body, base), None if plp < 0 else plp, only))
         i += 5 + nf + nb
-        joins.append(join)
     aborts = payload[i : i + n_aborts]
     admits = payload[i + n_aborts : i + n_aborts + n_admits]
     cached = payload[i + n_aborts + n_admits : i + n_aborts + 2 * n_admits]
