@@ -89,7 +89,7 @@ from lp.drafts.budget import GainCalibration
 from lp.drafts.select import BatchCost, TreeRequest, select_tree, select_trees
 from lp.lookahead.layout import build_tree_layout
 from lp.model.head import argmax_rows
-from lp.model.runner import ModelRunner
+from lp.model.runner import ATTN_IMPLS, ModelRunner
 from lp.model.paged import PagedCache, SeqView, blocks_for
 from lp.lookahead.processors import row_extras
 
@@ -171,7 +171,7 @@ class BatchEngine:
             from lp.model.attention import batch_attention
 
             runner.attention = batch_attention(runner.attention, runner.device)
-            runner.attn_impl = {"sdpa": "sdpa", "flex": "lp_flex"}[runner.attention]
+            runner.attn_impl = ATTN_IMPLS[runner.attention]
         if max_batch < 1:
             raise ValueError(f"server.max_batch must be an integer >= 1, got {max_batch}")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:

@@ -58,6 +58,8 @@ def _own_forward(model):
 # packed forward
 
 ATTENTION = ("auto", "sdpa", "eager", "flex", "flash", "rowexact")
+# model.attention (resolved) -> the attention implementation registered with transformers
+ATTN_IMPLS = {"sdpa": "sdpa", "eager": "eager", "flex": "lp_flex", "flash": "lp_cascade", "rowexact": "lp_rowexact"}
 COMPILE = ("auto", "on", "off")
 
 
@@ -163,8 +165,7 @@ class ModelRunner:
                 "model.attention=flash (cascade) needs full attention over the prefix; this model has "
                 "sliding-window layers: use sdpa, eager or flex"
             )
-        self.attn_impl = {"sdpa": "sdpa", "eager": "eager", "flex": "lp_flex", "flash": "lp_cascade",
-                          "rowexact": "lp_rowexact"}[self.attention]
+        self.attn_impl = ATTN_IMPLS[self.attention]
         from transformers import PreTrainedModel
 
         configs = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
