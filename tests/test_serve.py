@@ -618,31 +618,6 @@ def test_lp_structured_and_tool_calls_equal_one_process(one, lp2):
             assert la_b["forced_tokens"] > 0, la_b  # the grammar's forced drafts (suffix mode), verified under LP
 
 
-def test_sigterm_during_a_long_stream_is_clean(one):
-    """SIGTERM while a long generation streams: the stream gets the server's 503 error event
-    (type server_error) and [DONE] instead of hanging or a torn connection, and the server
-    exits 0."""
-    body = _chat_body(messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
-                      max_tokens=2000, temperature=0, stream=True)
-    events, rc = [], None
-    with httpx.stream("POST", one.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append(line[len("data: "):])
-            if len(events) == 4:  # streaming: role chunk, then content
-                os.kill(one.proc.pid, signal.SIGTERM)
-    rc = one.stop(signal.SIGTERM, timeout=60)
-    assert rc == 0, one.log()[-3000:]
-    assert "[lp.serve] stopped" in one.log()
-    assert events[-1] == "[DONE]", events[-3:]
-    err = json.loads(events[-2])["error"]
-    assert err["type"] == "server_error" and err["code"] in ("unavailable", "cancelled"), err
-    assert "shutting down" in err["message"], err
-    assert any(json.loads(e).get("choices", [{}])[0].get("delta", {}).get("content") for e in events[:-2])
-
-
 # ---------------------------------------------------------------------------
 # Lookahead Parallelism: 2 gloo workers behind the server
 
@@ -872,3 +847,29 @@ def test_lp_killed_worker_ends_the_server(lp2):
     codes = health
     first_bad = next(i for i, c in enumerate(codes) if c != 200)
     assert 0 < first_bad and set(codes[first_bad:]) <= {503, None} and codes[-1] is None, codes
+
+
+# Last: it stops the one-process server every test above shares.
+def test_sigterm_during_a_long_stream_is_clean(one):
+    """SIGTERM while a long generation streams: the stream gets the server's 503 error event
+    (type server_error) and [DONE] instead of hanging or a torn connection, and the server
+    exits 0."""
+    body = _chat_body(messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+                      max_tokens=2000, temperature=0, stream=True)
+    events, rc = [], None
+    with httpx.stream("POST", one.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: "):])
+            if len(events) == 4:  # streaming: role chunk, then content
+                os.kill(one.proc.pid, signal.SIGTERM)
+    rc = one.stop(signal.SIGTERM, timeout=60)
+    assert rc == 0, one.log()[-3000:]
+    assert "[lp.serve] stopped" in one.log()
+    assert events[-1] == "[DONE]", events[-3:]
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "server_error" and err["code"] in ("unavailable", "cancelled"), err
+    assert "shutting down" in err["message"], err
+    assert any(json.loads(e).get("choices", [{}])[0].get("delta", {}).get("content") for e in events[:-2])

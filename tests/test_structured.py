@@ -213,17 +213,6 @@ def test_json_schema_path_and_missing_tokenizer(tiny, tok, tmp_path):
         LookaheadDecoder(runner, DecodingConfig(json_schema=str(tmp_path / "missing.json")))
 
 
-def test_lp_workers_refuse_structured_output(tiny, tok):
-    """Not yet under LP workers: a clear ValueError (lp.serve answers it with a 400)."""
-    from types import SimpleNamespace
-
-    _, runner = tiny
-    group = SimpleNamespace(lp_size=2, lp_rank=0, check_divergence=False)
-    dec = LookaheadDecoder(runner, DecodingConfig(grammar=compile_grammar("json_object", None)), group=group)
-    with pytest.raises(ValueError, match="not supported with parallel.workers > 1"):
-        dec.generate(tok.encode("x"), [tok.eos_token_id], tokenizer=tok)
-
-
 SAMPLED = ["person-schema", "call-schema", "regex", "lark", "choice"]
 
 
