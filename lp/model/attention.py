@@ -6,7 +6,9 @@ step's own block [K, K + Q), only their ancestors (the tree mask). Two functions
 exploit that shape; ``lp.model.runner.ModelRunner`` builds their masks and selects them:
 
 * ``lp_flex``: torch FlexAttention; ``attention_mask`` is a ``BlockMask`` whose
-  ``mask_mod`` is "kv in the prefix, or kv an ancestor" (plus the sliding window).
+  ``mask_mod`` is "kv in the prefix, or kv an ancestor" (plus the sliding window). On CUDA it
+  runs compiled (``compiled_flex``): one graph for every step after a prefill and a step over a
+  cache, whatever the rows, keys and block counts (tests/test_flex_recompiles.py).
 * ``lp_cascade``: cascade attention. The prefix part has no mask at all, so it runs
   on a dense kernel (flash-attn's ``flash_attn_func`` on CUDA when importable; torch's
   CPU flash kernel otherwise) that also returns the log-sum-exp; the small local block
@@ -72,14 +74,23 @@ def _repeat_kv(x_BHkvKD: torch.Tensor, groups: int) -> torch.Tensor:
     return x_BHkvKD[:, :, None].expand(b, h, groups, k, d).reshape(b, h * groups, k, d)
 
 
+# the device types whose flex calls run compiled, and torch.compile's backend there: on the CPU
+# flex runs torch's unfused reference kernel (exact, for tests); a test adds "cpu" with the
+# aot_eager backend to count dynamo's recompiles (tests/test_flex_recompiles.py: inductor's CPU
+# flex template does not build with dynamic shapes on torch 2.13)
+FLEX_COMPILE = {"cuda": "inductor"}
+
+
 def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     from torch.nn.attention.flex_attention import flex_attention
 
     if kwargs.get("softcap") is not None:
         raise ValueError("model.attention=flex does not support attention logit soft-capping; use sdpa or eager")
     groups = query.shape[1] // key.shape[1]
-    if query.device.type == "cuda":
-        out_BHQD = _compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=groups > 1)
+    backend = FLEX_COMPILE.get(query.device.type)
+    if backend is not None:
+        out_BHQD = compiled_flex(backend)(query, key, value, block_mask=padded_block_mask(attention_mask),
+                                          scale=scaling, enable_gqa=groups > 1)
     else:  # unfused reference kernel on the CPU: exact, for tests; torch warns about it once
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -88,11 +99,52 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
     return out_BHQD.transpose(1, 2).contiguous(), None
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
+@functools.lru_cache(maxsize=None)
+def compiled_flex(backend: str = "inductor"):
+    """flex_attention under torch.compile with dynamic shapes, one graph for every step after the
+    first two (a prefill, whose rows equal its keys, and a step over a cache). Its inputs change
+    in sizes only (rows, keys, the BlockMask's block counts: ``padded_block_mask`` keeps those
+    >= 2, so dynamo never specializes them on 1), and the sizes are compiled without duck
+    shaping: two sizes that happen to be equal on the first call (a prefill's rows and keys,
+    2 query blocks and 2 key blocks) stay two symbols, not one guarded equality."""
+    from torch.fx.experimental import _config as fx_config
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    compiled = torch.compile(flex_attention, dynamic=True, backend=backend)
+
+    def call(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def padded_block_mask(mask):
+    """``mask`` (a BlockMask) with its block tables at least 2 blocks wide and tall (zero rows
+    and columns past its own: blocks no row reads), so a compiled flex sees the block counts as
+    symbols from the first call instead of specializing on 1 (a graph for a cache of one block,
+    another once it spans two). The same for every layer of a step: built once, kept on the mask."""
+    padded = getattr(mask, "_lp_padded", None)
+    if padded is not None:
+        return padded
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def pad(num_blocks, indices):
+        if num_blocks is None:
+            return None, None
+        *batch, rows, cols = indices.shape
+        num = num_blocks.new_zeros(*batch, max(rows, 2))
+        num[..., :rows] = num_blocks
+        idx = indices.new_zeros(*batch, max(rows, 2), max(cols, 2))
+        idx[..., :rows, :cols] = indices
+        return num, idx
+
+    kv_num, kv_idx = pad(mask.kv_num_blocks, mask.kv_indices)
+    full_num, full_idx = pad(mask.full_kv_num_blocks, mask.full_kv_indices)
+    padded = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=mask.BLOCK_SIZE,
+                                      mask_mod=mask.mask_mod, seq_lengths=mask.seq_lengths)
+    mask._lp_padded = padded
+    return padded
 
 
 def prefix_attention(q_BHQD, k_BHkvKD, v_BHkvKD, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
