@@ -4,6 +4,8 @@
   no batched form: the batched engine runs what auto picks without flash-attn (flex on CUDA, sdpa
   on the CPU) instead of refusing; on the CPU a runner with ``attention=flash`` serves batches whose
   outputs equal transformers' greedy ``generate``;
+* on that CUDA path (flex, compiled) a batched step of several sequences is one flex kernel call per
+  decoder layer for the whole batch;
 * ``python -m lp.model.prebuild`` builds lp's CPU kernels for a CPU target only;
 * NCCL's watchdog timeout is longer than ``parallel.timeout_s`` (lp's own bound), gloo's equal to it.
 """
@@ -55,6 +57,51 @@ def test_batch_engine_takes_a_flash_runner_and_equals_generate(tiny_factory):
             outs.setdefault(o.request_id, []).extend(o.new_tokens)
     for rid, p in zip(ids, prompts):
         assert outs[rid] == hf_greedy(model, p, 20)
+
+
+def test_batched_step_on_the_cuda_path_is_one_flex_call_per_layer(tiny_factory, monkeypatch):
+    """The batched step a CUDA server runs (a flash runner's batches on flex, compiled): ONE flex
+    kernel call per decoder layer for the whole batch (every sequence's rows, prefill chunks and
+    trees, in one packed call with one BlockMask), not one per sequence; tokens == ``generate``.
+    On the CPU, with flex compiled by aot_eager (tests/test_flex_recompiles.py)."""
+    import torch._dynamo
+
+    real_batch_attention, real_compiled = attention.batch_attention, attention.compiled_flex
+    monkeypatch.setattr(attention, "batch_attention", lambda name, device: real_batch_attention(name, CUDA))
+    monkeypatch.setitem(attention.FLEX_COMPILE, "cpu", "aot_eager")
+    calls = []  # rows of every flex kernel call
+
+    def counted(backend):
+        def call(query, *args, **kwargs):
+            calls.append(query.shape[2])
+            return real_compiled(backend)(query, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(attention, "compiled_flex", counted)
+    model = tiny_factory("llama")
+    layers = model.config.num_hidden_layers
+    engine = BatchEngine(ModelRunner(model, attention="flash"), kv_tokens=1024, block_size=8, max_batch=4,
+                         max_prefill_tokens=8)
+    assert (engine.runner.attention, engine.runner.attn_impl) == ("flex", "lp_flex")
+    prompts = [REPETITIVE_PROMPT, [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5], list(range(20, 50)), [7, 7, 8, 7, 7, 8]]
+    cfg = DecodingConfig(max_new_tokens=16, W=3, N=3, G=3)
+    ids = [engine.add(p, cfg) for p in prompts]
+    outs, steps = {rid: [] for rid in ids}, []
+    try:
+        while engine.has_work:
+            n = len(calls)
+            for o in engine.step():
+                outs[o.request_id].extend(o.new_tokens)
+            steps.append((len(engine.running), calls[n:]))
+    finally:
+        torch._dynamo.reset()
+    for rid, p in zip(ids, prompts):
+        assert outs[rid] == hf_greedy(model, p, 16)
+    per_layer = {len(step_calls) / layers for _, step_calls in steps}
+    assert per_layer == {1}, f"flex calls per layer in a batched step: {sorted(per_layer)}"
+    assert all(len(set(step_calls)) == 1 for _, step_calls in steps)  # every layer the whole step's rows
+    assert max(running for running, _ in steps) == 4
 
 
 def test_batch_engine_still_refuses_static_shapes(tiny_factory):
