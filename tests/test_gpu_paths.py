@@ -6,7 +6,8 @@
   outputs equal transformers' greedy ``generate``;
 * on that CUDA path (flex, compiled) a batched step of several sequences is one flex kernel call per
   decoder layer for the whole batch;
-* ``python -m lp.model.prebuild`` builds lp's CPU kernels for a CPU target only;
+* ``python -m lp.model.prebuild`` builds lp's CPU kernels for a CPU target only, and a model on CUDA
+  never builds lp's C++ attention (``lp.model.attention.register(device)``);
 * NCCL's watchdog timeout is longer than ``parallel.timeout_s`` (lp's own bound), gloo's equal to it.
 """
 
@@ -108,6 +109,25 @@ def test_batch_engine_still_refuses_static_shapes(tiny_factory):
     runner = ModelRunner(tiny_factory("llama"), attention="sdpa", static_shapes=True)
     with pytest.raises(ValueError, match="cuda_graphs"):
         BatchEngine(runner, kv_tokens=256, block_size=8)
+
+
+def test_cpu_attention_extension_is_built_for_a_cpu_model_only(tiny_factory, monkeypatch):
+    """lp's C++ paged attention (``-march=native -fopenmp``, 30-60 s on a fresh machine) runs only
+    in a CPU model's batched steps: a batched engine over a model on CUDA, and a runner's flex or
+    cascade kernels, register their attention without building it; a CPU model's engine builds it."""
+    built = []
+    monkeypatch.setattr(attention, "_NATIVE", None)
+    monkeypatch.setattr(attention, "native_attention", lambda: built.append(1))
+    runner = ModelRunner(tiny_factory("llama"), attention="sdpa")
+    monkeypatch.setattr(runner, "device", CUDA)  # the model on CUDA, as far as the engine can tell
+    BatchEngine(runner, kv_tokens=256, block_size=8)
+    ModelRunner(tiny_factory("llama"), attention="flex")
+    ModelRunner(tiny_factory("llama"), attention="flash")
+    attention.register("cuda")
+    assert built == []
+    monkeypatch.setattr(runner, "device", CPU)
+    BatchEngine(runner, kv_tokens=256, block_size=8)
+    assert built == [1]
 
 
 def test_prebuild_builds_cpu_kernels_for_a_cpu_target_only(monkeypatch, capsys):

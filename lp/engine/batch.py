@@ -186,7 +186,7 @@ class BatchEngine:
         if runner.attention == "sdpa":
             from lp.model import attention
 
-            attention.register()
+            attention.register(runner.device)  # lp's C++ attention on a CPU model only
         self.cache = PagedCache(kv_tokens, block_size, prefix_cache)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens

@@ -27,7 +27,8 @@ exploit that shape; ``lp.model.runner.ModelRunner`` builds their masks and selec
   ``NATIVE_ROWS`` rows (decoding rows, small trees) in one parallel loop, longer ones (prefill
   chunks) one ATen sdpa each. Measured on the 2-vCPU Sapphire Rapids VM, 8 one-row sequences
   of 150-400 keys, SmolLM2's heads: 92 us a layer against 400 for one sdpa call a sequence from
-  Python. Elsewhere (bf16, CUDA, a build without AVX-512, no compiler, ``LP_NATIVE_ATTENTION=0``):
+  Python. Built and loaded only for a model on the CPU (``register(device)``). Elsewhere (bf16,
+  CUDA, a build without AVX-512, no compiler, ``LP_NATIVE_ATTENTION=0``):
   ``lp::paged_attention``, one sdpa call per sequence from Python.
 
 All return ``(out [B, Q, H, D], None)`` like transformers' own attention functions.
@@ -278,7 +279,7 @@ def _gather_slots(pool_BHPD: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 # longer ones one ATen sdpa each. Measured here (9 / 3 heads, 400 keys, us): rows 2 34 vs 51
 # (sdpa from Python), 4 71 vs 68, 8 141 vs 98, 16 267 vs 106
 NATIVE_ROWS = 3
-_NATIVE = None  # torch.ops.lp_attention.paged once register() loaded it
+_NATIVE = None  # torch.ops.lp_attention.paged once register(a CPU device) loaded it
 
 
 def _native_shape(query, key, value, spans, masks, slots, scale, sliding, max_rows):
@@ -333,12 +334,20 @@ BATCH_SDPA = "lp_batch_sdpa"
 
 
 @functools.lru_cache(maxsize=1)
-def register() -> None:
-    """Register the functions with transformers (once per process)."""
+def _register_functions() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(FLEX, flex_attention_forward)
     AttentionInterface.register(CASCADE, cascade_attention_forward)
     AttentionInterface.register(BATCH_SDPA, batch_sdpa_forward)
+
+
+def register(device: torch.device | str | None = None) -> None:
+    """Register the functions with transformers (once per process). ``device``: the model's; on a
+    CPU device also load lp's C++ paged attention for the batched steps (``native_attention``:
+    built on its first load on a machine, 30-60 s), the one place it runs: a model on CUDA (or
+    ``device`` None: a runner's flex / cascade kernels, which never read it) builds nothing."""
+    _register_functions()
     global _NATIVE
-    _NATIVE = native_attention()
+    if _NATIVE is None and device is not None and torch.device(device).type == "cpu":
+        _NATIVE = native_attention()
