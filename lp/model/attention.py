@@ -185,7 +185,27 @@ def merge_attention(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
     return out.to(out_a.dtype)
 
 
+# rows of the cascade's query block computed at once: its local block is fp32 math attention,
+# scores [B, H, rows, Q] (and their exponentials), so a 16k-token prompt's prefill in one piece
+# needs H x 16k x 16k x 4 bytes twice (tens of GiB); in pieces of 1024 rows, 1/16 of that.
+# ``LP_CASCADE_CHUNK_ROWS`` sets it (an integer >= 1); each row's result is the same either way
+CASCADE_CHUNK_ROWS = 1024
+
+
+def cascade_chunk_rows() -> int:
+    value = os.environ.get("LP_CASCADE_CHUNK_ROWS")
+    if value is None:
+        return CASCADE_CHUNK_ROWS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LP_CASCADE_CHUNK_ROWS must be an integer >= 1 (rows of the cascade's prefill "
+                         f"computed at once), got {value!r}")
+    return int(value)
+
+
 def cascade_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The cascade over query rows in pieces of ``cascade_chunk_rows()`` (a prompt's prefill is one
+    long block: its [Q, Q] local scores would be materialized whole): every piece attends the
+    whole prefix and the whole local block with its own rows of the mask."""
     if kwargs.get("softcap") is not None:
         raise ValueError("model.attention=flash does not support attention logit soft-capping; use sdpa or eager")
     q = query.shape[2]
@@ -194,12 +214,16 @@ def cascade_attention_forward(module, query, key, value, attention_mask, scaling
     groups = query.shape[1] // key.shape[1]
     local_k = _repeat_kv(key[:, :, k:], groups)
     local_v = _repeat_kv(value[:, :, k:], groups)
-    out_l, lse_l = _math_attention(query, local_k, local_v, scale, attention_mask)
-    if k > 0:
-        out_p, lse_p = prefix_attention(query, key[:, :, :k], value[:, :, :k], scale)
-        out = merge_attention(out_p, lse_p, out_l, lse_l)
-    else:
-        out = out_l
+    rows = cascade_chunk_rows()
+    outs = []
+    for r in range(0, q, rows):
+        q_BHRD = query[:, :, r : r + rows]
+        out_l, lse_l = _math_attention(q_BHRD, local_k, local_v, scale, attention_mask[:, :, r : r + rows])
+        if k > 0:
+            out_p, lse_p = prefix_attention(q_BHRD, key[:, :, :k], value[:, :, :k], scale)
+            out_l = merge_attention(out_p, lse_p, out_l, lse_l)
+        outs.append(out_l)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
