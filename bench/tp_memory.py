@@ -48,10 +48,10 @@ def held_bytes(model) -> int:
     import torch
 
     seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        t = t.to_local() if hasattr(t, "to_local") else t
+    for t in [*model.parameters(), *model.buffers()]:  # by the tensor's id (a local shard is a new object each call)
         if id(t) not in seen:
             seen.add(id(t))
+            t = t.to_local() if hasattr(t, "to_local") else t
             total += t.numel() * t.element_size()
     for m in model.modules():
         if type(m).__name__ == "RowInt8Linear":

@@ -27,7 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_serve import CHAT, COUNT, RAW, ROOT, SAMPLED_SHAPE, SERVER_ARGS, Server, free_port, one  # noqa: F401
+from tests.test_serve import (CHAT, COUNT, RAW, ROOT, SAMPLED_SHAPE, SERVER_ARGS, Server, free_port,  # noqa: F401
+                              one, rank_pids)
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +66,18 @@ def tp2(tmp_path_factory, padded):
            "parallel.workers=1", "parallel.tp=2", "model.threads=1", f"server.port={port}", *SERVER_ARGS,
            f"model.path={padded}", "server.model_id=smollm2", "parallel.timeout_s=30", "server.heartbeat_s=2"]
     server = Server(cmd, port, workdir, env)
+    ranks = {}
     try:
         server.wait_healthy()
+        ranks = rank_pids(server)  # torchrun starts each rank in its own session: killpg does not reach them
         yield server
     finally:
-        server.stop(signal.SIGKILL)
+        server.stop()  # SIGTERM: torchrun forwards it to the ranks
+        for pid in ranks.values():  # whatever is left of them
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _create(server, **kw):
