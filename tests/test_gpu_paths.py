@@ -8,7 +8,9 @@
   decoder layer for the whole batch;
 * ``python -m lp.model.prebuild`` builds lp's CPU kernels for a CPU target only, and a model on CUDA
   never builds lp's C++ attention (``lp.model.attention.register(device)``);
-* NCCL's watchdog timeout is longer than ``parallel.timeout_s`` (lp's own bound), gloo's equal to it.
+* NCCL's watchdog timeout is longer than ``parallel.timeout_s`` (lp's own bound), gloo's equal to it,
+  and an NCCL collective whose peer is dead ends in lp's own WorkerFailure within that bound (a
+  bounded wait on the async collective), with the message gloo's failure gives (fake collectives).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from lp.config import DecodingConfig
 from lp.engine.batch import BatchEngine
 from lp.model import attention, prebuild
 from lp.model.runner import ModelRunner, resolve_attention
-from lp.parallel.dist import NCCL_STARTUP_S, pg_timeout
+from lp.config import ParallelConfig
+from lp.parallel import dist as lp_dist
+from lp.parallel.dist import NCCL_STARTUP_S, RequestChannel, WorkerFailure, WorkerGroup, pg_timeout
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it
@@ -159,3 +163,75 @@ def test_nccl_watchdog_outlives_lp_timeout(lp_s):
     assert pg_timeout("gloo", lp_s) == datetime.timedelta(seconds=lp_s)  # gloo raises lp's own in time
     with pytest.raises(ValueError, match="parallel.timeout_s"):
         pg_timeout("nccl", 0)
+
+
+class _DeadPeerWork:
+    """An NCCL collective's Work whose peer is dead: ``wait(timeout)`` raises as NCCL's blocking wait
+    does on a time-out (or returns False)."""
+
+    def __init__(self, outcome):
+        self.outcome, self.timeouts = outcome, []
+
+    def wait(self, timeout=datetime.timedelta(0)):
+        self.timeouts.append(timeout)
+        if self.outcome == "raise":
+            raise RuntimeError("Work WorkNCCL(SeqNum=7, OpType=ALLGATHER) timed out in blocking wait")
+        return self.outcome
+
+
+def _dead_peer_collectives(monkeypatch, outcome):
+    """Every collective lp.parallel.dist calls, as NCCL behaves with a dead peer: a synchronous call
+    returns at once, nothing raised in the calling thread (the host then blocks in its next device
+    read until NCCL's watchdog aborts the process); an async one returns a Work that never finishes.
+    gloo (``outcome`` "gloo") raises in the call, within the process group's timeout."""
+    works, sync = [], []
+
+    def op(*args, async_op=False, **kwargs):
+        if outcome == "gloo":
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+        if not async_op:
+            sync.append(args)
+            return None
+        works.append(_DeadPeerWork(outcome))
+        return works[-1]
+
+    for name in ("all_gather_into_tensor", "all_gather", "broadcast", "all_reduce"):
+        monkeypatch.setattr(lp_dist.dist, name, op)
+    return works, sync
+
+
+def _every_collective(group):
+    host = torch.zeros(4, dtype=torch.long)
+    return {
+        "per-step exchange": lambda: group._gather(host, host, torch.zeros(8, dtype=torch.long), 4),
+        "broadcast": lambda: group.share_floats([1.0, 2.0]),
+        "all_reduce": lambda: group.min_int(3),
+        "request channel header": lambda: RequestChannel(group).recv(),
+        "request channel handshake": lambda: RequestChannel(group).handshake([1, 2, 3]),
+    }
+
+
+@pytest.mark.parametrize("outcome", ["raise", False])
+def test_nccl_dead_rank_ends_in_lps_own_message_within_timeout_s(monkeypatch, outcome):
+    startup = datetime.timedelta(seconds=NCCL_STARTUP_S)
+    # the first collective waits out the ranks' start-up skew, still inside NCCL's watchdog
+    group = WorkerGroup(1, 2, 1, CPU, ParallelConfig(timeout_s=7), backend="nccl")
+    works, _ = _dead_peer_collectives(monkeypatch, outcome)
+    with pytest.raises(WorkerFailure, match="^all_reduce failed"):
+        group.min_int(3)
+    assert [w.timeouts for w in works] == [[startup]] and startup < pg_timeout("nccl", 7)
+    works, _ = _dead_peer_collectives(monkeypatch, True)  # then every rank answers once: started
+    assert group.min_int(3) == 3 and [w.timeouts for w in works] == [[startup]]
+    gloo = WorkerGroup(1, 2, 1, CPU, ParallelConfig(timeout_s=7), backend="gloo")
+    for what, call in _every_collective(group).items():
+        works, sync = _dead_peer_collectives(monkeypatch, outcome)
+        with pytest.raises(WorkerFailure, match=f"^{what} failed \\(") as nccl_failure:
+            call()
+        assert not sync and [w.timeouts for w in works] == [[datetime.timedelta(seconds=7)]], what
+        if outcome == "raise":  # the same words as gloo's failure, around each backend's own error
+            _dead_peer_collectives(monkeypatch, "gloo")
+            with pytest.raises(WorkerFailure) as gloo_failure:
+                _every_collective(gloo)[what]()
+            assert str(gloo_failure.value).split(" (")[0] == str(nccl_failure.value).split(" (")[0] == f"{what} failed"
+        else:
+            assert "no answer within parallel.timeout_s=7 s" in str(nccl_failure.value)

@@ -59,8 +59,9 @@ when ``parallel.check_divergence`` is on (else 0), compared over every process
 divergent step.
 
 Failure: a collective that does not complete within ``parallel.timeout_s``
-(a dead or stuck peer) raises; ``lp.generate`` turns that into a clear message
-and a non-zero exit on every live rank, and torchrun stops the rest.
+(a dead or stuck peer) raises ``WorkerFailure`` (gloo by its process group's timeout, NCCL by
+lp's own bounded wait on the collective, ``bounded``: NCCL's watchdog is set longer); ``lp.generate``
+turns that into a clear message and a non-zero exit on every live rank, and torchrun stops the rest.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def init_worker_group(cfg: ParallelConfig, device: torch.device) -> "WorkerGroup
         opts = _pg_options(backend, timeout)  # sub-groups otherwise get torch's 30-min default
         mesh = init_device_mesh(device.type, (workers, tp), mesh_dim_names=("lp", "tp"),
                                 backend_override={"lp": (backend, opts), "tp": (backend, opts)})
-    return WorkerGroup(rank, world, local_rank, device, cfg, tp=tp, mesh=mesh)
+    return WorkerGroup(rank, world, local_rank, device, cfg, tp=tp, mesh=mesh, backend=backend)
 
 
 # NCCL's watchdog aborts the whole process once a collective outlives the process group's timeout (lp's
@@ -169,6 +170,24 @@ def pg_timeout(backend: str, timeout_s: float) -> datetime.timedelta:
     if backend == "nccl":
         return datetime.timedelta(seconds=max(2 * timeout_s, timeout_s + NCCL_STARTUP_S))
     return datetime.timedelta(seconds=timeout_s)
+
+
+def bounded(what: str, collective, /, *args, wait_s: float | None = None, **kwargs) -> None:
+    """Run ``collective(*args, **kwargs)``; a time-out or a vanished peer raises lp's WorkerFailure
+    naming ``what``, whatever the backend. gloo (``wait_s`` None) raises in the calling thread within the
+    process group's timeout (``parallel.timeout_s``). NCCL enqueues a collective and returns: the host
+    would block in its next device read until NCCL's watchdog aborts the whole process (``pg_timeout``,
+    longer, lp's message never shown), so there the collective runs async and the host waits for it at
+    most ``wait_s`` (``parallel.timeout_s``: ``Work.wait(timeout)`` blocks the CPU thread and raises)."""
+    try:
+        if wait_s is None:
+            collective(*args, **kwargs)
+            return
+        done = collective(*args, async_op=True, **kwargs).wait(datetime.timedelta(seconds=wait_s))
+    except Exception as e:  # gloo/nccl raise on timeout or a vanished peer
+        raise WorkerFailure(f"{what} failed ({type(e).__name__}: {e})") from e
+    if done is False:
+        raise WorkerFailure(f"{what} failed (no answer within parallel.timeout_s={wait_s:g} s: a dead or stuck rank)")
 
 
 def _pg_options(backend: str, timeout: datetime.timedelta):
@@ -266,7 +285,7 @@ def _write_frame(buf, payload: list[int], cancel: bool, state_hash: int) -> None
 
 class WorkerGroup:
     def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, cfg: ParallelConfig,
-                 tp: int = 1, mesh=None):
+                 tp: int = 1, mesh=None, backend: str = "gloo"):
         self.rank = rank  # global process rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -278,8 +297,26 @@ class WorkerGroup:
         self.mesh = mesh  # DeviceMesh (lp, tp) when tp > 1
         self.tp_mesh = mesh["tp"] if mesh is not None else None
         self.check_divergence = cfg.check_divergence
+        self.backend = backend
+        self.timeout_s = cfg.timeout_s
+        self.started = False  # a collective has completed: every rank is past its start-up
         self._slots = 0
         self._batch_slots = 0
+
+    @property
+    def wait_s(self) -> float | None:
+        """lp's own bound on a collective where the backend does not raise in time itself (NCCL,
+        ``bounded``): ``parallel.timeout_s``, and for the first collective, which waits out the ranks'
+        start-up skew (loads, kernel builds, compiles), at least ``NCCL_STARTUP_S`` (still inside NCCL's
+        watchdog, ``pg_timeout``). None for gloo, whose process group raises in time."""
+        if self.backend != "nccl":
+            return None
+        return self.timeout_s if self.started else max(self.timeout_s, NCCL_STARTUP_S)
+
+    def collective(self, what: str, fn, /, *args, **kwargs) -> None:
+        """``fn(*args, **kwargs)`` under ``bounded``: WorkerFailure naming ``what`` on a dead or stuck rank."""
+        bounded(what, fn, *args, wait_s=self.wait_s, **kwargs)
+        self.started = True
 
     # -- the exchange ---------------------------------------------------------
 
@@ -326,10 +363,7 @@ class WorkerGroup:
             send = host
         else:
             send.copy_(host, non_blocking=True)
-        try:
-            dist.all_gather_into_tensor(recv, send)
-        except Exception as e:  # gloo/nccl raise on timeout or a vanished peer
-            raise WorkerFailure(f"per-step exchange failed ({type(e).__name__}: {e})") from e
+        self.collective("per-step exchange", dist.all_gather_into_tensor, recv, send)
         return recv.view(self.world_size, slots).tolist()  # one device->host read
 
     def _frames_of(self, rows: list[list[int]], off: int, size: int) -> tuple[list[list[int]], bool]:
@@ -355,10 +389,7 @@ class WorkerGroup:
             for i, (q, t) in enumerate(curve):
                 buf[1 + 3 * i], buf[2 + 3 * i], buf[3 + 3 * i] = float(q), float(t), float(q in small_rows)
         dev = buf.to(self.device)
-        try:
-            dist.broadcast(dev, src=0)
-        except Exception as e:
-            raise WorkerFailure(f"t(Q) broadcast failed ({type(e).__name__}: {e})") from e
+        self.collective("t(Q) broadcast", dist.broadcast, dev, src=0)
         vals = dev.cpu().tolist()
         n = int(vals[0])
         curve = [(int(vals[1 + 3 * i]), vals[2 + 3 * i]) for i in range(n)]
@@ -367,19 +398,13 @@ class WorkerGroup:
     def share_floats(self, values: list[float]) -> list[float]:
         """Rank 0's ``values`` on every rank (one broadcast)."""
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
-        try:
-            dist.broadcast(t, src=0)
-        except Exception as e:
-            raise WorkerFailure(f"broadcast failed ({type(e).__name__}: {e})") from e
+        self.collective("broadcast", dist.broadcast, t, src=0)
         return t.cpu().tolist()
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (e.g. the K/V slots each GPU has room for)."""
         t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
-        try:
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        except Exception as e:
-            raise WorkerFailure(f"all_reduce failed ({type(e).__name__}: {e})") from e
+        self.collective("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
     def close(self) -> None:
@@ -437,20 +462,14 @@ class RequestChannel:
         self.seq = 0
 
     def _broadcast(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        try:
-            dist.broadcast(t, src=0)
-        except Exception as e:  # gloo/nccl raise on timeout or a vanished peer
-            raise WorkerFailure(f"request channel {what} failed ({type(e).__name__}: {e})") from e
+        self.group.collective(f"request channel {what}", dist.broadcast, t, src=0)
         return t
 
     def handshake(self, fingerprint: list[int]) -> None:
         """Every rank shows the same model (vocab, context, parameter count ...) before serving."""
         mine = torch.tensor([len(fingerprint)] + list(fingerprint), dtype=torch.long, device=self.group.device)
         gathered = [torch.empty_like(mine) for _ in range(self.group.world_size)]
-        try:
-            dist.all_gather(gathered, mine)
-        except Exception as e:
-            raise WorkerFailure(f"request channel handshake failed ({type(e).__name__}: {e})") from e
+        self.group.collective("request channel handshake", dist.all_gather, gathered, mine)
         rows = [g.cpu().tolist() for g in gathered]
         if any(r != rows[0] for r in rows):
             raise WorkerFailure(f"ranks loaded different models: fingerprints {rows}")
