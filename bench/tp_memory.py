@@ -242,8 +242,8 @@ def main() -> None:
             rows = run(path, t, w, out, args.device, args.dtype, q)
             runs[kind_name(t, w, q)].append(rows)
             print(f"round {r} {kind_name(t, w, q)}: peak per rank {[round(x['peak_mb']) for x in rows]} MB, weights "
-                  f"{[round(x['weight_bytes'] / 2**20) for x in rows]} MiB, load {max(x['load_s'] for x in rows):.1f} s",
-                  flush=True)
+                  f"{[round(x['weight_bytes'] / 2**20) for x in rows]} MiB, "
+                  f"load {max(x['load_s'] for x in rows):.1f} s", flush=True)
     table = make_table(runs, {kind_name(t, w, q): kind_name(1, False, q) for t, w, q in kinds})
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -296,8 +296,9 @@ def markdown(meta: dict, table: list[dict], n_params: int) -> list[str]:
              "rounds in results.json). Weights: the bytes each rank's model holds after loading (the largest rank), "
              "and lp.parallel.memory's plan of them (exact4 planned as float32: an upper bound). x TP 1 and "
              "outputs == TP 1: against TP 1 with the same model.quant.", "",
-             "| run | quant | weights per rank (MiB) | planned (MiB) | planned load peak (MiB) | peak RSS per rank (MB) "
-             "| x TP 1 | runtime before load (MB) | anon at end (MB) | device peak (MB) | load (s) | outputs == TP 1 |",
+             "| run | quant | weights per rank (MiB) | planned (MiB) | planned load peak (MiB) "
+             "| peak RSS per rank (MB) | x TP 1 | runtime before load (MB) | anon at end (MB) | device peak (MB) "
+             "| load (s) | outputs == TP 1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in table:
         ratio = f"{row['ratio_to_tp1']:.2f}" if row["ratio_to_tp1"] else "-"

@@ -22,7 +22,6 @@ import os
 import re
 import signal
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
