@@ -167,9 +167,10 @@ class ModelConfig:
     # linear kernels of lp's forwards (lp.model.kernels): auto (CPU: oneDNN-prepacked weights when
     # the packed copy fits in half the free memory) | packed | plain (torch's F.linear)
     linears: str = "auto"
-    # the LM head of greedy steps (lp.model.head): auto (a bf16 screen proving each row's argmax,
-    # exact fp32 logits for the tokens it keeps, where the bf16 head measures faster) | screen |
-    # exact (the fp32 head's 49k logits every row)
+    # the LM head (lp.model.head, lp.model.exact4.head8): auto (under model.quant=exact4 a head whose
+    # weights are exact 8-bit blocks, a GGUF Q8_0's, runs on them, up to 16 rows; else, for greedy
+    # steps, a bf16 screen proving each row's argmax, exact fp32 logits for the tokens it keeps, where
+    # the bf16 head measures faster) | screen | exact (the fp32 head's 49k logits every row)
     head: str = "auto"
     # lp's packed forward under torch.compile/inductor (lp.model.runner), one sequence's steps and the
     # batched step of lp.serve: auto (eager: every new process would pay the compile) | on | off

@@ -205,3 +205,70 @@ def test_one_pass_encoder_equals_the_torch_reference(q4_model):
             accepted += 1
             assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert accepted == len(lins) + 1  # every rounded linear and the constant block; the three others declined
+
+
+# -- the LM head as exact 8-bit blocks (a GGUF Q8_0 head: SmolLM2's) --------------------------------
+
+
+def to_q8_head(model: nn.Module) -> nn.Module:
+    """The head rounded as Q8_0 stores it: per 32 weights d = float16(max |w| / 127), w = q * d with
+    q = round(w / d) in -127..127 (a tied embedding shares it)."""
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        w = head.weight.view(head.out_features, -1, 32)
+        d = (w.abs().amax(dim=2, keepdim=True) / 127).half().float()
+        head.weight.copy_((torch.round(w / d).clamp(-127, 127) * d).view_as(head.weight))
+    return model
+
+
+@pytest.fixture(scope="module")
+def q48_model(q4_model):
+    return to_q8_head(copy.deepcopy(q4_model))
+
+
+def test_a_q8_head_runs_on_its_blocks_bit_for_bit_and_rows_alone(q48_model):
+    w_VK = q48_model.get_output_embeddings().weight.detach().clone()
+    q, d = exact4.encode8(w_VK)
+    eye = torch.eye(w_VK.shape[1])
+    assert torch.equal(torch.ops.lp_exact4.mm8(eye, q, d).t(), w_VK)  # every weight, bit for bit
+    torch.manual_seed(2)
+    x = torch.randn(21, w_VK.shape[1])
+    y = torch.ops.lp_exact4.mm8(x, q, d)
+    for m in (1, 2, 3, 5, 8, 9, 16, 21):  # every row tile: a row's logits depend on that row only
+        assert torch.equal(torch.ops.lp_exact4.mm8(x[m - 1 : m].clone(), q, d)[0], y[m - 1]), m
+        assert torch.equal(torch.ops.lp_exact4.mm8(x[:m].clone(), q, d), y[:m]), m
+    assert torch.allclose(y, x @ w_VK.t(), rtol=1e-5, atol=1e-5)  # the fp32 head's, up to summation order
+
+
+def test_a_head_that_is_not_8_bit_blocks_stays_float32(q4_model, q48_model):
+    w = q48_model.get_output_embeddings().weight.detach()
+    off = w.clone()
+    off[3, 37] = torch.nextafter(off[3, 37], torch.tensor(float("inf")))  # one ulp off its block
+    assert exact4.encode8(off) is None and exact4.encode8(torch.randn(64, 64)) is None
+    model = copy.deepcopy(q4_model)  # random head
+    quantize(model, "exact4")
+    runner = ModelRunner(model)
+    assert runner.linears == "packed" and runner.head8 is None
+
+
+def test_lookahead_on_the_8_bit_head_equals_generate(q48_model):
+    """The runner's head reads the 8-bit blocks (up to HEAD8_MAX_ROWS rows, the fp32 head beyond),
+    and lookahead == generate on the converted model (whose head, nn.Linear, multiplies the same
+    float32 weights); model.head=exact keeps the fp32 head."""
+    model = copy.deepcopy(q48_model)
+    quantize(model, "exact4")
+    ref = hf_greedy(model, REPETITIVE_PROMPT, 40)
+    cfg = DecodingConfig(max_new_tokens=40, drafts="suffix", draft_budget="all", max_draft_rows=12, W=2, N=3, G=3,
+                         window_policy="always")
+    runner = ModelRunner(model)
+    assert runner.head8 is not None and runner.head_screen is None
+    res = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT)
+    assert res.output_ids == ref and res.stats.compression_ratio > 1.0
+    assert runner.head8.calls >= res.stats.steps  # every step's head ran on the blocks
+    calls = runner.head8.calls
+    torch.manual_seed(3)
+    x = torch.randn(exact4.HEAD8_MAX_ROWS + 1, model.config.hidden_size)
+    assert runner.head8.logits(x) is None and runner.head8.calls == calls  # more rows: the fp32 head
+    fp32 = ModelRunner(model, head="exact")
+    assert fp32.head8 is None and LookaheadDecoder(fp32, cfg).generate(REPETITIVE_PROMPT).output_ids == ref
+    assert runner.head8.calls == calls  # another runner with model.head=exact on the same model: its own head

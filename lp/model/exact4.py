@@ -56,10 +56,15 @@ def extension():
     (lp.model.kernels.build_extension); a ValueError naming what is missing when it cannot be built."""
     mod = build_extension("lp_exact4", "model.quant=exact4")
     torch.library.register_fake("lp_exact4::mm")(_mm_shape)
+    torch.library.register_fake("lp_exact4::mm8")(_mm8_shape)
     return mod
 
 
 def _mm_shape(x, q, d, c):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def _mm8_shape(x, q, d):
     return x.new_empty(x.shape[0], q.shape[0])
 
 
@@ -212,3 +217,72 @@ def convert(model: nn.Module) -> tuple[int, int]:
             done += 1
     log.info("model.quant=exact4: %d linears run on exact 4-bit blocks, %d left as they were", done, left)
     return done, left
+
+
+# -- the LM head as exact 8-bit blocks ------------------------------------------------------------
+# A GGUF Q8_0 tensor dequantized to float32 (SmolLM2's tied embedding and head: 49,152 x 576) holds
+# per 32 weights w = d * q, q an int8 in -127..127 and d a float16 value, the block's largest
+# weight 127 d. ``lp_exact4.mm8`` streams those 1.06 bytes a weight (the fp32 head's 4) and forms
+# each weight as q * d, exact in float32: the head's own weights, in another summation order,
+# like exact4's linears. Measured on this project's 2-vCPU Xeon (bench/results/step_cost/head8):
+# see HEAD8_MAX_ROWS.
+
+# more rows: the packed fp32 head (oneDNN's GEMM), whose blocking wins once the step is compute-bound
+HEAD8_MAX_ROWS = 16
+
+
+def encode8(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q [N, K] int8, d [N, K / 32] float32) with ``q * d == w`` bit for bit, checked through the
+    kernel itself on unit rows over every block, or None: ``w_NK`` is not 8-bit blocks."""
+    if w_NK.dtype != torch.float32 or w_NK.dim() != 2 or w_NK.device.type != "cpu" or w_NK.shape[1] % BLOCK:
+        return None
+    ok, q, d = extension().encode8(w_NK.detach())
+    if not ok:
+        return None
+    k = w_NK.shape[1]
+    step = max(1, k // 64)
+    idx = (torch.arange(0, k, step) + torch.arange(len(range(0, k, step))) % BLOCK).clamp_(max=k - 1)
+    unit_RK = torch.zeros(len(idx), k, dtype=torch.float32)
+    unit_RK[torch.arange(len(idx)), idx] = 1.0
+    return (q, d) if torch.equal(torch.ops.lp_exact4.mm8(unit_RK, q, d), w_NK[:, idx].t()) else None
+
+
+class Head8:
+    """The LM head's weight as exact 8-bit blocks (``encode8``): ``logits(x)`` = x @ W.T in float32
+    for up to ``HEAD8_MAX_ROWS`` rows, else None (the caller runs the packed fp32 head)."""
+
+    def __init__(self, q_VK: torch.Tensor, d_VB: torch.Tensor):
+        self.q_VK, self.d_VB = q_VK, d_VB
+        self.calls = 0  # forwards it answered (tests read it)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        x_MK = x.reshape(-1, x.shape[-1])
+        if x_MK.shape[0] > HEAD8_MAX_ROWS or x_MK.dtype != torch.float32:
+            return None
+        self.calls += 1
+        return torch.ops.lp_exact4.mm8(x_MK, self.q_VK, self.d_VB).reshape(*x.shape[:-1], self.q_VK.shape[0])
+
+
+def head8(model: nn.Module) -> Head8 | None:
+    """The model's packed float32 head (``lp.model.kernels.pack`` first) as exact 8-bit blocks,
+    registered where the packed head's forward finds it (``kernels.HEAD8``), or None where its
+    weights are not 8-bit blocks. Kept on the model (``_lp_head8``): built once per model."""
+    import weakref
+
+    from lp.model import kernels
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, kernels.SmallRowsLinear) or head.packed_key < 0 or head.weight.dtype != torch.float32:
+        return None
+    h8 = getattr(model, "_lp_head8", None)
+    if h8 is None:
+        code = encode8(head.weight.detach())
+        if code is None:
+            log.info("model.quant=exact4: the LM head is not 8-bit blocks; it stays float32")
+            return None
+        h8 = Head8(*code)
+        model._lp_head8 = h8
+        log.info("model.quant=exact4: the LM head runs on its exact 8-bit blocks (up to %d rows)", HEAD8_MAX_ROWS)
+    key = head.packed_key
+    kernels.HEAD8[key] = weakref.ref(h8, lambda _, key=key: kernels.HEAD8.pop(key, None))
+    return h8

@@ -94,7 +94,9 @@ class ArgmaxOnly:
 
 
 ARGMAX_ONLY = ArgmaxOnly()
+HEAD8_ON = ArgmaxOnly()  # set (by lp.model.runner) around the forwards of a runner whose head runs on HEAD8
 SCREENS: dict = {}  # packed_key -> weak reference to the head's lp.model.head.HeadScreen
+HEAD8: dict = {}  # packed_key -> weak reference to the head's lp.model.exact4.Head8 (exact 8-bit blocks)
 
 
 class SmallRowsLinear(nn.Linear):
@@ -318,6 +320,10 @@ def packed_matmul(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 
 
 def _packed(x: torch.Tensor, key: int) -> torch.Tensor:
+    if HEAD8_ON.on and key in HEAD8:  # the head's exact 8-bit blocks (lp.model.exact4.head8): read at run time, never traced
+        y = HEAD8[key]().logits(x)
+        if y is not None:
+            return y
     if ARGMAX_ONLY.on and key in SCREENS:  # read at run time, never traced: no guard, no graph
         y = SCREENS[key]().logits(x)
         if y is not None:

@@ -223,7 +223,12 @@ class ModelRunner:
 
         if head not in HEADS:
             raise ValueError(f"model.head must be one of {', '.join(HEADS)}, got {head!r}")
-        self.head_screen = screen_head(model, head) if self.linears == "packed" else None
+        self.head8 = None
+        if self.quant == "exact4" and self.linears == "packed" and head == "auto":
+            from lp.model import exact4
+
+            self.head8 = exact4.head8(model)  # the head's exact 8-bit blocks, where it holds them
+        self.head_screen = screen_head(model, head) if self.linears == "packed" and self.head8 is None else None
         if head == "screen" and self.head_screen is None:
             raise ValueError("model.head=screen needs a packed fp32 LM head (model.linears=packed, model.dtype=float32 "
                              "on the CPU): use model.head=auto or exact")
@@ -402,6 +407,7 @@ class ModelRunner:
         small = self.uses_small_rows(rows)
         packed = self.linears == "packed"
         screen = argmax_only and self.head_screen is not None
+        head8 = self.head8 is not None
         if swap:
             for c in self._configs:
                 c._attn_implementation_internal = impl
@@ -411,11 +417,15 @@ class ModelRunner:
             self._switch.packed = True
         if screen:
             kernels.ARGMAX_ONLY.on = True
+        if head8:
+            kernels.HEAD8_ON.on = True
         try:
             yield
         finally:
             if screen:
                 kernels.ARGMAX_ONLY.on = False
+            if head8:
+                kernels.HEAD8_ON.on = False
             if small:
                 self._switch.on = False
             if packed:

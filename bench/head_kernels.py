@@ -1,0 +1,91 @@
+"""The LM head's kernels side by side: the packed fp32 head, the bf16 greedy screen and the exact
+8-bit blocks, on the default model's head (SmolLM2: 49,152 x 576, a GGUF Q8_0 tensor).
+
+Contract: ``python -m bench.head_kernels [--rows 1 2 4 8 12 16 24 32] [--reps 15] [--threads 1 2]
+[--out bench/results/step_cost/head]`` times, interleaved in every round, one head forward of M
+rows (random hidden states at SmolLM2's scale) per kernel: ``fp32`` (oneDNN's packed GEMM, what
+``model.head=exact`` runs), ``screen`` (lp.model.head.HeadScreen.logits: the bf16 pass, the
+kept tokens' fp32 logits; ``model.head=screen``) and ``exact8`` (lp.model.exact4's ``mm8`` on the
+head's 8-bit blocks, what ``model.head=auto`` runs under ``model.quant=exact4`` up to
+``HEAD8_MAX_ROWS`` rows), and the bytes each reads. Writes ``head.json`` and ``head.md`` (min /
+median ms) with the command, commit, CPU and the load average at the start (this machine's
+noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.overhead import _cpu_name
+from bench.step_profile import _commit
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--out", default="bench/results/step_cost/head")
+    a = ap.parse_args(argv)
+    from lp.config import ModelConfig
+    from lp.model import exact4
+    from lp.model.head import HeadScreen
+    from lp.model.loader import load_model, resolve_model_path
+
+    mc = ModelConfig()
+    model, _ = load_model(resolve_model_path(mc.name, mc.path, mc.cache_dir), "float32", "cpu", "none", tokenizer=False)
+    w_VD = model.get_output_embeddings().weight.detach().contiguous()
+    code = exact4.encode8(w_VD)
+    if code is None:
+        raise ValueError(f"{mc.name}: its head is not exact 8-bit blocks")
+    q, d = code
+    screen = HeadScreen(w_VD)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w_VD, None)
+    kernels = {"fp32": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+               "screen": screen.logits, "exact8": lambda x: torch.ops.lp_exact4.mm8(x, q, d)}
+    nbytes = {"fp32": w_VD.numel() * 4, "screen": w_VD.numel() * 2, "exact8": q.numel() + d.numel() * 4}
+    load = os.getloadavg()[0]
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        for m in a.rows:
+            x_MD = torch.randn(m, w_VD.shape[1], generator=gen) * 3  # SmolLM2's final hidden states: |x| ~ 50-80
+            times = {k: [] for k in kernels}
+            for _ in range(a.reps):
+                for k, fn in kernels.items():
+                    t = time.perf_counter()
+                    fn(x_MD)
+                    times[k].append(1e3 * (time.perf_counter() - t))
+            rows.append({"threads": threads, "rows": m,
+                         **{k: {"min_ms": min(v), "median_ms": statistics.median(v)} for k, v in times.items()}})
+            print(rows[-1], flush=True)
+    result = {"command": "python -m bench.head_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "commit": _commit(), "cpu": _cpu_name(), "load_average_at_start": load, "bytes": nbytes,
+              "head8_max_rows": exact4.HEAD8_MAX_ROWS, "results": rows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "head.json").write_text(json.dumps(result, indent=1))
+    md = [f"# The LM head's kernels, {mc.name} ({w_VD.shape[0]} x {w_VD.shape[1]})", "",
+          f"`{result['command']}` at {result['commit']}, {result['cpu']}, load average {load:.1f} at the start; "
+          f"ms a forward, min / median of {a.reps} interleaved rounds. Bytes read: "
+          + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in nbytes.items())
+          + f". `model.head=auto` under exact4 runs exact8 up to {exact4.HEAD8_MAX_ROWS} rows, fp32 beyond.", "",
+          "| threads | rows | fp32 | screen (bf16 + kept fp32) | exact8 |", "|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['threads']} | {r['rows']} | " + " | ".join(
+            f"{r[k]['min_ms']:.2f} / {r[k]['median_ms']:.2f}" for k in kernels) + " |")
+    (out / "head.md").write_text("\n".join(md) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
