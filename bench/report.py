@@ -528,15 +528,31 @@ def update_readme(readme: Path, results: Path) -> bool:
     return new != text
 
 
+def _parser():
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.report",
+        description="RESULTS_DIR: rewrite summary.md, fit.json and the plots of a bench.run results folder "
+                    "from its results.jsonl. --readme: regenerate README's results block (between "
+                    f"{BEGIN} and {END}) from bench/results' */concurrency.json and */*/concurrency.json.")
+    ap.add_argument("results_dir", nargs="?", metavar="RESULTS_DIR",
+                    help="a folder bench.run wrote (results.jsonl; machine.json and errors.json if present)")
+    ap.add_argument("--readme", nargs="?", const=str(ROOT / "README.md"), metavar="README",
+                    help="rewrite README's results block (default README: the repository's README.md)")
+    ap.add_argument("--results", default=str(ROOT / "bench" / "results"), metavar="DIR",
+                    help="with --readme: the results tree to read (default: bench/results)")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--readme":
-        import argparse
-
-        ap = argparse.ArgumentParser(prog="python -m bench.report --readme")
-        ap.add_argument("readme", nargs="?", default=str(ROOT / "README.md"))
-        ap.add_argument("--results", default=str(ROOT / "bench" / "results"))
-        a = ap.parse_args(argv[1:])
+    ap = _parser()
+    a = ap.parse_args(argv)
+    if a.readme is not None:
+        if a.results_dir is not None:
+            ap.error(f"RESULTS_DIR ({a.results_dir}) and --readme are two uses: give one (README goes right "
+                     "after --readme)")
         try:
             changed = update_readme(Path(a.readme), Path(a.results))
         except ValueError as e:
@@ -544,10 +560,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"{'updated' if changed else 'unchanged'}: {a.readme}")
         return 0
-    if len(argv) != 1:
-        print("usage: python -m bench.report RESULTS_DIR | --readme [README] [--results DIR]", file=sys.stderr)
-        return 2
-    out = Path(argv[0])
+    if a.results_dir is None:
+        ap.error("give RESULTS_DIR or --readme [README]")
+    if "--results" in argv or any(x.startswith("--results=") for x in argv):
+        ap.error("--results goes with --readme (RESULTS_DIR is the folder to summarize)")
+    out = Path(a.results_dir)
+    if not (out / "results.jsonl").is_file():
+        ap.error(f"RESULTS_DIR {out}: no results.jsonl there (a folder bench.run wrote)")
     machine = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
     errors = json.loads((out / "errors.json").read_text()) if (out / "errors.json").exists() else []
     write_all(load_rows(out), out, None, machine, errors, None)
