@@ -10,10 +10,12 @@ by ``ar`` with workers x threads threads when that reference was run.
 ``python -m bench.report --readme [README] [--results DIR]`` replaces what lies between the
 lines ``<!-- results:begin -->`` and ``<!-- results:end -->`` of README (default: the
 repository's README.md) with tables of lp's servers against the peers (vLLM, transformers,
-llama.cpp: every ``DIR/*/concurrency.json`` that has lp and a peer), each point the median over
-its repeats, with the command (from the JSON) and the commit and machine (the JSON's
-``commit``, else the folder's ``run.json``) that produced it. README without exactly one pair of
-markers in that order: ``ValueError`` naming them; nothing is written.
+llama.cpp: every ``DIR/*/concurrency.json`` and ``DIR/*/*/concurrency.json`` that has lp and a
+peer), each point the median over its repeats, with the command (from the JSON) and the commit
+and machine (the JSON's ``commit``, else the folder's ``run.json`` or its parent's) that produced
+it; a peer whose texts the JSON marks not compared (llama.cpp) is left out of the count of equal
+texts, with the reason. README without exactly one pair of markers in that order: ``ValueError``
+naming them; nothing is written.
 """
 
 from __future__ import annotations
@@ -318,7 +320,8 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 PEERS = {"vllm": "vLLM", "transformers": "transformers", "llama": "llama.cpp"}  # server-name prefix -> peer
 LABELS = {"lp": "lp", "lp_exact4": "lp exact4", "lp_compiled": "lp fp32", "lp_max_batch1": "lp max_batch=1",
           "lp_ar": "lp ar steps", "lp_plain": "lp plain linears", "lp_nocal": "lp no calibration", "vllm": "vLLM",
-          "vllm_ngram": "vLLM n-gram", "transformers_cb": "transformers CB", "transformers": "transformers"}
+          "vllm_ngram": "vLLM n-gram", "transformers_cb": "transformers CB", "transformers": "transformers",
+          "llamacpp": "llama.cpp", "llamacpp_ngram": "llama.cpp n-gram"}
 
 
 NO_RATIO = {"lp_max_batch1"}  # a deliberately handicapped lp (one request at a time): no ratio column
@@ -341,13 +344,14 @@ def _median(xs: list[float]) -> float:
 
 
 def _shell_command(command: str) -> str:
-    """The JSON's command as one copyable line: ``lp bench`` for bench.run, no machine-local out_dir,
-    vLLM's venv as <venv>, brackets quoted."""
+    """The JSON's command as one copyable line: ``lp bench`` for bench.run, no machine-local (absolute)
+    out_dir (a relative one, e.g. into a subfolder of bench/results, stays), vLLM's venv as <venv>,
+    brackets quoted."""
     import shlex
 
     out = []
     for tok in command.split():
-        if tok.startswith("out_dir="):
+        if tok.startswith("out_dir=") and Path(tok.partition("=")[2]).is_absolute():
             continue
         if tok.startswith("concurrency.vllm_venv="):
             tok = "concurrency.vllm_venv=<venv>"
@@ -372,7 +376,7 @@ def _server_line(command: str | None) -> str | None:
             name = Path(tok).name
             out.append("lp" if name.startswith("python") else name)
             continue
-        if tok == "-m" and i == 1:
+        if tok == "-m" and i == 1 and out == ["lp"]:  # python -m lp.serve (llama-server's -m is its model)
             continue
         if tok == "lp.serve" and i == 2:
             out.append("serve")
@@ -387,24 +391,31 @@ def _server_line(command: str | None) -> str | None:
 
 
 def peer_runs(results: Path) -> list[dict]:
-    """Every ``results/*/concurrency.json`` with lp and at least one peer:
-    {folder, command, commit, machine, points}."""
+    """Every ``results/*/concurrency.json`` and ``results/*/*/concurrency.json`` (a comparison kept
+    inside its benchmark's folder, e.g. ``llamacpp/vs_lp``) with lp and at least one peer:
+    {folder (relative to ``results``), command, commit, machine, points, ...}. The commit and machine
+    come from the JSON, else the folder's ``run.json``, else its parent folder's."""
     runs = []
-    for path in sorted(results.glob("*/concurrency.json")):
+    paths = sorted(results.glob("*/concurrency.json")) + sorted(results.glob("*/*/concurrency.json"))
+    for path in paths:
         summary = json.loads(path.read_text())
         servers = {p["server"] for p in summary["points"]}
         kinds = {peer_of(s) for s in servers}
         if "lp" not in kinds or not kinds - {"lp", None}:
             continue
-        meta_path = path.parent / "run.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        meta = {}
+        for folder in (path.parent, path.parent.parent):
+            if folder != results and (folder / "run.json").is_file():
+                meta = json.loads((folder / "run.json").read_text())
+                break
         commit = summary.get("commit") or meta.get("commit")
         if not commit:
             raise ValueError(f"{path.parent}: no commit (neither concurrency.json's 'commit' nor run.json's)")
         machine = meta.get("machine") or summary.get("machine_before", {}).get("platform", "unknown machine")
-        runs.append({"folder": path.parent.name, "command": summary["command"], "commit": commit,
-                     "machine": machine, "points": summary["points"], "max_tokens": summary.get("max_tokens"),
-                     "threads": summary.get("threads")})
+        runs.append({"folder": path.parent.relative_to(results).as_posix(), "command": summary["command"],
+                     "commit": commit, "machine": machine, "points": summary["points"],
+                     "max_tokens": summary.get("max_tokens"), "threads": summary.get("threads"),
+                     "texts_not_compared": summary.get("texts_not_compared") or {}})
     return runs
 
 
@@ -433,8 +444,9 @@ def peer_table(group: list[dict]) -> str:
                 ttft.setdefault(key, []).append(p["ttft_p50_s"])
             if p["server"] not in servers:
                 servers.append(p["server"])
-            equal += p["equal_lp_greedy"]
-            requests += p["requests"]
+            if p.get("texts_compared", True):  # llama.cpp's texts differ by design (Q8_1 activations)
+                equal += p["equal_lp_greedy"]
+                requests += p["requests"]
     med = {k: _median(v) for k, v in cells.items()}
     commands: dict[str, str] = {}
     for run in group:
@@ -465,11 +477,13 @@ def peer_table(group: list[dict]) -> str:
         if ts:
             t_notes.append(f"{label(s)} {min(ts):.2f}-{max(ts):.2f} s" if len(ts) > 1 else f"{label(s)} {ts[0]:.2f} s")
     first = group[0]
+    why = {srv: reason for run in group for srv, reason in run["texts_not_compared"].items()}
+    not_compared = "".join(f" {label(srv)}'s texts are not compared ({reason})." for srv, reason in why.items())
     notes = [
         "",
         f"Aggregate tokens/s (median over each point's repeats), greedy streaming {first['max_tokens']}-token "
         f"requests from concurrent `openai` clients, {first['threads']} threads per server; "
-        f"{equal} of {requests} texts equal lp's offline greedy decode. Time to first token p50 at {at} "
+        f"{equal} of {requests} texts equal lp's offline greedy decode.{not_compared} Time to first token p50 at {at} "
         f"clients: {', '.join(t_notes)}. lp at commit {first['commit']}; machine: {first['machine']}. "
         "Servers: " + "; ".join(f"{label(srv)} `{commands[srv]}`" for srv in lp_servers + peer_servers
                                 if commands.get(srv)) + ".",

@@ -368,15 +368,19 @@ def test_report_readme_builds_the_table_from_bench_results(tmp_path):
     assert out.startswith(before + BEGIN + "\n") and out.endswith(END + after) and "stale table" not in out
     block = out[out.index(BEGIN):out.index(END)]
     n_tables = 0
-    for path in sorted(RESULTS.glob("*/concurrency.json")):
+    # a comparison may sit inside its benchmark's folder (llamacpp/vs_lp): two levels
+    for path in sorted(RESULTS.glob("*/concurrency.json")) + sorted(RESULTS.glob("*/*/concurrency.json")):
         summary = json.loads(path.read_text())
         servers = {p["server"] for p in summary["points"]}
-        if not any(s.startswith(("vllm", "transformers", "llama")) for s in servers):
+        if "lp" not in servers and not any(s.startswith("lp_") for s in servers) or \
+                not any(s.startswith(("vllm", "transformers", "llama")) for s in servers):
             continue
         n_tables += 1
-        meta = json.loads((path.parent / "run.json").read_text())
+        run_json = next(d / "run.json" for d in (path.parent, path.parent.parent) if (d / "run.json").is_file())
+        meta = json.loads(run_json.read_text())
         assert f"commit {summary.get('commit') or meta['commit']}" in block, path
-        assert f"bench/results/{path.parent.name}" in block
+        assert f"machine: {meta['machine']}" in block, path
+        assert f"    # bench/results/{path.parent.relative_to(RESULTS).as_posix()}\n" in block, path  # its command
         assert "concurrency.clients=[" in summary["command"] and \
             summary["command"].split("concurrency.clients=")[1].split()[0] in block
         for (server, workload, clients) in {(p["server"], p.get("workload", "chat"), p["clients"])
@@ -385,12 +389,14 @@ def test_report_readme_builds_the_table_from_bench_results(tmp_path):
                            and p.get("workload", "chat") == workload and p["clients"] == clients])
             row = [ln for ln in block.splitlines() if ln.startswith(f"| {workload} | {clients} |")]
             assert any(f"| {tps:.1f} |" in r for r in row), (path.parent.name, server, workload, clients, tps, row)
-    assert n_tables >= 2  # vLLM (spr_native + sweep) and transformers (concurrency)
+    assert n_tables >= 4  # vLLM (spr_native + sweep), transformers (concurrency), llama.cpp (llamacpp/vs_lp)
     assert "| chat | 1 | 32.1 | 55.8 | 23.7 | 1.36x | 2.35x |" in block  # vs_vllm_spr_native, by hand
-    assert "lp vs vLLM" in block and "lp vs transformers" in block
-    assert "No run of lp against llama.cpp" in block
-    if (RESULTS / "llamacpp").is_dir():
-        assert "llama.cpp alone, no lp side by side: bench/results/llamacpp" in block
+    assert "| chat | 1 | 27.1 | 53.4 | 0.51x |" in block  # llamacpp/vs_lp (lp / llama-server), by hand
+    assert "lp vs vLLM" in block and "lp vs transformers" in block and "lp vs llama.cpp" in block
+    assert "No run of lp against" not in block
+    # llama.cpp's texts are not compared (Q8_1 activations): counted apart, not as 48 of 96 equal
+    assert "48 of 48 texts equal" in block and "llama.cpp's texts are not compared" in block
+    assert "out_dir=bench/results/llamacpp/vs_lp    # bench/results/llamacpp/vs_lp" in block
     proc = subprocess.run([sys.executable, "-m", "bench.report", "--readme", str(readme)], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0 and "unchanged" in proc.stdout and readme.read_text() == out
