@@ -3,9 +3,11 @@ with every attention kernel that runs on the CPU (sdpa, eager, flex, flash = cas
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import pytest
 import torch
-import copy
 
 from lp.model.kv import PackedCache
 from lp.lookahead.layout import build_layout
@@ -60,12 +62,18 @@ def _plain_last_logits(model, tokens):
     return model(input_ids=ids).logits[0, -1].float()
 
 
+def _cache_kw(model):
+    """The forward's cache argument: ``cache`` in transformers 5.24, ``past_key_values`` in 5.17
+    (which takes ``cache=`` silently into **kwargs and fills nothing); as lp.model.runner."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.inference_mode()
 def _prefill(model, prefix):
     cache = PackedCache(64)
     if prefix:
         ids = torch.tensor([prefix], dtype=torch.long)
-        model(input_ids=ids, cache=cache, use_cache=True)
+        model(input_ids=ids, use_cache=True, **{_cache_kw(model): cache})
     return cache
 
 
