@@ -1,6 +1,6 @@
 """The docs point at real things: README.md, docs/*.md and bench's markdown (links resolve, their
-Hydra overrides name real fields), and ``python -m bench.report --readme`` builds the README's results table from
-bench/results.
+Hydra overrides name real fields, their command-line flags parse), and ``python -m bench.report
+--readme`` builds the README's results table from bench/results.
 
 Contract of the checkers (each test runs them on the real docs and on literal bad snippets, so a
 broken checker fails too):
@@ -16,6 +16,13 @@ broken checker fails too):
   overrides (``decoding.drafts=suffix``, ``decoding=paper``, ``+preset=drafts``) must compose on
   one of the three configs; ``key=value`` without a dot is taken as an override only when ``key``
   is a config group or top-level field there (so ``OUT=DIR`` or ``G=0`` in prose are not).
+* ``bad_flags(text)``: the flags of ``lp run`` and ``launch/lp_run.py`` commands in code, through
+  lp.command.run_args and launch/lp_run.build_command (placeholder values as 2), and of
+  ``python -m bench.<module>`` commands (not bench.run: Hydra's), through the module's own argparse
+  parser: its main runs in one subprocess for all commands, stopped right after parse_args. Errors
+  about a placeholder value (``--out DIR``, ``--threads N``) pass, and so does a missing required
+  argument in an elided mention (no flag at all, or ``...``); a renamed flag, subcommand or module
+  does not.
 """
 
 from __future__ import annotations
@@ -260,6 +267,142 @@ def bad_overrides(text: str, where: str = "") -> list[str]:
 
 
 # ---------------------------------------------------------------------------
+# command-line flags (lp run, launch/lp_run.py, python -m bench.<module>)
+
+SEPARATORS = {"&&", "||", "|", ";", "&"}
+REDIRECT_RE = re.compile(r"^\d*[<>]")
+FLAG_ENTRIES = (("lp", "run"), ("launch/lp_run.py",))
+GONE_MODULES = {"bench.lookahead_vs_ar"}  # named as history only (bench/results/README.md says "the module is gone")
+
+
+def _placeholder(tok: str) -> bool:
+    return tok == "..." or bool(PLACEHOLDER_RE.search(tok))
+
+
+def flag_commands(snippet: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(``lp run`` | ``lp_run.py`` | ``bench.<module>``, its arguments) for every such command in ``snippet``
+    with at least one argument; ``python -m bench.run`` is Hydra's (``bad_overrides`` checks it)."""
+    out = []
+    for line in snippet.replace("\\\n", " ").split("\n"):
+        toks = _split(line)
+        for i in range(len(toks)):
+            if tuple(toks[i:i + 2]) == ("lp", "run"):
+                kind, start = "lp run", i + 2
+            elif toks[i] == "launch/lp_run.py":
+                kind, start = "lp_run.py", i + 1
+            elif toks[i] == "-m" and i + 1 < len(toks) and toks[i + 1].startswith("bench.") \
+                    and toks[i + 1] != "bench.run":
+                kind, start = toks[i + 1], i + 2
+            else:
+                continue
+            rest = toks[start:]
+            stop = next((k for k, t in enumerate(rest) if t in SEPARATORS or REDIRECT_RE.match(t)), len(rest))
+            if rest[:stop]:
+                out.append((kind, tuple(rest[:stop])))
+    return out
+
+
+def _lp_run_error(kind: str, args: tuple[str, ...]) -> str | None:
+    """What ``lp run`` / ``launch/lp_run.py`` say about ``args`` (placeholder values as 2), None if accepted."""
+    from lp import command
+
+    concrete = []
+    for a in args:
+        key, eq, value = a.partition("=")
+        concrete.append(f"{key}=2" if eq and _placeholder(value) else "2" if _placeholder(a) else a)
+    try:
+        argv = command.run_args(concrete)[0] if kind == "lp run" else concrete
+        command._launcher().build_command(argv)
+    except (ValueError, SystemExit) as e:
+        return str(e.code if isinstance(e, SystemExit) else e)
+    return None
+
+
+# run in a fresh interpreter: each module's own main, with argparse stopped right after it parsed
+_ARGPARSE_PROBE = r'''
+import argparse, json, runpy, sys
+class Parsed(Exception): pass
+class Bad(Exception): pass
+def error(self, message): raise Bad(f"{self.prog}: error: {message}")
+parse = argparse.ArgumentParser.parse_args
+def parse_args(self, args=None, namespace=None):
+    parse(self, args, namespace)
+    raise Parsed()
+argparse.ArgumentParser.error = error
+argparse.ArgumentParser.parse_args = parse_args
+out = []
+for module, args in json.load(sys.stdin):
+    sys.argv = [module, *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        out.append(f"{module} finished without parsing its arguments with argparse")
+    except Parsed:
+        out.append(None)
+    except Bad as e:
+        out.append(str(e))
+    except ImportError as e:
+        out.append(f"cannot import {module}: {e}")
+    except SystemExit as e:
+        out.append(f"{module} exited ({e.code}) before parsing")
+print(json.dumps(out))
+'''
+
+
+_VERDICTS: dict[tuple[str, tuple[str, ...]], str | None] = {}
+
+
+def bench_verdicts(cmds) -> list[str | None]:
+    """argparse's verdict on each (module, args): None or its error. Unseen ones run in one subprocess
+    (importing torch is most of its time), '...' passed as the value X."""
+    todo = sorted({c for c in cmds if c not in _VERDICTS})
+    if todo:
+        payload = [(m, [("X" if a == "..." else a) for a in args]) for m, args in todo]
+        proc = subprocess.run([sys.executable, "-c", _ARGPARSE_PROBE], input=json.dumps(payload),
+                              capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _VERDICTS.update(zip(todo, json.loads(proc.stdout.strip().splitlines()[-1])))
+    return [_VERDICTS[c] for c in cmds]
+
+
+def _placeholder_only(message: str, args: tuple[str, ...]) -> bool:
+    """An error about a placeholder (``--out DIR``, ``--threads N``, ``--fit ...``), not about a flag; or
+    a required argument missing from an elided mention (no flag at all, or ``...``:
+    ``python -m bench.scaling measure`` in prose)."""
+    if "the following arguments are required" in message and \
+            ("..." in args or not any(a.startswith("-") for a in args)):
+        return True
+    holders = {("X" if a == "..." else a) for a in args if _placeholder(a)}
+    m = re.search(r"invalid [\w ]+ value: '([^']*)'", message)
+    if m:
+        return m.group(1) in holders
+    m = re.search(r"unrecognized arguments: (.*)$", message)
+    return bool(m) and set(m.group(1).split()) <= holders
+
+
+def doc_flag_commands(text: str) -> list[tuple[str, tuple[str, ...]]]:
+    blocks, spans = code_snippets(text)
+    return [c for s in blocks + spans for c in flag_commands(s)]
+
+
+def bad_flags(text: str, where: str = "") -> list[str]:
+    """Messages for the commands in ``text``'s code whose flags or subcommands their parser rejects:
+    ``lp run`` and ``launch/lp_run.py`` through lp.command.run_args + launch/lp_run.build_command,
+    ``python -m bench.<module>`` through the module's own argparse parser."""
+    found = doc_flag_commands(text)
+    bad = []
+    for kind, args in found:
+        if kind in ("lp run", "lp_run.py"):
+            err = _lp_run_error(kind, args)
+            if err:
+                bad.append(f"{where}: `{kind} {' '.join(args)}`: {err}")
+    bench = sorted({c for c in found if c[0].startswith("bench.") and c[0] not in GONE_MODULES})
+    for (module, args), err in zip(bench, bench_verdicts(bench)):
+        if err and not _placeholder_only(err, args):
+            bad.append(f"{where}: `python -m {module} {' '.join(args)}`: {err}")
+    return bad
+
+
+# ---------------------------------------------------------------------------
 # the real docs
 
 
@@ -298,8 +441,64 @@ def test_checkers_catch_a_planted_error_in_the_real_readme():
     assert len(bad) == 1 and f"{link}.missing" in bad[0], bad
 
 
+def test_flags_in_readme_and_docs_match_their_parsers():
+    """Every ``lp run`` / ``launch/lp_run.py`` / ``python -m bench.<module>`` command in the docs' code
+    parses: no renamed flag, subcommand or module."""
+    found = [c for p in doc_files() for c in doc_flag_commands(p.read_text())]
+    bench_verdicts(sorted({c for c in found if c[0].startswith("bench.") and c[0] not in GONE_MODULES}))
+    run_flags = {a for kind, args in found if kind == "lp run" for a in args if a.startswith("--")}
+    assert {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--module"} <= run_flags, run_flags
+    assert len({c[0] for c in found if c[0].startswith("bench.")}) >= 10, found  # the scan found the modules
+    bad = [b for p in doc_files() for b in bad_flags(p.read_text(), str(p.relative_to(ROOT)))]
+    assert not bad, "\n".join(bad)
+
+
+def test_flag_checker_catches_a_planted_rename_in_the_real_docs():
+    """README.md with ``--node-rank`` renamed and docs/benchmarks.md with its first bench flag renamed
+    (+ 'x'): the checker reports exactly those."""
+    text = (ROOT / "README.md").read_text()
+    assert "--node-rank" in text
+    bad = bad_flags(text.replace("--node-rank", "--node-rankx"), "README.md")
+    assert bad and all("--node-rankx" in b for b in bad), bad
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    module, args = next(c for c in doc_flag_commands(text) if c[0].startswith("bench.")
+                        and c[0] not in GONE_MODULES and any(a.startswith("--") for a in c[1]))
+    flag = next(a for a in args if a.startswith("--"))
+    planted = text.replace(f"{module} {' '.join(args)}", f"{module} {' '.join(args)}".replace(flag, flag + "x", 1), 1)
+    bad = bad_flags(planted, "benchmarks.md")
+    assert len(bad) == 1 and flag + "x" in bad[0], (module, flag, bad)
+
+
 # ---------------------------------------------------------------------------
 # the checkers on literal bad snippets (the plants, kept)
+
+BAD_FLAG_SNIPPETS = [
+    "```bash\nlp run --nprocs 2\n```",                                          # lp run's own flag misspelled
+    "```bash\nlp run --nproc 16 --nnodes 2 --node_rnk 0 --rdzv-endpoint h:29500\n```",  # a torchrun flag
+    "```bash\nlp run --nproc 2 --module lp.generat\n```",                        # no such entry point
+    "```bash\npython launch/lp_run.py --rdzv-endpoit h:1 parallel.workers=2\n```",
+    "```bash\npython -m bench.llamacpp --per-sets 1\n```",                      # a bench flag misspelled
+    "```bash\npython -m bench.scaling chek bench/results/default\n```",          # no such subcommand
+    "```bash\npython -m bench.scaling measure --dtype float32 --threads 2\n```",  # a required flag dropped
+    "Run `python -m bench.structured --tokenz 128` first.",                       # a span
+    "```bash\npython -m bench.nosuch --rounds 2\n```",                           # no such module
+]
+
+
+def test_flag_checker_rejects_bad_flags_and_accepts_placeholders():
+    good = ("```bash\nlp run --nproc N --nnodes 2 --node-rank 1 --rdzv-endpoint HOST:PORT parallel.tp=2\n"
+            "python launch/lp_run.py --module lp.serve parallel.workers=K\n"
+            "python -m bench.scaling measure --out DIR --dtype float32 --threads N > log.txt\n"
+            "python -m bench.tp_memory --tps 1,2 --out bench/results/tp_memory && python -m bench.report --readme\n"
+            "```\n"
+            "`python -m bench.scaling search --fit ...`, `python -m bench.scaling measure`\n")
+    found = [c for t in BAD_FLAG_SNIPPETS + [good] for c in doc_flag_commands(t)]
+    bench_verdicts(sorted({c for c in found if c[0].startswith("bench.")}))  # one subprocess for all
+    assert bad_flags(good, "literal") == []
+    for snippet in BAD_FLAG_SNIPPETS:
+        assert len(bad_flags(snippet, "literal")) == 1, snippet
+
+
 
 
 def test_link_checker_rejects_missing_targets(tmp_path):
