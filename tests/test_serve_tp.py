@@ -63,7 +63,9 @@ def tp2(tmp_path_factory, padded):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "lp.serve",
            "parallel.workers=1", "parallel.tp=2", "model.threads=1", f"server.port={port}", *SERVER_ARGS,
-           f"model.path={padded}", "server.model_id=smollm2", "parallel.timeout_s=30", "server.heartbeat_s=2"]
+           f"model.path={padded}", "server.model_id=smollm2", "parallel.timeout_s=120", "server.heartbeat_s=2"]
+    # parallel.timeout_s=120: the load's collectives (model.quant=auto's agreement) wait while a rank
+    # builds a C++ kernel on its first start (30 s timed out here under load)
     server = Server(cmd, port, workdir, env)
     ranks = {}
     try:
