@@ -179,7 +179,8 @@ class ModelConfig:
     # int8 weights x per-row int8 activations over fbgemm; CUDA: torchao int8 weight-only) |
     # int4 (torchao int4 weight-only, bf16 activations) | exact4 (CPU float32: linears whose weights
     # are exact 4-bit blocks, e.g. a GGUF Q4_1 model, run on those blocks, lossless) | auto (exact4
-    # where it applies and its AVX-512 kernel builds, none otherwise; never lossy; none under parallel.tp > 1)
+    # where it applies and its AVX-512 kernel builds, none otherwise; never lossy; under parallel.tp > 1
+    # each rank converts its own shards: lp.parallel.tp)
     quant: str = "auto"
 
     def validate(self) -> "ModelConfig":
