@@ -274,13 +274,20 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 # sdpa with enable_gqa / folded: q=2 36 / 26 and 48 / 42, q=3 46 / 30 and 68 / 50, q=8 50 / 48
 # and 88 / 84, q=12 62 / 64 (one row: 15 / 23, its decode path stays)
 FOLD_ROWS = range(2, 9)
+# device types where only FOLD_ROWS fold (measured faster there); on any other (CUDA) every masked
+# call of a GQA model folds: sdpa with a float mask and ``enable_gqa`` takes neither flash (no
+# mask) nor mem-efficient (no GQA) there but the math kernel; folded, the head counts match and
+# mem-efficient takes the mask (tests/test_gqa_masks.py records the calls on that path)
+FOLD_MEASURED = {"cpu"}
 
 
 def _sdpa(q_BHQD, k_BHKD, v_BHKD, mask, scale: float, groups: int) -> torch.Tensor:
-    """One sequence's attention; 2-8 rows of a GQA model as the folded call (``FOLD_ROWS``):
-    the same products per (head, row), another blocking of the rows (equal to rounding)."""
+    """One sequence's attention; a masked call of a GQA model as the folded call (2-8 rows,
+    ``FOLD_ROWS``, on the CPU; every masked call elsewhere, ``FOLD_MEASURED``): the same
+    products per (head, row), another blocking of the rows (equal to rounding)."""
     _, h, q, d = q_BHQD.shape
-    if groups == 1 or q not in FOLD_ROWS or mask is None:
+    measured = q_BHQD.device.type in FOLD_MEASURED
+    if groups == 1 or mask is None or (measured and q not in FOLD_ROWS):
         return torch.nn.functional.scaled_dot_product_attention(q_BHQD, k_BHKD, v_BHKD, attn_mask=mask, scale=scale,
                                                                 enable_gqa=groups > 1)
     kv = h // groups
