@@ -53,8 +53,14 @@ def node_generator(seed: int, step: int, depth: int) -> torch.Generator:
 
 
 def verify_node(probs_V: torch.Tensor, candidates: Sequence[int], gen: torch.Generator) -> int:
-    """Exact sample at one position given point-mass proposals ``candidates``."""
-    residual = probs_V.detach().to("cpu", torch.float64)
+    """Exact sample at one position given point-mass proposals ``candidates``.
+
+    Runs on ``probs_V``'s device: the vocabulary row never leaves it (on CUDA only one number a
+    tested candidate, the residual's sum and the drawn token id come back, not V floats a node).
+    The acceptance draws ``u`` come from ``gen`` (a CPU generator) everywhere; the final draw from
+    the residual takes ``gen`` on the CPU (the same draws as ever) and, on another device, a
+    generator there seeded with ``gen``'s key (``device_generator``)."""
+    residual = probs_V.detach().to(torch.float64, copy=True)
     tested: set[int] = set()
     for token in candidates:
         if token in tested:
@@ -70,4 +76,14 @@ def verify_node(probs_V: torch.Tensor, candidates: Sequence[int], gen: torch.Gen
             residual[token] = 1.0
             return token
         residual /= total
-    return int(torch.multinomial(residual, 1, generator=gen).item())
+    return int(torch.multinomial(residual, 1, generator=device_generator(gen, residual.device)).item())
+
+
+def device_generator(gen: torch.Generator, device: torch.device) -> torch.Generator:
+    """``gen`` itself on its own device (the CPU); elsewhere a generator on ``device`` seeded with
+    ``gen``'s key: the same (seed, step, depth) gives the same draw on every worker of that device
+    type, and a CPU run's draws stay those of ``gen`` (a device's stream differs from the CPU's,
+    as its softmax's rounding does: both exact samples of the target)."""
+    if device.type == gen.device.type:
+        return gen
+    return torch.Generator(device=device).manual_seed(gen.initial_seed())
