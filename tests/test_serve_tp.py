@@ -52,7 +52,10 @@ def padded():
         model, _ = load_model(p, "float32", quant="none")
         with torch.inference_mode():
             logits.append(model(ids).logits)
-    assert torch.equal(*logits), "the padded SmolLM2 is not SmolLM2"
+    # zero heads add exact zeros, but the wider q/k/v/o matmuls may sum in another order (oneDNN's
+    # blocking depends on the shapes and the thread count): equal to float32 rounding, same argmax
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4, msg="the padded SmolLM2 is not SmolLM2")
+    assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
     return path
 
 
