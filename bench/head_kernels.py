@@ -47,10 +47,11 @@ def main(argv=None) -> int:
     if code is None:
         raise ValueError(f"{mc.name}: its head is not exact 8-bit blocks")
     q, d = code
+    p8 = exact4.pack8(q, d)
     screen = HeadScreen(w_VD)
     packed = torch.ops.mkldnn._reorder_linear_weight(w_VD, None)
     kernels = {"fp32": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-               "screen": screen.logits, "exact8": lambda x: torch.ops.lp_exact4.mm8(x, q, d)}
+               "screen": screen.logits, "exact8": lambda x: exact4.mm8(x, p8, q.shape[0])}
     nbytes = {"fp32": w_VD.numel() * 4, "screen": w_VD.numel() * 2, "exact8": q.numel() + d.numel() * 4}
     load = os.getloadavg()[0]
     rows = []

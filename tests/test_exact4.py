@@ -83,6 +83,11 @@ def test_rows_do_not_depend_on_each_other_and_fused_equals_separate(q4_model):
         assert torch.equal(fused(x[:m].clone()), y[:m]), m
         assert torch.equal(fused(x[m - 1 : m].clone())[0], y[m - 1]), m
     assert torch.equal(single(x), y[:, : q_w.shape[0]])  # the stacked columns equal the separate linear's
+    q, d, c = exact4.encode(q_w)
+    for n in (1, 7, 13):  # outputs that fill no whole group of 8 (the packed layout's zero padding)
+        part = exact4.pack(q[:n].contiguous(), d[:n].contiguous(), c[:n].contiguous())
+        assert torch.equal(exact4.mm(torch.eye(q_w.shape[1]), part, n).t(), q_w[:n])
+        assert torch.equal(exact4.mm(x, part, n), y[:, :n])
     assert torch.allclose(y[:, q_w.shape[0] : q_w.shape[0] + k_w.shape[0]], x @ k_w.t(), rtol=1e-5, atol=1e-5)
 
 
@@ -229,14 +234,17 @@ def q48_model(q4_model):
 def test_a_q8_head_runs_on_its_blocks_bit_for_bit_and_rows_alone(q48_model):
     w_VK = q48_model.get_output_embeddings().weight.detach().clone()
     q, d = exact4.encode8(w_VK)
+    p, v = exact4.pack8(q, d), w_VK.shape[0]
     eye = torch.eye(w_VK.shape[1])
-    assert torch.equal(torch.ops.lp_exact4.mm8(eye, q, d).t(), w_VK)  # every weight, bit for bit
+    assert torch.equal(exact4.mm8(eye, p, v).t(), w_VK)  # every weight, bit for bit
     torch.manual_seed(2)
     x = torch.randn(21, w_VK.shape[1])
-    y = torch.ops.lp_exact4.mm8(x, q, d)
+    y = exact4.mm8(x, p, v)
     for m in (1, 2, 3, 5, 8, 9, 16, 21):  # every row tile: a row's logits depend on that row only
-        assert torch.equal(torch.ops.lp_exact4.mm8(x[m - 1 : m].clone(), q, d)[0], y[m - 1]), m
-        assert torch.equal(torch.ops.lp_exact4.mm8(x[:m].clone(), q, d), y[:m]), m
+        assert torch.equal(exact4.mm8(x[m - 1 : m].clone(), p, v)[0], y[m - 1]), m
+        assert torch.equal(exact4.mm8(x[:m].clone(), p, v), y[:m]), m
+    for n in (1, 7, 13):  # outputs that fill no whole group of 8 (the packed layout's zero padding)
+        assert torch.equal(exact4.mm8(eye, exact4.pack8(q[:n].contiguous(), d[:n].contiguous()), n).t(), w_VK[:n])
     assert torch.allclose(y, x @ w_VK.t(), rtol=1e-5, atol=1e-5)  # the fp32 head's, up to summation order
 
 

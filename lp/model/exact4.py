@@ -60,17 +60,33 @@ def extension():
     return mod
 
 
-def _mm_shape(x, q, d, c):
-    return x.new_empty(x.shape[0], q.shape[0])
+def _mm_shape(x, p, n):
+    return x.new_empty(x.shape[0], n)
 
 
-def _mm8_shape(x, q, d):
-    return x.new_empty(x.shape[0], q.shape[0])
+def _mm8_shape(x, p, n):
+    return x.new_empty(x.shape[0], n)
 
 
-def mm(x_MK: torch.Tensor, q: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` [M, N] for float32 ``x`` [M, K] and W encoded as (q, d, c)."""
-    return torch.ops.lp_exact4.mm(x_MK, q, d, c)
+def pack(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``encode``'s (q, d, c) in the kernel's layout: outputs in groups of 8, one 192-byte chunk
+    per (group, block) (``csrc/lp_exact4.cpp``), a forward stream the kernel prefetches."""
+    return extension().pack(q, d, c)
+
+
+def mm(x_MK: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:
+    """``x @ W.T`` [M, n] for float32 ``x`` [M, K] and W's blocks packed by ``pack``."""
+    return torch.ops.lp_exact4.mm(x_MK, p, n)
+
+
+def pack8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``encode8``'s (q, d) in the kernel's layout (288-byte chunks, as ``pack``)."""
+    return extension().pack8(q, d)
+
+
+def mm8(x_MK: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:
+    """``x @ W.T`` [M, n] for float32 ``x`` [M, K] and W's 8-bit blocks packed by ``pack8``."""
+    return torch.ops.lp_exact4.mm8(x_MK, p, n)
 
 
 def _blocks(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -149,8 +165,7 @@ def _kernel_reproduces(w_NK: torch.Tensor, q: torch.Tensor, d: torch.Tensor, c: 
     idx = (torch.arange(0, k, step) + torch.arange(len(range(0, k, step))) % BLOCK).clamp_(max=k - 1)
     unit_RK = torch.zeros(len(idx), k, dtype=torch.float32)
     unit_RK[torch.arange(len(idx)), idx] = 1.0
-    extension()
-    return torch.equal(mm(unit_RK, q, d, c), w_NK[:, idx].t())
+    return torch.equal(mm(unit_RK, pack(q, d, c), w_NK.shape[0]), w_NK[:, idx].t())
 
 
 class Exact4Linear(nn.Module):
@@ -164,9 +179,8 @@ class Exact4Linear(nn.Module):
         self.in_features = linears[0].in_features
         self.splits = [lin.out_features for lin in linears]
         self.out_features = sum(self.splits)
-        self.register_buffer("q", torch.cat([code[0] for code in codes]))
-        self.register_buffer("d", torch.cat([code[1] for code in codes]))
-        self.register_buffer("c", torch.cat([code[2] for code in codes]))
+        # the stacked blocks in the kernel's layout (``pack``)
+        self.register_buffer("p", pack(*(torch.cat([code[i] for code in codes]) for i in range(3))))
         self._share = SharedProduct(len(self.splits))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +188,7 @@ class Exact4Linear(nn.Module):
         x_MK = x.reshape(-1, self.in_features)
         if dtype != torch.float32:
             x_MK = x_MK.float()
-        y_MN = mm(x_MK, self.q, self.d, self.c)
+        y_MN = mm(x_MK, self.p, self.out_features)
         if dtype != torch.float32:
             y_MN = y_MN.to(dtype)
         return y_MN.reshape(*x.shape[:-1], self.out_features)
@@ -244,7 +258,7 @@ def encode8(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     idx = (torch.arange(0, k, step) + torch.arange(len(range(0, k, step))) % BLOCK).clamp_(max=k - 1)
     unit_RK = torch.zeros(len(idx), k, dtype=torch.float32)
     unit_RK[torch.arange(len(idx)), idx] = 1.0
-    return (q, d) if torch.equal(torch.ops.lp_exact4.mm8(unit_RK, q, d), w_NK[:, idx].t()) else None
+    return (q, d) if torch.equal(mm8(unit_RK, pack8(q, d), w_NK.shape[0]), w_NK[:, idx].t()) else None
 
 
 class Head8:
@@ -252,7 +266,7 @@ class Head8:
     for up to ``HEAD8_MAX_ROWS`` rows, else None (the caller runs the packed fp32 head)."""
 
     def __init__(self, q_VK: torch.Tensor, d_VB: torch.Tensor):
-        self.q_VK, self.d_VB = q_VK, d_VB
+        self.p, self.vocab = pack8(q_VK, d_VB), q_VK.shape[0]  # the kernel's layout (``pack8``)
         self.calls = 0  # forwards it answered (tests read it)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -260,7 +274,7 @@ class Head8:
         if x_MK.shape[0] > HEAD8_MAX_ROWS or x_MK.dtype != torch.float32:
             return None
         self.calls += 1
-        return torch.ops.lp_exact4.mm8(x_MK, self.q_VK, self.d_VB).reshape(*x.shape[:-1], self.q_VK.shape[0])
+        return mm8(x_MK, self.p, self.vocab).reshape(*x.shape[:-1], self.vocab)
 
 
 def head8(model: nn.Module) -> Head8 | None:

@@ -1,17 +1,25 @@
-// Exact 4-bit weights, float32 math: y[m, n] = sum_k x[m, k] * w[n, k] with
-// w[n, k] = d[n, b] * q[n, k] + c[n, b] (b = k / 32), q in 0..15, d and c float16 values
-// (held as float32: a conversion per block costs more than their bytes).
-// Every weight is formed in float32 as fma(q, d, c): q * d is exact (4 x 11 significant bits),
-// so the one rounding gives the float32 weight the checkpoint holds (lp.model.exact4 checks
-// it bit for bit). Each row's dot products run the same instructions in the same order
-// whatever the number of rows: a row's output depends on that row only.
+// Exact low-bit weights, float32 math: y[m, n] = sum_k x[m, k] * w[n, k], every float32 weight
+// formed exactly from its block (b = k / 32):
+//   exact4 (GGUF Q4_1 / Q4_0): w = fma(q, d, c), q in 0..15, d and c float16 values held as
+//     float32 (a conversion per block costs more than their bytes); q * d is exact (4 x 11
+//     significant bits), so the one rounding gives the float32 weight the checkpoint holds;
+//   exact8 (GGUF Q8_0, SmolLM2's LM head): w = q * d, q int8, d a float16 value: exact.
+// (lp.model.exact4 checks both bit for bit.) Each row's dot products run the same instructions in
+// the same order whatever the number of rows: a row's output depends on that row only.
 //
-// Layout: q [N, K / 2] uint8, per block of 32 weights 16 bytes, byte j = q[j] | q[j + 16] << 4
-// (GGUF Q4_1's own order); d, c [N, K / 32] float32.
+// Encoded layout (lp_exact4.encode / encode8, GGUF's own order): exact4 q [N, K / 2] uint8, per
+// block 16 bytes, byte j = q[j] | q[j + 16] << 4; d, c [N, K / 32] float32. exact8 q [N, K] int8,
+// d [N, K / 32] float32.
+// Kernel layout (pack4 / pack8): outputs in groups of 8, one chunk per (group, block) holding the
+// group's 8 outputs' block in a row: exact4 8 x 16 q bytes, then d[8], c[8] (192 bytes); exact8
+// 8 x 32 q bytes, then d[8] (288 bytes); groups padded with zero weights to a multiple of 8. A
+// thread's share of a matrix is then one forward stream that the kernel prefetches ahead of
+// itself: the one-row product then runs at the memory's bandwidth (bench/results/step_cost).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -20,110 +28,202 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowTile = 8;
+constexpr int kGroup = 8;            // outputs per chunk
+constexpr int64_t kPrefetch = 4096;  // bytes ahead of the chunk being read (measured: 3-8 KiB alike)
+std::atomic<bool> g_prefetch{true};  // off only to measure what it buys (bench/exact4_bandwidth.py)
 
-// rows [m0, m0 + MT) x outputs [n0, n1), NB outputs at a time: MT and NB are template arguments
-// so the NB x MT accumulator chains stay in registers and enough of them run side by side to
-// hide the multiply-add latency. Output (n, m) is always one chain over the blocks (the block's
-// first 16 weights, then its last 16), summed across lanes at the end: the same operations in
-// the same order whatever MT, NB and the tiling.
-template <int MT, int NB>
-void tile(const float* x, const uint8_t* q, const float* d, const float* c, float* y,
-          int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  const int64_t blocks = K / kBlock;
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) {
+// How a chunk's output j forms its block's 32 weights: lanes 0-15 (w0) and 16-31 (w1).
+struct Weights4 {
+  static constexpr int64_t kBytes = kGroup * 16 + 2 * kGroup * 4;
 #if defined(__AVX512F__)
-    __m512 acc[NB][MT];
-    for (int j = 0; j < NB; ++j)
-      for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
-    const __m512i lo_mask = _mm512_set1_epi32(0x0f);
+  static inline void load(const uint8_t* chunk, int j, __m512& w0, __m512& w1) {
+    const float* d = reinterpret_cast<const float*>(chunk + kGroup * 16);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    // the block's 16 possible weights fma(q, d, c), picked by each nibble (permutexvar reads an
+    // index's low 4 bits: the low nibble needs no mask)
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[j]), _mm512_set1_ps(d[kGroup + j]));
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + j * 16)));
+    w0 = _mm512_permutexvar_ps(v, table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+  }
+#endif
+  static inline void load(const uint8_t* chunk, int j, float* w0, float* w1) {
+    const float* d = reinterpret_cast<const float*>(chunk + kGroup * 16);
+    for (int l = 0; l < 16; ++l) {
+      const uint8_t byte = chunk[j * 16 + l];
+      w0[l] = std::fma((float)(byte & 0x0f), d[j], d[kGroup + j]);
+      w1[l] = std::fma((float)(byte >> 4), d[j], d[kGroup + j]);
+    }
+  }
+  static void pack(const uint8_t* q, const float* d, const float* c, uint8_t* chunk, int64_t n, int j,
+                   int64_t b, int64_t blocks) {
+    std::memcpy(chunk + j * 16, q + n * blocks * 16 + b * 16, 16);
+    reinterpret_cast<float*>(chunk + kGroup * 16)[j] = d[n * blocks + b];
+    reinterpret_cast<float*>(chunk + kGroup * 16)[kGroup + j] = c[n * blocks + b];
+  }
+};
+
+struct Weights8 {
+  static constexpr int64_t kBytes = kGroup * 32 + kGroup * 4;
+#if defined(__AVX512F__)
+  static inline void load(const uint8_t* chunk, int j, __m512& w0, __m512& w1) {
+    const __m512 dv = _mm512_set1_ps(reinterpret_cast<const float*>(chunk + kGroup * 32)[j]);
+    const __m128i* qb = reinterpret_cast<const __m128i*>(chunk + j * 32);
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb))), dv);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb + 1))), dv);
+  }
+#endif
+  static inline void load(const uint8_t* chunk, int j, float* w0, float* w1) {
+    const float dv = reinterpret_cast<const float*>(chunk + kGroup * 32)[j];
+    const int8_t* qb = reinterpret_cast<const int8_t*>(chunk + j * 32);
+    for (int l = 0; l < 16; ++l) {
+      w0[l] = (float)qb[l] * dv;
+      w1[l] = (float)qb[16 + l] * dv;
+    }
+  }
+  static void pack(const uint8_t* q, const float* d, const float*, uint8_t* chunk, int64_t n, int j,
+                   int64_t b, int64_t blocks) {
+    std::memcpy(chunk + j * 32, q + n * blocks * 32 + b * 32, 32);
+    reinterpret_cast<float*>(chunk + kGroup * 32)[j] = d[n * blocks + b];
+  }
+};
+
+// rows [m0, m0 + MT) x the group's outputs [s, s + NB): MT and NB are template arguments so the
+// NB x MT accumulator chains stay in registers and enough of them run side by side to hide the
+// multiply-add latency. Output (n, m) is always one chain over the blocks (the block's first 16
+// weights, then its last 16), summed across lanes at the end (8, 4, 2, 1 apart): the same
+// operations in the same order whatever MT, NB and the tiling.
+template <class W, int MT, int NB>
+void tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int s,
+          bool prefetch) {
+  const int64_t blocks = K / kBlock;
+#if defined(__AVX512F__)
+  __m512 acc[NB][MT];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* chunk = group + b * W::kBytes;
+    if (prefetch)
+      for (int64_t line = 0; line < W::kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetch + line, _MM_HINT_T0);
+    __m512 w0[NB], w1[NB];
+    for (int j = 0; j < NB; ++j) W::load(chunk, s + j, w0[j], w1[j]);
+    for (int i = 0; i < MT; ++i) {
+      const float* xr = x + (m0 + i) * K + b * kBlock;
+      const __m512 xa = _mm512_loadu_ps(xr), xb = _mm512_loadu_ps(xr + 16);
+      for (int j = 0; j < NB; ++j) acc[j][i] = _mm512_fmadd_ps(xb, w1[j], _mm512_fmadd_ps(xa, w0[j], acc[j][i]));
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    if (n0 + s + j < N)
+      for (int i = 0; i < MT; ++i) y[(m0 + i) * N + n0 + s + j] = _mm512_reduce_add_ps(acc[j][i]);
+#else
+  (void)prefetch;
+  for (int j = 0; j < NB; ++j) {
+    float acc[MT][16];
+    for (int i = 0; i < MT; ++i)
+      for (int l = 0; l < 16; ++l) acc[i][l] = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
-      __m512 w0[NB], w1[NB];
-      for (int j = 0; j < NB; ++j) {
-        const int64_t nb = (n + j) * blocks + b;
-        const __m512 dv = _mm512_set1_ps(d[nb]);
-        const __m512 cv = _mm512_set1_ps(c[nb]);
-        // one widening of the 16 bytes, both nibbles split in the 32-bit lanes
-        const __m512i v = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + j) * (K / 2) + b * 16)));
-        w0[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, lo_mask)), dv, cv);
-        w1[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dv, cv);
-      }
+      float w0[16], w1[16];
+      W::load(group + b * W::kBytes, s + j, w0, w1);
       for (int i = 0; i < MT; ++i) {
         const float* xr = x + (m0 + i) * K + b * kBlock;
-        const __m512 xa = _mm512_loadu_ps(xr), xb = _mm512_loadu_ps(xr + 16);
-        for (int j = 0; j < NB; ++j) {
-          acc[j][i] = _mm512_fmadd_ps(xb, w1[j], _mm512_fmadd_ps(xa, w0[j], acc[j][i]));
-        }
+        for (int l = 0; l < 16; ++l) acc[i][l] = std::fma(xr[16 + l], w1[l], std::fma(xr[l], w0[l], acc[i][l]));
       }
     }
-    for (int j = 0; j < NB; ++j)
-      for (int i = 0; i < MT; ++i)
-        y[(m0 + i) * N + n + j] = _mm512_reduce_add_ps(acc[j][i]);
-#else
-    for (int j = 0; j < NB; ++j) {
-      float acc[MT][16];
-      for (int i = 0; i < MT; ++i)
-        for (int l = 0; l < 16; ++l) acc[i][l] = 0.f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t nb = (n + j) * blocks + b;
-        float w0[16], w1[16];
-        for (int l = 0; l < 16; ++l) {
-          const uint8_t byte = q[(n + j) * (K / 2) + b * 16 + l];
-          w0[l] = std::fma((float)(byte & 0x0f), d[nb], c[nb]);
-          w1[l] = std::fma((float)(byte >> 4), d[nb], c[nb]);
-        }
-        for (int i = 0; i < MT; ++i) {
-          const float* xr = x + (m0 + i) * K + b * kBlock;
-          for (int l = 0; l < 16; ++l) acc[i][l] = std::fma(xr[16 + l], w1[l], std::fma(xr[l], w0[l], acc[i][l]));
-        }
-      }
-      for (int i = 0; i < MT; ++i) {
-        float v[16];  // lanes summed pairwise (8, 4, 2, 1)
-        for (int l = 0; l < 16; ++l) v[l] = acc[i][l];
-        for (int w = 8; w >= 1; w /= 2)
-          for (int l = 0; l < w; ++l) v[l] += v[l + w];
-        y[(m0 + i) * N + n + j] = v[0];
-      }
+    if (n0 + s + j >= N) continue;
+    for (int i = 0; i < MT; ++i) {
+      float v[16];  // lanes summed pairwise (8, 4, 2, 1), as _mm512_reduce_add_ps does
+      for (int l = 0; l < 16; ++l) v[l] = acc[i][l];
+      for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) v[l] += v[l + w];
+      y[(m0 + i) * N + n0 + s + j] = v[0];
     }
-#endif
   }
-  if (NB > 1 && n < n1) tile<MT, 1>(x, q, d, c, y, K, N, m0, n, n1);
+#endif
 }
 
-}  // namespace
+// every row tile over one group, the group's chunks read from memory once (prefetched on the
+// first pass, in L1 for the others)
+template <class W, int MT, int NB>
+void group_rows(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                bool prefetch) {
+  for (int s = 0; s < kGroup; s += NB) tile<W, MT, NB>(x, group, y, K, N, m0, n0, s, prefetch && s == 0);
+}
 
-torch::Tensor exact4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor c) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "exact4_mm: x must be [M, K] float32");
-  TORCH_CHECK(q.scalar_type() == torch::kUInt8 && d.scalar_type() == torch::kFloat32 &&
-                  c.scalar_type() == torch::kFloat32,
-              "exact4_mm: q uint8, d and c float32");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(K % kBlock == 0 && q.size(1) == K / 2 && d.size(0) == N && d.size(1) == K / kBlock &&
-                  c.sizes() == d.sizes(),
-              "exact4_mm: shapes do not match");
+template <class W>
+torch::Tensor packed_mm(const char* name, torch::Tensor x, const torch::Tensor& p, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, name, ": x must be [M, K] float32");
+  TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(2) == W::kBytes,
+              name, ": p must be a packed [groups, blocks, ", W::kBytes, "] uint8 tensor");
+  const int64_t M = x.size(0), K = x.size(1), groups = p.size(0);
+  TORCH_CHECK(K % kBlock == 0 && p.size(1) == K / kBlock && N > 0 && (N + kGroup - 1) / kGroup == groups,
+              name, ": shapes do not match");
   x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
+  at::Tensor y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* cp = c.data_ptr<float>();
+  const uint8_t* pp = p.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-      switch (std::min(kRowTile, M - m0)) {
-        case 1: tile<1, 8>(xp, qp, dp, cp, yp, K, N, m0, n0, n1); break;
-        case 2: tile<2, 4>(xp, qp, dp, cp, yp, K, N, m0, n0, n1); break;
-        case 3: tile<3, 4>(xp, qp, dp, cp, yp, K, N, m0, n0, n1); break;
-        case 4: tile<4, 2>(xp, qp, dp, cp, yp, K, N, m0, n0, n1); break;
-        case 5: tile<5, 2>(xp, qp, dp, cp, yp, K, N, m0, n0, n1); break;
-        case 6: tile<6, 2>(xp, qp, dp, cp, yp, K, N, m0, n0, n1); break;
-        case 7: tile<7, 2>(xp, qp, dp, cp, yp, K, N, m0, n0, n1); break;
-        default: tile<8, 2>(xp, qp, dp, cp, yp, K, N, m0, n0, n1); break;
+  const int64_t group_bytes = p.size(1) * W::kBytes;
+  const bool prefetch = g_prefetch.load(std::memory_order_relaxed);
+  at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* group = pp + g * group_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+        const bool first = prefetch && m0 == 0;
+        switch (std::min(kRowTile, M - m0)) {
+          case 1: group_rows<W, 1, 8>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 2: group_rows<W, 2, 4>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 3: group_rows<W, 3, 4>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 4: group_rows<W, 4, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 5: group_rows<W, 5, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 6: group_rows<W, 6, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 7: group_rows<W, 7, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          default: group_rows<W, 8, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+        }
       }
     }
   });
   return y;
+}
+
+// the encoded blocks (q [N, K / per_byte]; d, c [N, K / 32]) in the kernel layout, zero-padded groups
+template <class W>
+at::Tensor pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor* c) {
+  TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && d.scalar_type() == torch::kFloat32 && d.dim() == 2,
+              "pack: q and d must be contiguous, d [N, K / 32] float32");
+  const int64_t N = d.size(0), blocks = d.size(1), groups = (N + kGroup - 1) / kGroup;
+  TORCH_CHECK(q.size(0) == N && q.numel() * (c ? 2 : 1) == N * blocks * kBlock, "pack: q does not match d");
+  at::Tensor p = torch::zeros({groups, blocks, W::kBytes}, torch::kUInt8);
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  const float* cp = c ? c->data_ptr<float>() : nullptr;
+  uint8_t* pp = p.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int j = 0; j < kGroup && g * kGroup + j < N; ++j)
+          W::pack(qp, dp, cp, pp + (g * blocks + b) * W::kBytes, g * kGroup + j, j, b, blocks);
+  });
+  return p;
+}
+
+}  // namespace
+
+torch::Tensor exact4_mm(torch::Tensor x, torch::Tensor p, int64_t n) { return packed_mm<Weights4>("exact4_mm", x, p, n); }
+
+torch::Tensor exact8_mm(torch::Tensor x, torch::Tensor p, int64_t n) { return packed_mm<Weights8>("exact8_mm", x, p, n); }
+
+at::Tensor exact4_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& c) {
+  TORCH_CHECK(q.scalar_type() == torch::kUInt8 && c.sizes() == d.sizes() && c.scalar_type() == torch::kFloat32 &&
+                  c.is_contiguous(),
+              "exact4_pack: q uint8 [N, K / 2], d and c float32 [N, K / 32]");
+  return pack<Weights4>(q, d, &c);
+}
+
+at::Tensor exact8_pack(const at::Tensor& q, const at::Tensor& d) {
+  TORCH_CHECK(q.scalar_type() == torch::kInt8, "exact8_pack: q int8 [N, K], d float32 [N, K / 32]");
+  return pack<Weights8>(q, d, nullptr);
 }
 
 // The blocks of w [N, K] float32 in one pass (lp.model.exact4.encode's torch-side check, same
@@ -180,108 +280,6 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor> exact4_encode(const at::Ten
     }
   });
   return {ok.load(), q, d, c};
-}
-
-// ---- exact 8-bit weights (the LM head of a GGUF Q8_0 model) ----------------------------------
-// y[m, n] = sum_k x[m, k] * w[n, k] with w[n, k] = d[n, b] * q[n, k] (b = k / 32), q int8, d a
-// float16 value held as float32: q * d is exact (8 x 11 significant bits), so every weight is
-// the checkpoint's float32 weight; the same chains as exact4's tile (the block's first 16
-// weights, then its last 16; lanes summed at the end): a row's output depends on that row only.
-// Layout: q [N, K] int8 (GGUF Q8_0's own order), d [N, K / 32] float32.
-namespace {
-
-template <int MT, int NB>
-void tile8(const float* x, const int8_t* q, const float* d, float* y,
-           int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  const int64_t blocks = K / kBlock;
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) {
-#if defined(__AVX512F__)
-    __m512 acc[NB][MT];
-    for (int j = 0; j < NB; ++j)
-      for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512 w0[NB], w1[NB];
-      for (int j = 0; j < NB; ++j) {
-        const __m512 dv = _mm512_set1_ps(d[(n + j) * blocks + b]);
-        const int8_t* qb = q + (n + j) * K + b * kBlock;
-        w0[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), dv);
-        w1[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), dv);
-      }
-      for (int i = 0; i < MT; ++i) {
-        const float* xr = x + (m0 + i) * K + b * kBlock;
-        const __m512 xa = _mm512_loadu_ps(xr), xb = _mm512_loadu_ps(xr + 16);
-        for (int j = 0; j < NB; ++j) {
-          acc[j][i] = _mm512_fmadd_ps(xb, w1[j], _mm512_fmadd_ps(xa, w0[j], acc[j][i]));
-        }
-      }
-    }
-    for (int j = 0; j < NB; ++j)
-      for (int i = 0; i < MT; ++i)
-        y[(m0 + i) * N + n + j] = _mm512_reduce_add_ps(acc[j][i]);
-#else
-    for (int j = 0; j < NB; ++j) {
-      float acc[MT][16];
-      for (int i = 0; i < MT; ++i)
-        for (int l = 0; l < 16; ++l) acc[i][l] = 0.f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float dv = d[(n + j) * blocks + b];
-        const int8_t* qb = q + (n + j) * K + b * kBlock;
-        float w0[16], w1[16];
-        for (int l = 0; l < 16; ++l) {
-          w0[l] = (float)qb[l] * dv;
-          w1[l] = (float)qb[16 + l] * dv;
-        }
-        for (int i = 0; i < MT; ++i) {
-          const float* xr = x + (m0 + i) * K + b * kBlock;
-          for (int l = 0; l < 16; ++l) acc[i][l] = std::fma(xr[16 + l], w1[l], std::fma(xr[l], w0[l], acc[i][l]));
-        }
-      }
-      for (int i = 0; i < MT; ++i) {
-        float v[16];
-        for (int l = 0; l < 16; ++l) v[l] = acc[i][l];
-        for (int w = 8; w >= 1; w /= 2)
-          for (int l = 0; l < w; ++l) v[l] += v[l + w];
-        y[(m0 + i) * N + n + j] = v[0];
-      }
-    }
-#endif
-  }
-  if (NB > 1 && n < n1) tile8<MT, 1>(x, q, d, y, K, N, m0, n, n1);
-}
-
-}  // namespace
-
-torch::Tensor exact8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor d) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "exact8_mm: x must be [M, K] float32");
-  TORCH_CHECK(q.scalar_type() == torch::kInt8 && d.scalar_type() == torch::kFloat32, "exact8_mm: q int8, d float32");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(K % kBlock == 0 && q.size(1) == K && d.size(0) == N && d.size(1) == K / kBlock &&
-                  q.is_contiguous() && d.is_contiguous(),
-              "exact8_mm: shapes do not match");
-  x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* dp = d.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-      switch (std::min(kRowTile, M - m0)) {
-        case 1: tile8<1, 8>(xp, qp, dp, yp, K, N, m0, n0, n1); break;
-        case 2: tile8<2, 4>(xp, qp, dp, yp, K, N, m0, n0, n1); break;
-        case 3: tile8<3, 4>(xp, qp, dp, yp, K, N, m0, n0, n1); break;
-        case 4: tile8<4, 2>(xp, qp, dp, yp, K, N, m0, n0, n1); break;
-        case 5: tile8<5, 2>(xp, qp, dp, yp, K, N, m0, n0, n1); break;
-        case 6: tile8<6, 2>(xp, qp, dp, yp, K, N, m0, n0, n1); break;
-        case 7: tile8<7, 2>(xp, qp, dp, yp, K, N, m0, n0, n1); break;
-        default: tile8<8, 2>(xp, qp, dp, yp, K, N, m0, n0, n1); break;
-      }
-    }
-  });
-  return y;
 }
 
 // The 8-bit blocks of w [N, K] float32 (GGUF Q8_0's construction): per 32 weights d = max |w| / 127
@@ -352,8 +350,8 @@ int64_t exact4_parallel_width() {
 // the op lp.model.exact4's linears call: torch.ops.lp_exact4.mm, opaque to torch.compile (its fake is
 // registered in Python)
 TORCH_LIBRARY(lp_exact4, m) {
-  m.def("mm(Tensor x, Tensor q, Tensor d, Tensor c) -> Tensor");
-  m.def("mm8(Tensor x, Tensor q, Tensor d) -> Tensor");
+  m.def("mm(Tensor x, Tensor p, int n) -> Tensor");
+  m.def("mm8(Tensor x, Tensor p, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
@@ -362,9 +360,11 @@ TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("exact4_mm", &exact4_mm, "x @ W.T with W as exact 4-bit blocks (float32 math)");
+  m.def("pack", &exact4_pack, "exact 4-bit blocks (q, d, c) in the kernel layout");
+  m.def("pack8", &exact8_pack, "exact 8-bit blocks (q, d) in the kernel layout");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
+  m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "the kernels' software prefetch on or off (benchmarks)");
   m.def("parallel_width", &exact4_parallel_width, "threads the kernel's parallel_for runs on");
 }
