@@ -41,25 +41,6 @@ def status_mb(key: str) -> float:
     return float("nan")
 
 
-def held_bytes(model) -> int:
-    """The bytes this rank's model holds: parameters and buffers (a DTensor's local shard, a tied
-    one once; exact4's blocks are buffers) and lp.model.quant's RowInt8Linear int8 weights and
-    float32 bias (prepacked for fbgemm: read back by unpacking)."""
-    import torch
-
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:  # by the tensor's id (a local shard is a new object each call)
-        if id(t) not in seen:
-            seen.add(id(t))
-            t = t.to_local() if hasattr(t, "to_local") else t
-            total += t.numel() * t.element_size()
-    for m in model.modules():
-        if type(m).__name__ == "RowInt8Linear":
-            total += torch.ops.quantized.linear_unpack(m._packed)[0].numel()
-            total += 0 if m._bias_O is None else m._bias_O.numel() * 4
-    return total
-
-
 def worker(path: str, tp: int, whole: bool, out: str, device: str = "cpu", dtype: str = "float32",
            quant: str = "none") -> None:
     import torch
@@ -70,7 +51,7 @@ def worker(path: str, tp: int, whole: bool, out: str, device: str = "cpu", dtype
     from lp.model.loader import load_model
     from lp.model.runner import ModelRunner
     from lp.parallel.dist import exit_process, init_worker_group, worker_device
-    from lp.parallel.memory import weights_bytes
+    from lp.parallel.memory import held_bytes, weights_bytes
     from lp.parallel.tp import load_for, shard_for
 
     torch.set_num_threads(1)

@@ -27,6 +27,7 @@ from lp.config import DecodingConfig, ParallelConfig
 from lp.engine.decoder import LookaheadDecoder
 from lp.parallel.dist import init_worker_group
 from lp.model.runner import ModelRunner
+from lp.parallel.memory import held_bytes
 from lp.model.loader import load_model, resolve_model_path
 from lp.parallel.tp import load_for, local_shapes, shard_for
 
@@ -38,23 +39,6 @@ def peak_rss_mb() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def held_bytes(model) -> int:
-    """The bytes this rank's model holds: every parameter and buffer (a DTensor's local shard,
-    a tied one once) and the int8 weights and float32 bias of lp.model.quant's RowInt8Linear
-    (prepacked for fbgemm: read back by unpacking)."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    for m in model.modules():
-        if type(m).__name__ == "RowInt8Linear":
-            total += torch.ops.quantized.linear_unpack(m._packed)[0].numel()
-            total += 0 if m._bias_O is None else m._bias_O.numel() * 4
-    return total
 
 
 def main() -> None:

@@ -280,3 +280,34 @@ def test_lookahead_on_the_8_bit_head_equals_generate(q48_model):
     fp32 = ModelRunner(model, head="exact")
     assert fp32.head8 is None and LookaheadDecoder(fp32, cfg).generate(REPETITIVE_PROMPT).output_ids == ref
     assert runner.head8.calls == calls  # another runner with model.head=exact on the same model: its own head
+
+
+def test_rms_norms_run_as_one_op_rows_alone(q4_model, tiny_factory):
+    """Under exact4 every Llama-style RMSNorm is one op (lp_exact4::rms_norm): the module's own
+    values up to the mean's summation order, a row's output from that row alone, the module's
+    weight shared; a norm whose formula differs (Gemma 3's 1 + w) is left as it was."""
+    model = copy.deepcopy(q4_model)
+    reference = copy.deepcopy(model.model.layers[0].input_layernorm)
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn_like(reference.weight))
+    quantize(model, "exact4")
+    fused = [m for m in model.modules() if isinstance(m, exact4.FusedRMSNorm)]
+    assert len(fused) == 2 * len(model.model.layers) + 1
+    assert model.model.layers[0].input_layernorm.weight is fused[0].weight
+    norm = exact4.FusedRMSNorm(reference)
+    torch.manual_seed(3)
+    x = torch.randn(4, 5, reference.weight.shape[0]) * 3
+    x[0] *= 1e-3  # rows whose mean square is near eps: eps must be added where the module adds it
+    with torch.no_grad():
+        y, want = norm(x), reference(x)
+        assert torch.allclose(y, want, rtol=2e-6, atol=1e-6)
+        for i in range(4):
+            for j in range(5):
+                assert torch.equal(norm(x[i, j : j + 1].clone())[0], y[i, j]), (i, j)
+        odd = nn.Linear(37, 1)  # a width that fills no 16-lane vector: the tail's path
+        odd_norm = type(reference)(37, eps=reference.variance_epsilon)
+        odd_norm.weight.copy_(odd.weight[0])
+        xo = torch.randn(6, 37)
+        assert torch.allclose(exact4.FusedRMSNorm(odd_norm)(xo), odd_norm(xo), rtol=2e-6, atol=1e-6)
+    gemma = copy.deepcopy(tiny_factory("gemma3"))
+    assert exact4.convert_norms(gemma) == 0

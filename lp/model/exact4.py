@@ -57,6 +57,7 @@ def extension():
     mod = build_extension("lp_exact4", "model.quant=exact4")
     torch.library.register_fake("lp_exact4::mm")(_mm_shape)
     torch.library.register_fake("lp_exact4::mm8")(_mm8_shape)
+    torch.library.register_fake("lp_exact4::rms_norm")(lambda x, w, eps: torch.empty_like(x))
     return mod
 
 
@@ -229,8 +230,61 @@ def convert(model: nn.Module) -> tuple[int, int]:
                 continue
             setattr(parent, name, Exact4Linear([child], [code]))
             done += 1
-    log.info("model.quant=exact4: %d linears run on exact 4-bit blocks, %d left as they were", done, left)
+    norms = convert_norms(model)
+    log.info("model.quant=exact4: %d linears run on exact 4-bit blocks, %d left as they were; %d RMSNorms "
+             "run as one op", done, left, norms)
     return done, left
+
+
+# -- RMSNorm as one op ------------------------------------------------------------------------------
+# The eager module is seven ops (to, pow, mean, add, rsqrt, mul, mul), ~25-40 us a call on this
+# project's CPU for one row, 61 calls a SmolLM2 step. ``lp_exact4::rms_norm`` runs the same formula
+# in one call; only the mean's summation order differs (like any change of kernel), a row's output
+# depends on that row only. Swapped under exact4 (a float32 CPU model whose linears lp converts
+# anyway), so lookahead == ``generate`` on the converted model still holds.
+
+# classes whose forward is LlamaRMSNorm's: w * (x * rsqrt(mean(x^2, -1) + eps)) in float32
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm")
+
+
+class FusedRMSNorm(nn.Module):
+    """A Llama-style RMSNorm (its ``weight`` Parameter shared, its ``variance_epsilon``) computed by
+    ``lp_exact4::rms_norm``: float32 on the CPU."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.lp_exact4.rms_norm(x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, one op"
+
+
+def convert_norms(model: nn.Module) -> int:
+    """Swap each float32 CPU RMSNorm of a class in ``RMS_NORMS`` for a ``FusedRMSNorm``, after
+    checking on random rows that the op computes what the module does (to float32 rounding):
+    a class whose formula changed stays as it is. Returns how many were swapped."""
+    extension()
+    gen = torch.Generator().manual_seed(0)
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            w = getattr(child, "weight", None)
+            if (type(child).__name__ not in RMS_NORMS or type(w) is not nn.Parameter or w.dim() != 1
+                    or w.dtype != torch.float32 or w.device.type != "cpu" or not hasattr(child, "variance_epsilon")):
+                continue
+            fused = FusedRMSNorm(child)
+            x = torch.randn(3, w.shape[0], generator=gen) * 4
+            with torch.no_grad():
+                if not torch.allclose(fused(x), child(x), rtol=1e-5, atol=1e-6):
+                    log.info("%s: the one-op RMSNorm does not reproduce %s; left as it was", name, type(child).__name__)
+                    continue
+            setattr(parent, name, fused)
+            done += 1
+    return done
 
 
 # -- the LM head as exact 8-bit blocks ------------------------------------------------------------

@@ -280,3 +280,21 @@ def decode_rows(d) -> int:
     W, N, G = d.W or 1, max(d.N or 2, 2), d.G or 0
     drafts = 64 if d.max_draft_rows is None else d.max_draft_rows  # None: the hardware cap, at most this
     return 2 + (W + N) * (N - 1) + G * (N - 1) + drafts + N
+
+
+def held_bytes(model) -> int:
+    """The bytes this rank's loaded model holds (measured, against the plan's estimate): every
+    parameter and buffer once (a DTensor by the parameter, counted as its local shard; a tied one
+    once; exact4's packed blocks are buffers) and lp.model.quant's RowInt8Linear int8 weights and
+    float32 bias (prepacked for fbgemm: read back by unpacking)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:  # by the tensor's id (a local shard is a new object each call)
+        if id(t) not in seen:
+            seen.add(id(t))
+            t = t.to_local() if hasattr(t, "to_local") else t
+            total += t.numel() * t.element_size()
+    for m in model.modules():
+        if type(m).__name__ == "RowInt8Linear":
+            total += torch.ops.quantized.linear_unpack(m._packed)[0].numel()
+            total += 0 if m._bias_O is None else m._bias_O.numel() * 4
+    return total

@@ -327,6 +327,55 @@ std::tuple<bool, at::Tensor, at::Tensor> exact8_encode(const at::Tensor& w_in) {
   return {ok.load(), q, d};
 }
 
+// LlamaRMSNorm's formula over the last dim of x [..., H] float32: y = w * (x * rsqrt(mean(x * x) +
+// eps)), each square rounded then summed in 16 lanes, the lanes summed 8, 4, 2, 1 apart, divided
+// by H (torch's pow, sum and div; only the sum's order differs), one row at a time: a row's output
+// depends on that row only. One op call for the seven of the eager module.
+torch::Tensor rms_norm(torch::Tensor x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 && w.dim() == 1 &&
+                  x.dim() >= 1 && x.size(-1) == w.size(0) && w.is_contiguous(),
+              "rms_norm: x [..., H] and w [H], float32");
+  x = x.contiguous();
+  at::Tensor y = torch::empty_like(x);
+  const int64_t H = w.size(0), R = H ? x.numel() / H : 0;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float epsf = static_cast<float>(eps);
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * H;
+      float* yr = yp + r * H;
+      float lanes[16] = {0.f};
+      int64_t k = 0;
+#if defined(__AVX512F__)
+      __m512 acc = _mm512_setzero_ps();
+      for (; k + 16 <= H; k += 16) {
+        const __m512 v = _mm512_loadu_ps(xr + k);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+      }
+      _mm512_storeu_ps(lanes, acc);
+#else
+      for (; k + 16 <= H; k += 16)
+        for (int l = 0; l < 16; ++l) {
+          const float sq = xr[k + l] * xr[k + l];
+          lanes[l] += sq;
+        }
+#endif
+      for (int l = 0; k < H; ++k, ++l) {
+        const float sq = xr[k] * xr[k];
+        lanes[l] += sq;
+      }
+      for (int half = 8; half >= 1; half /= 2)
+        for (int l = 0; l < half; ++l) lanes[l] += lanes[l + half];
+      const float var = lanes[0] / static_cast<float>(H);
+      const float inv = 1.0f / std::sqrt(var + epsf);
+      for (int64_t j = 0; j < H; ++j) yr[j] = wp[j] * (xr[j] * inv);  // two roundings, as torch's two muls
+    }
+  });
+  return y;
+}
+
 bool exact4_avx512() {
 #if defined(__AVX512F__)
   return true;
@@ -352,11 +401,13 @@ int64_t exact4_parallel_width() {
 TORCH_LIBRARY(lp_exact4, m) {
   m.def("mm(Tensor x, Tensor p, int n) -> Tensor");
   m.def("mm8(Tensor x, Tensor p, int n) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
   m.impl("mm", &exact4_mm);
   m.impl("mm8", &exact8_mm);
+  m.impl("rms_norm", &rms_norm);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
