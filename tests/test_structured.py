@@ -266,8 +266,10 @@ def test_grammar_request_hitting_the_prefix_cache(tiny, tok):
 
 
 def test_server_engine_warms_the_grammar_matcher_at_start(tiny, tok):
-    """lp.serve's engine builds llguidance's tokenizer when it starts (not in the first grammar
-    request), and a grammar request then uses that one."""
+    """lp.serve's engine builds llguidance's tokenizer when it starts, in a thread beside serving
+    (not in the first grammar request), and a grammar request then uses that one."""
+    import threading
+
     from lp.server.batched import BatchedEngine
 
     _, runner = tiny
@@ -275,6 +277,9 @@ def test_server_engine_warms_the_grammar_matcher_at_start(tiny, tok):
     gm._TOKENIZERS.clear()
     assert not gm.is_warm(tok, VOCAB, eos)
     engine = BatchedEngine(runner, tok, eos, max_queue=2, max_batch=2, kv_tokens=1024, max_prefill_tokens=None)
+    for t in threading.enumerate():
+        if t.name == "lp-grammar-warm":
+            t.join(60)
     assert gm.is_warm(tok, VOCAB, eos)
     built = dict(gm._TOKENIZERS)
     rid = engine.batch.add(tok.encode("x"), DecodingConfig(max_new_tokens=4, grammar=compile_grammar(*GRAMMARS[
@@ -283,3 +288,32 @@ def test_server_engine_warms_the_grammar_matcher_at_start(tiny, tok):
         engine.batch.step()
     assert engine.batch.result(rid).output_ids
     assert gm._TOKENIZERS == built  # the request found the tokenizer built at start-up
+
+
+def test_a_tokenizer_asked_for_during_its_build_is_built_once(tok, monkeypatch):
+    """A grammar request that arrives while lp.serve's start-up thread builds llguidance's
+    tokenizer waits for that build (one lock) instead of building a second one."""
+    import threading
+    import time
+
+    import llguidance.hf
+
+    real, calls = llguidance.hf.from_tokenizer, []
+
+    def slow(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        time.sleep(0.3)  # the other thread asks meanwhile
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow)
+    gm._TOKENIZERS.clear()
+    eos = [tok.eos_token_id]
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(gm.ll_tokenizer(tok, VOCAB, eos)), name=f"asker{i}")
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(calls) == 1 and len(got) == 3 and all(g is got[0] for g in got)
+    gm._TOKENIZERS.clear()

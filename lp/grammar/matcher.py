@@ -25,6 +25,8 @@ the tests' and the bench's reference.
 would (llguidance's tokenizer for this tokenizer, ~1 s on SmolLM2's 49152 tokens; importing
 llguidance's torch helpers; a first matcher and mask) and returns its seconds; ``is_warm`` says
 whether the tokenizer for those arguments is built (the key a request's RowGrammar looks up).
+lp.serve warms in a thread beside serving; a tokenizer is built once under a lock, so a grammar
+request that arrives meanwhile waits for that build instead of starting its own.
 
 Legend: K kept rows, V vocabulary (the model's), W = ceil(V / 32) mask words.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Sequence
 
 import llguidance
@@ -88,6 +91,7 @@ def _compiled(kind: str, key: str) -> str:
 
 
 _TOKENIZERS: dict = {}  # (transformers tokenizer, vocab size, sorted eos) -> llguidance.LLTokenizer
+_BUILDING = threading.Lock()  # one build at a time: a second asker waits for it (``ll_tokenizer``)
 
 
 def _key(hf_tokenizer, vocab_size: int, eos: Sequence[int]) -> tuple:
@@ -101,13 +105,18 @@ def ll_tokenizer(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()):
     if isinstance(hf_tokenizer, llguidance.LLTokenizer):
         return hf_tokenizer
     key = _key(hf_tokenizer, vocab_size, eos)
-    if key not in _TOKENIZERS:
-        from llguidance.hf import from_tokenizer
+    built = _TOKENIZERS.get(key)
+    if built is None:
+        with _BUILDING:
+            built = _TOKENIZERS.get(key)  # another thread's build, finished while this one waited
+            if built is None:
+                from llguidance.hf import from_tokenizer
 
-        if len(_TOKENIZERS) >= 16:
-            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
-        _TOKENIZERS[key] = from_tokenizer(hf_tokenizer, n_vocab=key[1], eos_token=list(key[2]) or None)
-    return _TOKENIZERS[key]
+                if len(_TOKENIZERS) >= 16:
+                    _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+                built = from_tokenizer(hf_tokenizer, n_vocab=key[1], eos_token=list(key[2]) or None)
+                _TOKENIZERS[key] = built
+    return built
 
 
 def is_warm(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()) -> bool:

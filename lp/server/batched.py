@@ -70,11 +70,11 @@ class BatchedEngine:
         self.failed: str | None = None
         self._thread: threading.Thread | None = None  # the thread in run()
         if tokenizer is not None:  # every LP rank warms its own (worker_loop): each holds the request's matcher
-            from lp.grammar.matcher import warm
-
-            # the grammar matcher's one-time set-up, here rather than in the first structured request
-            log.info("[lp.serve] start-up: the grammar matcher (llguidance's tokenizer) done in %.1f s",
-                     warm(tokenizer, runner.vocab_size, eos))
+            # the grammar matcher's one-time set-up (~2 s), rather than in the first structured request:
+            # in a thread beside serving, so plain requests are answered meanwhile (a grammar request
+            # that comes first waits for the one build, lp.grammar.matcher.ll_tokenizer)
+            threading.Thread(target=_warm_grammar, args=(tokenizer, runner.vocab_size, eos), daemon=True,
+                             name="lp-grammar-warm").start()
 
     # -- API for the HTTP side ---------------------------------------------
 
@@ -275,6 +275,16 @@ class BatchedEngine:
             self._new, self._jobs = collections.deque(), {}
         for job in jobs:
             job.emit("error", ApiError(why, status=503, type="server_error", code="unavailable"))
+
+
+def _warm_grammar(tokenizer, vocab_size: int, eos) -> None:
+    from lp.grammar.matcher import warm
+
+    try:
+        log.info("[lp.serve] the grammar matcher (llguidance's tokenizer) ready in %.1f s, built beside serving",
+                 warm(tokenizer, vocab_size, eos))
+    except Exception:  # noqa: BLE001 - the first grammar request builds it again and reports its error
+        log.exception("[lp.serve] warming the grammar matcher failed; the first grammar request will build it")
 
 
 # ---------------------------------------------------------------------------
