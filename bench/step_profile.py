@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     model, tok = load_model(path, mc.dtype, "cpu", mc.quant)
     load_s = time.perf_counter() - t
-    runner = ModelRunner(model, mc.attention, small_rows=mc.small_rows, linears=mc.linears, compile=mc.compile,
+    runner = ModelRunner(model, mc.attention, small_rows=mc.small_rows, linears=mc.linears, compile=mc.compile, fused=mc.fused,
                          head=mc.head)
     eos = eos_ids(model, tok)
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True)

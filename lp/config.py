@@ -175,6 +175,10 @@ class ModelConfig:
     # lp's packed forward under torch.compile/inductor (lp.model.runner), one sequence's steps and the
     # batched step of lp.serve: auto (eager: every new process would pay the compile) | on | off
     compile: str = "auto"
+    # the decoder stack (lp.model.fused): auto (an exact4 Llama-style model runs its layers as two C++
+    # calls each, kept where its logits equal transformers' forward bit for bit; elsewhere the model's
+    # own modules) | on (the fused stack or an error saying why not) | off (the model's modules)
+    fused: str = "auto"
     # quantized weights (lp.model.quant), applied identically on every LP worker: none | int8 (CPU:
     # int8 weights x per-row int8 activations over fbgemm; CUDA: torchao int8 weight-only) |
     # int4 (torchao int4 weight-only, bf16 activations) | exact4 (CPU float32: linears whose weights
@@ -204,6 +208,8 @@ class ModelConfig:
             raise ValueError(f"model.cpus must be auto, off or a core list such as 0-3 or 0,2; got {self.cpus!r}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"model.compile must be auto, on or off, got {self.compile!r}")
+        if self.fused not in ("auto", "on", "off"):
+            raise ValueError(f"model.fused must be auto, on or off, got {self.fused!r}")
         if self.quant not in ("none", "int8", "int4", "exact4", "auto"):
             raise ValueError(f"model.quant must be one of none, int8, int4, exact4, auto, got {self.quant!r}")
         if not isinstance(self.cuda_graphs, bool):

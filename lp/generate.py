@@ -122,7 +122,7 @@ def run(cfg: GenerateConfig) -> dict | None:
         else:  # lookahead, or ar: lp's own one-token steps on the same runner
             on_step = _step_logger() if (lead and cfg.log_steps) else None
             runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
-                                 linears=cfg.model.linears, compile=cfg.model.compile,
+                                 linears=cfg.model.linears, compile=cfg.model.compile, fused=cfg.model.fused,
                                  head=cfg.model.head)
             decoder = LookaheadDecoder(runner, dcfg, group)
             dcfg = decoder.cfg  # W/N/G resolved for the hardware (mode=ar: one-token steps)

@@ -111,7 +111,7 @@ def run(cfg: ServeConfig) -> int:
         raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")
     with phase("preparing the runner (kernels, packed weights, head screen)"):
         runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
-                             linears=cfg.model.linears, compile=cfg.model.compile,
+                             linears=cfg.model.linears, compile=cfg.model.compile, fused=cfg.model.fused,
                              head=cfg.model.head)
     eos = eos_ids(model, tokenizer)
     if cfg.decoding.draft_budget == "auto":

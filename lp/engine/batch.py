@@ -522,7 +522,7 @@ class BatchEngine:
                 keep_K = keep_K.repeat(2)
             _mark_dynamic(ids_1Q, pos_1Q, keep_K, extra)
         with runner._kernel(qo, impl, argmax_only=all(map(_argmax_only, items))):
-            out = (runner._forward if compiled else runner.model)(
+            out = (runner._forward if compiled else runner.fused or runner.model)(
                 input_ids=ids_1Q, position_ids=pos_1Q, attention_mask=mask,
                 **{runner._cache_kw: self.cache}, use_cache=True, logits_to_keep=keep_K, **extra)
         return out.logits[0, :kept].float()

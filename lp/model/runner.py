@@ -1,7 +1,8 @@
 """The one module that adapts transformers models for packed steps: forward, cache edits.
 
 Contract: ``ModelRunner.forward(layout, cache)`` runs one packed step through the
-model's *public* forward with explicit ``position_ids``, a mask built from the
+model's *public* forward (or, for an exact4 Llama, lp.model.fused's stack, kept only where it
+equals that forward bit for bit: ``model.fused``) with explicit ``position_ids``, a mask built from the
 layout's parent forest, and a ``lp.model.kv.PackedCache`` (static, in-place); only the
 rows in ``layout.keep`` go through the LM head. It returns float32 logits, one row
 per kept row, on the model's device. ``crop`` and ``compact`` edit the cache after
@@ -61,6 +62,7 @@ ATTENTION = ("auto", "sdpa", "eager", "flex", "flash", "rowexact")
 # model.attention (resolved) -> the attention implementation registered with transformers
 ATTN_IMPLS = {"sdpa": "sdpa", "eager": "eager", "flex": "lp_flex", "flash": "lp_cascade", "rowexact": "lp_rowexact"}
 COMPILE = ("auto", "on", "off")
+FUSED = ("auto", "on", "off")
 
 
 def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> str:
@@ -128,7 +130,7 @@ class ModelRunner:
 
     def __init__(self, model, attention: str = "auto", cuda_graphs: bool = False, static_shapes: bool = False,
                  small_rows: str = "auto", quant: str | None = None, linears: str = "auto",
-                 compile: str = "auto", head: str = "auto"):
+                 compile: str = "auto", head: str = "auto", fused: str = "auto"):
         config = model.config
         if quant not in (None, "none") and getattr(model, "_lp_quant", None) is None:
             from lp.model.quant import quantize
@@ -196,6 +198,7 @@ class ModelRunner:
         self._setup_linears(model, small_rows, linears, compile == "on")
         self._setup_head(model, head)
         self._setup_compile(model, compile, cuda_graphs or static_shapes)
+        self._setup_fused(model, fused)
 
     def _setup_linears(self, model, small_rows: str, linears: str, compiled: bool = False) -> None:
         """The linear kernels of lp's forwards (lp.model.kernels): small-row matmuls, packed weights."""
@@ -256,6 +259,38 @@ class ModelRunner:
             self._traced = _own_forward(self.model)  # the code object dynamo keeps this runner's graphs on
             self._compiled = torch.compile(self._traced, dynamic=True, options=_COMPILE_OPTIONS)
         return self._compiled(**kwargs)
+
+    def _setup_fused(self, model, fused: str) -> None:
+        """``model.fused``: an exact4 Llama's decoder stack in two C++ calls a layer (lp.model.fused),
+        kept only where its logits and cache equal the model's own forward bit for bit."""
+        if fused not in FUSED:
+            raise ValueError(f"model.fused must be one of {', '.join(FUSED)}, got {fused!r}")
+        self.fused = None
+        self.fused_why = "model.fused=off"
+        if fused == "off":
+            return
+        if self.device.type != "cpu" or self.quant != "exact4" or self.compiled or self._static is not None \
+                or self.attention not in ("sdpa", "eager"):
+            self.fused_why = "fused steps need an exact4 model on the CPU, eager, with sdpa or eager attention"
+        else:
+            from lp.model import fused as fused_stack
+
+            stack, self.fused_why = fused_stack.build(model)
+            if stack is not None:
+                if fused_stack.agrees(model, stack, self._check_run):
+                    self.fused, self.fused_why = stack, ""
+                    self._forward = stack
+                else:
+                    self.fused_why = "its logits differ from the model's own forward in this transformers version"
+        if fused == "on" and self.fused is None:
+            raise ValueError(f"model.fused=on: this model cannot run fused steps ({self.fused_why}); use auto or off")
+        log.info("decoder stack: %s", "fused (two C++ calls a layer)" if self.fused else
+                 f"transformers' modules ({self.fused_why})")
+
+    def _check_run(self, fn, ids_1Q, pos_1Q, mask, cache):
+        with self._kernel(ids_1Q.shape[1]):
+            return fn(input_ids=ids_1Q, position_ids=pos_1Q, attention_mask=mask, **{self._cache_kw: cache},
+                      use_cache=True, logits_to_keep=0).logits[0].float()
 
     # -- per-generation state ---------------------------------------------------
 

@@ -376,6 +376,79 @@ torch::Tensor rms_norm(torch::Tensor x, const torch::Tensor& w, double eps) {
   return y;
 }
 
+// Llama-style decoder layers in two calls per layer (lp.model.fused), each the very operations of the
+// transformers module it stands for, on the same kernels, so the same bits:
+//   attn_in:  rms_norm, the fused q/k/v product (exact4), rotary embedding of q and k as torch's
+//             eager `q * cos + rotate_half(q) * sin` (two products and a sum, each rounded: the
+//             embedded-rounding intrinsics below are never contracted into a fused multiply-add);
+//             q, k, v returned as [1, H, Q, D] views of [1, Q, H, D] buffers (the strides of the
+//             module's own q and k after the rotation)
+//   out_mlp:  the attention output's product (o), the residual sum, rms_norm, the fused gate/up
+//             product, at::silu(gate) * up, the down product, the residual sum (ATen's own kernels
+//             for silu, mul and add).
+#if defined(__AVX512F__)
+namespace {
+// out[d] = x[d] * c[d] + rot[d] * s[d], rot = cat(-x[D/2:], x[:D/2]); D a multiple of 32
+void rope_row(const float* x, const float* c, const float* s, float* out, int64_t D) {
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const int64_t half = D / 2;
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + d);
+    __m512 rot = d < half ? _mm512_loadu_ps(x + d + half) : _mm512_loadu_ps(x + d - half);
+    if (d < half) rot = _mm512_xor_ps(rot, sign);  // -x: exact
+    const __m512 a = _mm512_mul_round_ps(xv, _mm512_loadu_ps(c + d), R);
+    const __m512 b = _mm512_mul_round_ps(rot, _mm512_loadu_ps(s + d), R);
+    _mm512_storeu_ps(out + d, _mm512_add_round_ps(a, b, R));
+  }
+}
+}  // namespace
+
+std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, double eps, const torch::Tensor& p_qkv,
+                                   int64_t heads, int64_t kv_heads, int64_t head_dim, torch::Tensor cos,
+                                   torch::Tensor sin) {
+  TORCH_CHECK(h.dim() == 3 && h.size(0) == 1, "attn_in: h must be [1, Q, H]");
+  TORCH_CHECK(head_dim % 32 == 0, "attn_in: head_dim must be a multiple of 32");
+  const int64_t Q = h.size(1), D = head_dim, N = (heads + 2 * kv_heads) * D;
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  TORCH_CHECK(cos.numel() == Q * D && sin.numel() == Q * D && cos.scalar_type() == torch::kFloat32 &&
+                  sin.scalar_type() == torch::kFloat32, "attn_in: cos, sin must be [1, Q, head_dim] float32");
+  const at::Tensor x = rms_norm(h, ln_w, eps);
+  const at::Tensor y = exact4_mm(x.view({Q, h.size(2)}), p_qkv, N);
+  at::Tensor q = torch::empty({1, Q, heads, D}, h.options());
+  at::Tensor k = torch::empty({1, Q, kv_heads, D}, h.options());
+  at::Tensor v = torch::empty({1, Q, kv_heads, D}, h.options());
+  const float* yp = y.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  for (int64_t t = 0; t < Q; ++t) {
+    const float* row = yp + t * N;
+    for (int64_t i = 0; i < heads; ++i) rope_row(row + i * D, cp + t * D, sp + t * D, qp + (t * heads + i) * D, D);
+    for (int64_t i = 0; i < kv_heads; ++i)
+      rope_row(row + (heads + i) * D, cp + t * D, sp + t * D, kp + (t * kv_heads + i) * D, D);
+    std::memcpy(vp + t * kv_heads * D, row + (heads + kv_heads) * D, sizeof(float) * kv_heads * D);
+  }
+  return {q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)};
+}
+
+torch::Tensor out_mlp(const torch::Tensor& h, const torch::Tensor& attn, const torch::Tensor& p_o,
+                      const torch::Tensor& ln_w, double eps, const torch::Tensor& p_gu, int64_t inter,
+                      const torch::Tensor& p_down) {
+  TORCH_CHECK(h.dim() == 3 && h.size(0) == 1, "out_mlp: h must be [1, Q, H]");
+  const int64_t Q = h.size(1), H = h.size(2);
+  const at::Tensor a = attn.reshape({Q, -1}).contiguous();
+  const at::Tensor h1 = at::add(h, exact4_mm(a, p_o, H).view({1, Q, H}));
+  const at::Tensor x = rms_norm(h1, ln_w, eps);
+  const at::Tensor gu = exact4_mm(x.view({Q, H}), p_gu, 2 * inter);
+  const at::Tensor m = at::mul(at::silu(gu.slice(1, 0, inter)), gu.slice(1, inter, 2 * inter));
+  return at::add(h1, exact4_mm(m, p_down, H).view({1, Q, H}));
+}
+#endif
+
 bool exact4_avx512() {
 #if defined(__AVX512F__)
   return true;
@@ -402,12 +475,20 @@ TORCH_LIBRARY(lp_exact4, m) {
   m.def("mm(Tensor x, Tensor p, int n) -> Tensor");
   m.def("mm8(Tensor x, Tensor p, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("attn_in(Tensor h, Tensor ln_w, float eps, Tensor p_qkv, int heads, int kv_heads, int head_dim, Tensor cos, "
+        "Tensor sin) -> Tensor[]");
+  m.def("out_mlp(Tensor h, Tensor attn, Tensor p_o, Tensor ln_w, float eps, Tensor p_gu, int inter, Tensor p_down) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
   m.impl("mm", &exact4_mm);
   m.impl("mm8", &exact8_mm);
   m.impl("rms_norm", &rms_norm);
+#if defined(__AVX512F__)
+  m.impl("attn_in", &attn_in);
+  m.impl("out_mlp", &out_mlp);
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

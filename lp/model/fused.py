@@ -1,0 +1,203 @@
+"""A Llama-style exact4 model's decoder stack in two C++ calls a layer, instead of transformers'
+module tree: the same operations on the same kernels, so the same bits, checked when built.
+
+Contract: ``build(model)`` returns a ``FusedDecoder`` for a model whose every decoder layer is
+Llama's (``LlamaDecoderLayer``: pre-norm attention and gated-SiLU MLP, rotary embeddings, no
+biases) with its norms ``lp.model.exact4.FusedRMSNorm``, q/k/v one ``Exact4Linear``, gate/up one,
+o and down one each (what ``model.quant=exact4`` makes of lp's SmolLM2), on an AVX-512 build;
+else None, with the reason in ``why_not``. Calling it takes the arguments lp's steps give the
+model's public forward (``input_ids``, ``position_ids``, ``attention_mask``, the cache as
+``past_key_values`` or ``cache``, ``use_cache``, ``logits_to_keep``, the attention function's
+extra keywords) and returns an object whose ``logits`` are what that forward returns.
+
+Per layer: ``lp_exact4::attn_in`` (input norm, q/k/v product, rotary embedding), the cache's own
+``update``, the attention function transformers would call (``config._attn_implementation``,
+looked up per call: lp's runners switch it), ``lp_exact4::out_mlp`` (o product, residual, norm,
+gate/up product, silu * up, down product, residual). Embedding, rotary tables, final norm and
+head are the model's own modules. ``agrees(model, fused)`` runs both forwards on the same
+prompt and tree step and says whether every logit and cached key and value is bit-equal; the
+runner keeps the fused stack only when it is (a transformers version whose layer computes
+anything differently falls back to its own forward).
+
+Why: one decode step of SmolLM2 runs ~25 small ops a layer through nn.Module calls, decorators
+and keyword plumbing; at one row that costs several ms of a ~13 ms step (bench/results/step_cost).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+LAYERS = ("LlamaDecoderLayer",)
+
+
+@dataclass
+class _Layer:
+    attn: torch.nn.Module
+    ln1: torch.Tensor
+    eps1: float
+    qkv: torch.Tensor
+    o: torch.Tensor
+    ln2: torch.Tensor
+    eps2: float
+    gate_up: torch.Tensor
+    inter: int
+    down: torch.Tensor
+
+
+class _Out:
+    __slots__ = ("logits",)
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+def _fused_parts(parts, names) -> object | None:
+    """The one Exact4Linear behind sibling linears ``parts`` (SharedInputParts 0, 1, ... in order)."""
+    from lp.model.exact4 import Exact4Linear
+    from lp.model.kernels import SharedInputPart
+
+    if not all(type(p) is SharedInputPart for p in parts):
+        return None
+    owner = parts[0].fused[0]
+    if type(owner) is not Exact4Linear or len(owner.splits) != len(parts):
+        return None
+    if any(p.fused[0] is not owner or p.part != i for i, p in enumerate(parts)):
+        return None
+    return owner
+
+
+def _plan(model) -> tuple[list[_Layer], str]:
+    from lp.model import exact4
+    from lp.model.exact4 import Exact4Linear, FusedRMSNorm
+
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not len(layers):
+        return [], "no decoder layers at model.model.layers"
+    config = model.config
+    if getattr(config, "hidden_act", None) != "silu":
+        return [], f"hidden_act {getattr(config, 'hidden_act', None)!r} (silu only)"
+    if getattr(config, "sliding_window", None) and "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        return [], "sliding-window layers"
+    for name in ("embed_tokens", "rotary_emb", "norm"):
+        if not hasattr(base, name):
+            return [], f"no model.model.{name}"
+    if not exact4.extension().avx512():
+        return [], "the exact4 kernel was built without AVX-512"
+    plan = []
+    for layer in layers:
+        if type(layer).__name__ not in LAYERS:
+            return [], f"decoder layer {type(layer).__name__} (fused: {', '.join(LAYERS)})"
+        attn, mlp = layer.self_attn, layer.mlp
+        if any(hasattr(attn, n) for n in ("q_norm", "k_norm", "sinks")):
+            return [], "attention with q/k norms or sinks"
+        qkv = _fused_parts([attn.q_proj, attn.k_proj, attn.v_proj], "q/k/v")
+        gate_up = _fused_parts([mlp.gate_proj, mlp.up_proj], "gate/up")
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if qkv is None or gate_up is None:
+            return [], "q/k/v or gate/up not one exact4 linear each"
+        if type(attn.o_proj) is not Exact4Linear or type(mlp.down_proj) is not Exact4Linear:
+            return [], "o or down not an exact4 linear"
+        if not all(type(n) is FusedRMSNorm for n in norms):
+            return [], "norms not one-op RMSNorms"
+        if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+            return [], f"activation {type(mlp.act_fn).__name__}"
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        d = attn.head_dim
+        if d % 32 or qkv.splits != [heads * d, kv_heads * d, kv_heads * d]:
+            return [], "head size not a multiple of 32, or q/k/v widths not the heads'"
+        inter = gate_up.splits[0]
+        if gate_up.splits != [inter, inter]:
+            return [], "gate and up of different widths"
+        plan.append(_Layer(attn, norms[0].weight.detach(), float(norms[0].variance_epsilon), qkv.p,
+                           attn.o_proj.p, norms[1].weight.detach(), float(norms[1].variance_epsilon),
+                           gate_up.p, inter, mlp.down_proj.p))
+    return plan, ""
+
+
+class FusedDecoder:
+    def __init__(self, model, layers: list[_Layer]):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.model = model
+        self.base = model.model
+        self.layers = layers
+        self.config = model.config
+        self.heads = self.config.num_attention_heads
+        self.kv_heads = self.config.num_key_value_heads
+        self._functions = ALL_ATTENTION_FUNCTIONS
+
+    def _attention(self):
+        """The function transformers' attention module calls for the model's current implementation."""
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        impl = self.config._attn_implementation
+        if hasattr(self._functions, "get_interface"):
+            return self._functions.get_interface(impl, eager_attention_forward)
+        return eager_attention_forward if impl == "eager" else self._functions[impl]
+
+    def __call__(self, input_ids, position_ids, attention_mask=None, past_key_values=None, cache=None,
+                 use_cache=True, logits_to_keep=0, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        assert cache is not None and input_ids.shape[0] == 1, "fused steps take one packed row set and a cache"
+        base, ops = self.base, torch.ops.lp_exact4
+        h = base.embed_tokens(input_ids)
+        cos, sin = base.rotary_emb(h, position_ids)
+        attention = self._attention()
+        heads, kv_heads = self.heads, self.kv_heads
+        for ly in self.layers:
+            a = ly.attn
+            q, k, v = ops.attn_in(h, ly.ln1, ly.eps1, ly.qkv, heads, kv_heads, a.head_dim, cos, sin)
+            k, v = cache.update(k, v, a.layer_idx)
+            out, _ = attention(a, q, k, v, attention_mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
+                               use_cache=use_cache, **kwargs)
+            h = ops.out_mlp(h, out, ly.o, ly.ln2, ly.eps2, ly.gate_up, ly.inter, ly.down)
+        h = base.norm(h)
+        if isinstance(logits_to_keep, int):
+            h = h[:, -logits_to_keep:, :]
+        else:
+            h = h[:, logits_to_keep, :]
+        return _Out(self.model.lm_head(h))
+
+
+def build(model) -> tuple[FusedDecoder | None, str]:
+    """(the fused stack, "") where every layer fits, else (None, why not)."""
+    layers, why = _plan(model)
+    if not layers:
+        return None, why
+    return FusedDecoder(model, layers), ""
+
+
+@torch.inference_mode()
+def agrees(model, fused: FusedDecoder, run) -> bool:
+    """Whether ``fused`` and the model's own forward give bit-equal logits and cache contents on
+    a 7-token prompt, then a 3-row tree step (rows 1 and 2 both children of row 0). ``run(fn,
+    ids, pos, mask, cache)`` calls a forward in the runner's kernel context."""
+    from lp.model.kv import PackedCache
+
+    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, 7), generator=gen)
+    step = torch.randint(0, vocab, (1, 3), generator=gen)
+    dtype = next(model.parameters()).dtype
+    neg = torch.finfo(dtype).min
+    causal = torch.full((7, 7), neg, dtype=dtype).triu(1)[None, None]
+    tree = torch.zeros((1, 1, 3, 10), dtype=dtype)
+    tree[0, 0, 0, 8:] = neg
+    tree[0, 0, 1, 9] = neg
+    tree[0, 0, 2, 8] = neg
+    outs = []
+    for fn in (model, fused):
+        cache = PackedCache(16)
+        a = run(fn, prompt, torch.arange(7)[None], causal, cache)
+        b = run(fn, step, torch.tensor([[7, 8, 8]]), tree, cache)
+        kv = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+        outs.append((a, b, kv))
+    (a0, b0, kv0), (a1, b1, kv1) = outs
+    return (torch.equal(a0, a1) and torch.equal(b0, b1) and len(kv0) == len(kv1)
+            and all(torch.equal(x, y) for x, y in zip(kv0, kv1)))

@@ -1,0 +1,108 @@
+"""model.fused (lp.model.fused): an exact4 Llama's decoder stack in two C++ calls a layer. It is
+kept only where it equals the model's own forward bit for bit, and decoding on it equals
+transformers generate on the converted model: one sequence with drafts and a window, and a
+batch of sequences on the paged cache."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+from lp.config import DecodingConfig, ModelConfig
+from lp.engine.batch import BatchEngine
+from lp.engine.decoder import LookaheadDecoder
+from lp.model import fused as fused_stack
+from lp.model.quant import quantize
+from lp.model.runner import ModelRunner
+from tests.helpers import REPETITIVE_PROMPT, hf_greedy
+from tests.test_exact4 import to_q4_blocks
+
+pytestmark = [pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86 CPU kernels"),
+              pytest.mark.skipif(shutil.which("g++") is None or shutil.which("ninja") is None,
+                                 reason="the exact4 kernel is built with g++ and ninja")]
+
+
+@pytest.fixture(scope="module")
+def q4_llama(tiny_factory):
+    """A tiny Llama (head size 32, as the fused rotation needs) whose linears are 4-bit blocks, converted."""
+    from lp.model import exact4
+
+    if not exact4.extension().avx512():
+        pytest.skip("fused layers run on the AVX-512 exact4 build")
+    model = to_q4_blocks(copy.deepcopy(tiny_factory("llama", head_dim=32, seed=1)))
+    assert quantize(model, "exact4") == "exact4"
+    return model
+
+
+class _Counting:
+    def __init__(self, stack):
+        self.stack, self.calls = stack, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.stack(*args, **kwargs)
+
+
+def test_fused_steps_equal_generate_one_sequence_and_a_batch(q4_llama):
+    model = q4_llama
+    runner = ModelRunner(model)
+    assert runner.fused is not None, runner.fused_why
+    count = _Counting(runner.fused)
+    runner.fused = runner._forward = count
+    cfg = DecodingConfig(max_new_tokens=40, drafts="suffix", draft_budget="all", max_draft_rows=12, W=2, N=3, G=3,
+                         window_policy="always")
+    ref = hf_greedy(model, REPETITIVE_PROMPT, 40)
+    res = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT)
+    assert res.output_ids == ref and res.stats.compression_ratio > 1.0
+    assert count.calls == res.stats.steps  # every forward (the prefill one of them) ran fused
+    count.calls = 0
+    engine = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=3)
+    prompts = [REPETITIVE_PROMPT, REPETITIVE_PROMPT[4:], [7, 8, 9, 10] * 5]
+    ids = [engine.add(p, cfg) for p in prompts]
+    while engine.has_work:
+        engine.step()
+    for i, p in zip(ids, prompts):
+        assert engine.result(i).output_ids == hf_greedy(model, p, 40)
+    assert count.calls > 0
+
+
+def test_a_stack_that_differs_is_refused(q4_llama):
+    """agrees() compares logits and cached keys and values: a layer's eps changed, or its rotation
+    turned off, shows; model.fused=off keeps the modules; =on where it cannot apply is an error."""
+    model = q4_llama
+    runner = ModelRunner(model)
+    stack, why = fused_stack.build(model)
+    assert stack is not None and why == ""
+    assert fused_stack.agrees(model, stack, runner._check_run)
+    layer = stack.layers[-1]
+    layer.eps2 *= 4
+    assert not fused_stack.agrees(model, stack, runner._check_run)
+    layer.eps2 /= 4
+    ones = torch.ones_like(model.model.rotary_emb(torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))[0])
+    rotary = model.model.rotary_emb
+    stack.base = type("Base", (), {"embed_tokens": model.model.embed_tokens, "norm": model.model.norm,
+                                   "rotary_emb": staticmethod(lambda h, pos: (ones.expand(1, pos.shape[1], -1),
+                                                                              0 * ones.expand(1, pos.shape[1], -1)))})()
+    assert not fused_stack.agrees(model, stack, runner._check_run)
+    stack.base = model.model
+    assert rotary is model.model.rotary_emb and fused_stack.agrees(model, stack, runner._check_run)
+    assert ModelRunner(model, fused="off").fused is None
+
+
+def test_where_it_does_not_apply(tiny_factory):
+    dense = tiny_factory("llama", head_dim=32, seed=1)
+    runner = ModelRunner(dense)
+    assert runner.fused is None and "exact4" in runner.fused_why
+    with pytest.raises(ValueError, match="model.fused=on"):
+        ModelRunner(dense, fused="on")
+    with pytest.raises(ValueError, match="model.fused must be"):
+        ModelRunner(dense, fused="yes")
+    with pytest.raises(ValueError, match="model.fused must be auto, on or off"):
+        ModelConfig(fused="maybe").validate()
+    narrow = to_q4_blocks(copy.deepcopy(tiny_factory("llama", seed=1)))  # head size 16
+    quantize(narrow, "exact4")
+    stack, why = fused_stack.build(narrow)
+    assert stack is None and "head size" in why
