@@ -2,7 +2,7 @@
 
 Contract: ``row_cost_curve(runner)`` returns [(Q, seconds)] for every Q up to 16 and a few
 above, after a 128-token prefix, measured once (~10 s on a 2-core CPU) and cached as JSON under
-``$LP_CACHE/tq/<model>-<device>-<dtype>-t<threads>-<attention>-small<mode>-lin<linears>[-compiled][-<quant>]-<version>.json`` (``LP_CACHE`` defaults to
+``$LP_CACHE/tq/<model>-<device>-<dtype>-t<threads>-<attention>-small<mode>-lin<linears>[-compiled][-fused][-<quant>]-<version>.json`` (``LP_CACHE`` defaults to
 ~/.cache/lp); later calls read the file. A curve measured while the machine was busy
 (1-minute load average above the core count) is measured again on the first call that
 finds the machine quiet. The draft budget (lp.drafts.budget) takes the curve
@@ -38,6 +38,7 @@ def cache_path(runner) -> Path:
     name = (f"{digest}-{runner.device.type}-{dtype}-t{torch.get_num_threads()}{f'-tp{tp}' if tp > 1 else ''}"
             f"-{runner.attention}"
             f"-small{runner.small_rows_mode}-lin{runner.linears}{'-compiled' if runner.compiled else ''}"
+            f"{'-fused' if getattr(runner, 'fused', None) is not None else ''}"
             f"{_quant_tag(runner)}-{VERSION}.json")
     return default_cache_dir() / "tq" / name
 
