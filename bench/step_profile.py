@@ -5,7 +5,9 @@ the default model as ``lp.serve`` does (``model.quant=auto``: exact4 where the l
 blocks; ``model.compile``, ``model.head`` and the rest at their defaults unless given as
 ``--override key=value`` on ``ModelConfig``), runs one greedy chat request through a
 ``BatchEngine`` (the server's engine) in plain one-token steps (``decoding.mode=ar``, what the
-budget falls back to on text without repeats) and with the default drafts, and reports per
+budget falls back to on text without repeats), the same through transformers' modules where the
+runner holds lp.model.fused's stack (``ar_modules``: ``model.fused=off``), and with the default
+drafts, all interleaved, and reports per
 token: wall time of ``BatchEngine.step``, the time inside the batched forward
 (``BatchEngine.forward``), the rest (host work: scheduling, drafts, verification, commit),
 then torch.profiler's self-CPU table of 20 one-row steps. Writes ``<out>/profile.json`` and
@@ -98,11 +100,15 @@ def main(argv=None) -> int:
         compile_batched_step(runner, 512)
     modes = {"ar": DecodingConfig(mode="ar", max_new_tokens=a.tokens),
              "defaults": DecodingConfig(max_new_tokens=a.tokens)}
+    fused = runner.fused
+    if fused is not None:  # the same steps through transformers' modules (model.fused=off), interleaved
+        modes["ar_modules"] = modes["ar"]
     rows = {m: [] for m in modes}
-    outputs = {}
     run_request(engine, ids, modes["ar"], eos)  # warm-up
     for _ in range(a.reps):  # interleaved
         for m, d in modes.items():
+            runner.fused = None if m == "ar_modules" else fused
+            runner._forward = runner.fused or runner.model if not runner.compiled else runner._forward
             walls, fwds, n = run_request(engine, ids, d, eos)
             decode = walls[1:]  # the first step is the prefill
             rows[m].append({"ms_per_token": 1e3 * sum(decode) / max(1, n - 1), "steps": len(decode),
@@ -110,7 +116,8 @@ def main(argv=None) -> int:
                             "forward_ms_per_step": 1e3 * statistics.median(fwds[1:]),
                             "host_ms_per_step": 1e3 * statistics.median([w - f for w, f in zip(decode, fwds[1:])]),
                             "tokens": n})
-    # the profiler over one-row steps
+    runner.fused = fused  # the profiler over the default's one-row steps
+    runner._forward = runner.fused or runner.model if not runner.compiled else runner._forward
     from torch.profiler import ProfilerActivity, profile
 
     engine.add(ids, modes["ar"], eos_token_ids=eos)
@@ -123,7 +130,7 @@ def main(argv=None) -> int:
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     result = {"command": "python -m bench.step_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
               "commit": _commit(), "cpu": _cpu_name(), "threads": a.threads, "model": {**vars(mc)},
-              "resolved": {"quant": runner.quant, "compiled": bool(runner.compiled), "attention": runner.attention,
+              "resolved": {"quant": runner.quant, "compiled": bool(runner.compiled), "fused": fused is not None, "attention": runner.attention,
                            "linears": runner.linears},
               "load_s": load_s, "runs": rows, "profile_20_one_row_steps": table}
     out = Path(a.out)
