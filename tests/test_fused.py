@@ -92,7 +92,7 @@ def test_a_stack_that_differs_is_refused(q4_llama):
     assert ModelRunner(model, fused="off").fused is None
 
 
-def test_where_it_does_not_apply(tiny_factory):
+def test_where_it_does_not_apply(tiny_factory, q4_llama):
     dense = tiny_factory("llama", head_dim=32, seed=1)
     runner = ModelRunner(dense)
     assert runner.fused is None and "exact4" in runner.fused_why
@@ -102,6 +102,10 @@ def test_where_it_does_not_apply(tiny_factory):
         ModelRunner(dense, fused="yes")
     with pytest.raises(ValueError, match="model.fused must be auto, on or off"):
         ModelConfig(fused="maybe").validate()
+    hooked = copy.deepcopy(q4_llama)
+    hooked.model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * 2)
+    stack, why = fused_stack.build(hooked)
+    assert stack is None and "hooks" in why
     narrow = to_q4_blocks(copy.deepcopy(tiny_factory("llama", seed=1)))  # head size 16
     quantize(narrow, "exact4")
     stack, why = fused_stack.build(narrow)

@@ -87,6 +87,10 @@ def _plan(model) -> tuple[list[_Layer], str]:
     for name in ("embed_tokens", "rotary_emb", "norm"):
         if not hasattr(base, name):
             return [], f"no model.model.{name}"
+    if getattr(model, "_lp_tp", 1) > 1:
+        return [], "tensor-parallel shards (their all-reduces ride on module hooks)"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in layers.modules()):
+        return [], "forward hooks on the decoder layers (the fused stack calls no module)"
     if not exact4.extension().avx512():
         return [], "the exact4 kernel was built without AVX-512"
     plan = []
