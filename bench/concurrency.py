@@ -366,20 +366,11 @@ def cfg_command() -> str:
 
 
 def git_commit() -> str | None:
-    """The checkout's short commit, '+dirty' with uncommitted changes to tracked files (None outside git):
+    """The checkout's short commit, '+dirty' with uncommitted changes (bench.envelope.commit):
     bench.report --readme cites it next to the numbers."""
-    import subprocess
+    from bench.envelope import commit
 
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=30)
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
+    return commit()
 
 
 def _median(xs: list[float]) -> float:

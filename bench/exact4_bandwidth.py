@@ -15,17 +15,13 @@ with ms and GB/s (min / median), the command, commit, CPU and the load average a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench.overhead import _cpu_name
-from bench.step_profile import _commit
+from bench.envelope import command, commit, cpu_name, write
 
 
 def main(argv=None) -> int:
@@ -82,12 +78,9 @@ def main(argv=None) -> int:
                                             "median_gbps": size[k] / statistics.median(v) / 1e9}
                                         for k, v in times.items()}})
         print(rows[-1], flush=True)
-    result = {"command": "python -m bench.exact4_bandwidth " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "commit": _commit(), "cpu": _cpu_name(), "threads": a.threads, "load_average_at_start": load,
+    result = {"command": command("bench.exact4_bandwidth", argv),
+              "commit": commit(), "cpu": cpu_name(), "threads": a.threads, "load_average_at_start": load,
               "bytes": nbytes, "kernel_calls": len(linears), "results": rows}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bandwidth.json").write_text(json.dumps(result, indent=1))
     md = [f"# exact4's kernels against the memory's bandwidth, {mc.name}", "",
           f"`{result['command']}` at {result['commit']}, {result['cpu']}, {a.threads} threads, load average "
           f"{load:.1f} at the start; min / median of {a.reps} interleaved rounds. Bytes a step streams: the "
@@ -99,7 +92,7 @@ def main(argv=None) -> int:
     for r in rows:
         md.append(f"| {r['rows']} | " + " | ".join(f"{r[k]['min_ms']:.2f} / {r[k]['median_ms']:.2f}" for k in fns)
                   + " | " + " | ".join(f"{r[k]['max_gbps']:.1f} / {r[k]['median_gbps']:.1f}" for k in fns) + " |")
-    (out / "bandwidth.md").write_text("\n".join(md) + "\n")
+    write(a.out, "bandwidth", result, md)
     return 0
 
 

@@ -15,17 +15,13 @@ noise).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench.overhead import _cpu_name
-from bench.step_profile import _commit
+from bench.envelope import command, commit, cpu_name, write
 
 
 def main(argv=None) -> int:
@@ -69,12 +65,9 @@ def main(argv=None) -> int:
             rows.append({"threads": threads, "rows": m,
                          **{k: {"min_ms": min(v), "median_ms": statistics.median(v)} for k, v in times.items()}})
             print(rows[-1], flush=True)
-    result = {"command": "python -m bench.head_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "commit": _commit(), "cpu": _cpu_name(), "load_average_at_start": load, "bytes": nbytes,
+    result = {"command": command("bench.head_kernels", argv),
+              "commit": commit(), "cpu": cpu_name(), "load_average_at_start": load, "bytes": nbytes,
               "head8_max_rows": exact4.HEAD8_MAX_ROWS, "results": rows}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "head.json").write_text(json.dumps(result, indent=1))
     md = [f"# The LM head's kernels, {mc.name} ({w_VD.shape[0]} x {w_VD.shape[1]})", "",
           f"`{result['command']}` at {result['commit']}, {result['cpu']}, load average {load:.1f} at the start; "
           f"ms a forward, min / median of {a.reps} interleaved rounds. Bytes read: "
@@ -84,7 +77,7 @@ def main(argv=None) -> int:
     for r in rows:
         md.append(f"| {r['threads']} | {r['rows']} | " + " | ".join(
             f"{r[k]['min_ms']:.2f} / {r[k]['median_ms']:.2f}" for k in kernels) + " |")
-    (out / "head.md").write_text("\n".join(md) + "\n")
+    write(a.out, "head", result, md)
     return 0
 
 

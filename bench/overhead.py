@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from bench.envelope import cpu_name
+
 SHAPES = [(15, 5, 15), (5, 4, 5), (1, 2, 0)]  # (1, 2, 0): one-row steps, the loop's own cost
 
 
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "command": "python -m bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "cpu": _cpu_name(), "threads": args.threads, "torch": torch.__version__,
+        "cpu": cpu_name(), "threads": args.threads, "torch": torch.__version__,
         "vocab": args.vocab, "prompt_len": args.prompt_len, "attention": args.attention,
         "platform": platform.platform(),
     }
@@ -165,16 +167,6 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

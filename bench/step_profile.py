@@ -17,25 +17,15 @@ then torch.profiler's self-CPU table of 20 one-row steps. Writes ``<out>/profile
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench.overhead import _cpu_name
+from bench.envelope import command, commit, cpu_name, write
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_request(engine, ids, dcfg, eos):
@@ -128,14 +118,11 @@ def main(argv=None) -> int:
     while engine.has_work:
         engine.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    result = {"command": "python -m bench.step_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "commit": _commit(), "cpu": _cpu_name(), "threads": a.threads, "model": {**vars(mc)},
+    result = {"command": command("bench.step_profile", argv),
+              "commit": commit(), "cpu": cpu_name(), "threads": a.threads, "model": {**vars(mc)},
               "resolved": {"quant": runner.quant, "compiled": bool(runner.compiled), "fused": fused is not None, "attention": runner.attention,
                            "linears": runner.linears},
               "load_s": load_s, "runs": rows, "profile_20_one_row_steps": table}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.json").write_text(json.dumps(result, indent=1, default=str))
     md = [f"# One-sequence decode step, lp.serve's engine, defaults ({result['resolved']})", "",
           f"`{result['command']}` at {result['commit']}, {result['cpu']}, {a.threads} threads", "",
           "| mode | ms/token | ms/step | forward ms/step | host ms/step | steps |", "|---|---|---|---|---|---|"]
@@ -144,7 +131,7 @@ def main(argv=None) -> int:
         md.append(f"| {m} | {rng('ms_per_token')} | {rng('ms_per_step')} | {rng('forward_ms_per_step')} | "
                   f"{rng('host_ms_per_step')} | {rs[0]['steps']} |")
     md += ["", "torch.profiler, 20 one-row steps (self CPU):", "", "```", table, "```"]
-    (out / "profile.md").write_text("\n".join(md) + "\n")
+    write(a.out, "profile", result, md)
     print("\n".join(md[:8 + len(rows)]))
     return 0
 

@@ -75,7 +75,10 @@ def test_rows_do_not_depend_on_each_other_and_fused_equals_separate(q4_model):
     q_w, k_w = attn.q_proj.weight.detach().clone(), attn.k_proj.weight.detach().clone()
     quantize(model, "exact4")
     fused = model.model.layers[1].self_attn._lp_q_k_v
-    single = exact4.Exact4Linear([nn.Linear(64, q_w.shape[0], bias=False)], [exact4.encode(q_w)])
+    lin = nn.Linear(64, q_w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(q_w)
+    single = exact4.Exact4Linear.of([lin])
     torch.manual_seed(1)
     x = torch.randn(21, fused.in_features)
     y = fused(x)

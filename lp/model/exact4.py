@@ -137,12 +137,17 @@ def encode(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     through the kernel, or None (see module doc). The blocks are found by the kernel's own one-pass
     encoder (``lp_exact4.encode``: the arithmetic of ``encode_torch``, ~50x faster than its dozen
     whole-tensor passes; tests/test_exact4.py holds them equal)."""
+    code = _found(w_NK)
+    return code if code is not None and _kernel_reproduces(w_NK, pack(*code)) else None
+
+
+def _found(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The one-pass encoder's blocks, not yet checked through the kernel (``encode`` checks them;
+    ``convert`` checks a group of siblings once, stacked and packed as they will run)."""
     if w_NK.dtype != torch.float32 or w_NK.dim() != 2 or w_NK.device.type != "cpu" or w_NK.shape[1] % BLOCK:
         return None
     ok, q, d, c = extension().encode(w_NK.detach())
-    if not ok:
-        return None
-    return (q, d, c) if _kernel_reproduces(w_NK, q, d, c) else None
+    return (q, d, c) if ok else None
 
 
 def encode_torch(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -155,18 +160,24 @@ def encode_torch(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     qi = q_NBb.to(torch.uint8)
     q = (qi[..., :16] | (qi[..., 16:] << 4)).reshape(n, k // 2).contiguous()
     d, c = d_NB.contiguous(), c_NB.contiguous()
-    return (q, d, c) if _kernel_reproduces(w_NK, q, d, c) else None
+    return (q, d, c) if _kernel_reproduces(w_NK, pack(q, d, c)) else None
 
 
-def _kernel_reproduces(w_NK: torch.Tensor, q: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> bool:
-    """The kernel itself on unit rows spread over every block (I[idx] @ W.T = W[:, idx].T, one
-    product a column: exact): its layout and arithmetic, checked on these weights."""
-    k = w_NK.shape[1]
+def _unit_rows(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(columns idx, unit rows [len(idx), k] with a 1 at each): ~64 columns spread over every block."""
     step = max(1, k // 64)
     idx = (torch.arange(0, k, step) + torch.arange(len(range(0, k, step))) % BLOCK).clamp_(max=k - 1)
     unit_RK = torch.zeros(len(idx), k, dtype=torch.float32)
     unit_RK[torch.arange(len(idx)), idx] = 1.0
-    return torch.equal(mm(unit_RK, pack(q, d, c), w_NK.shape[0]), w_NK[:, idx].t())
+    return idx, unit_RK
+
+
+def _kernel_reproduces(w_NK: torch.Tensor, p: torch.Tensor) -> bool:
+    """The kernel itself on its packed blocks ``p`` and unit rows spread over every block
+    (I[idx] @ W.T = W[:, idx].T, one product a column: exact): its layout and arithmetic, checked
+    on these weights."""
+    idx, unit_RK = _unit_rows(w_NK.shape[1])
+    return torch.equal(mm(unit_RK, p, w_NK.shape[0]), w_NK[:, idx].t())
 
 
 class Exact4Linear(nn.Module):
@@ -174,15 +185,25 @@ class Exact4Linear(nn.Module):
     one bias-free linear or from siblings that read the same input (their blocks stacked along
     N, one kernel call; each sibling becomes a ``lp.model.kernels.SharedInputPart``)."""
 
-    def __init__(self, linears: list[nn.Linear], codes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    def __init__(self, linears: list[nn.Linear], p: torch.Tensor):
         super().__init__()
-        assert linears and len(linears) == len(codes)
+        assert linears
         self.in_features = linears[0].in_features
         self.splits = [lin.out_features for lin in linears]
         self.out_features = sum(self.splits)
-        # the stacked blocks in the kernel's layout (``pack``)
-        self.register_buffer("p", pack(*(torch.cat([code[i] for code in codes]) for i in range(3))))
+        self.register_buffer("p", p)  # the stacked blocks in the kernel's layout (``pack``)
         self._share = SharedProduct(len(self.splits))
+
+    @classmethod
+    def of(cls, linears: list[nn.Linear]) -> "Exact4Linear | None":
+        """The siblings' blocks stacked and packed once, checked through the kernel as they will
+        run; None where any weight is not exact 4-bit blocks."""
+        codes = [_found(lin.weight.detach()) for lin in linears]
+        if any(code is None for code in codes):
+            return None
+        p = pack(*(torch.cat([code[i] for code in codes]) for i in range(3)))
+        w_NK = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
+        return cls(linears, p) if _kernel_reproduces(w_NK, p) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -214,21 +235,17 @@ def convert(model: nn.Module) -> tuple[int, int]:
     """Swap the linears whose weights encode exactly (see module doc); (converted, left)."""
     head = _head(model)
 
-    def make(parts):
-        codes = [encode(p.weight.detach()) for p in parts]
-        return None if any(code is None for code in codes) else Exact4Linear(parts, codes)
-
-    done = fuse_siblings(model, make, accept=_plain)
+    done = fuse_siblings(model, Exact4Linear.of, accept=_plain)
     left = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            code = encode(child.weight.detach()) if _plain(child) and child is not head else None
-            if code is None:
+            linear = Exact4Linear.of([child]) if _plain(child) and child is not head else None
+            if linear is None:
                 left += 1
                 continue
-            setattr(parent, name, Exact4Linear([child], [code]))
+            setattr(parent, name, linear)
             done += 1
     norms = convert_norms(model)
     log.info("model.quant=exact4: %d linears run on exact 4-bit blocks, %d left as they were; %d RMSNorms "
@@ -302,25 +319,29 @@ HEAD8_MAX_ROWS = 16
 def encode8(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q [N, K] int8, d [N, K / 32] float32) with ``q * d == w`` bit for bit, checked through the
     kernel itself on unit rows over every block, or None: ``w_NK`` is not 8-bit blocks."""
+    found = _encode8_packed(w_NK)
+    return None if found is None else found[0]
+
+
+def _encode8_packed(w_NK: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """((q, d), their packed layout ``pack8``) once checked through the kernel, or None."""
     if w_NK.dtype != torch.float32 or w_NK.dim() != 2 or w_NK.device.type != "cpu" or w_NK.shape[1] % BLOCK:
         return None
     ok, q, d = extension().encode8(w_NK.detach())
     if not ok:
         return None
-    k = w_NK.shape[1]
-    step = max(1, k // 64)
-    idx = (torch.arange(0, k, step) + torch.arange(len(range(0, k, step))) % BLOCK).clamp_(max=k - 1)
-    unit_RK = torch.zeros(len(idx), k, dtype=torch.float32)
-    unit_RK[torch.arange(len(idx)), idx] = 1.0
-    return (q, d) if torch.equal(mm8(unit_RK, pack8(q, d), w_NK.shape[0]), w_NK[:, idx].t()) else None
+    p = pack8(q, d)
+    idx, unit_RK = _unit_rows(w_NK.shape[1])
+    return ((q, d), p) if torch.equal(mm8(unit_RK, p, w_NK.shape[0]), w_NK[:, idx].t()) else None
 
 
 class Head8:
-    """The LM head's weight as exact 8-bit blocks (``encode8``): ``logits(x)`` = x @ W.T in float32
-    for up to ``HEAD8_MAX_ROWS`` rows, else None (the caller runs the packed fp32 head)."""
+    """The LM head's weight as exact 8-bit blocks (``encode8``), packed (``pack8``): ``logits(x)`` =
+    x @ W.T in float32 for up to ``HEAD8_MAX_ROWS`` rows, else None (the caller runs the packed fp32
+    head)."""
 
-    def __init__(self, q_VK: torch.Tensor, d_VB: torch.Tensor):
-        self.p, self.vocab = pack8(q_VK, d_VB), q_VK.shape[0]  # the kernel's layout (``pack8``)
+    def __init__(self, p: torch.Tensor, vocab: int):
+        self.p, self.vocab = p, vocab
         self.calls = 0  # forwards it answered (tests read it)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -344,11 +365,11 @@ def head8(model: nn.Module) -> Head8 | None:
         return None
     h8 = getattr(model, "_lp_head8", None)
     if h8 is None:
-        code = encode8(head.weight.detach())
-        if code is None:
+        found = _encode8_packed(head.weight.detach())
+        if found is None:
             log.info("model.quant=exact4: the LM head is not 8-bit blocks; it stays float32")
             return None
-        h8 = Head8(*code)
+        h8 = Head8(found[1], head.weight.shape[0])
         model._lp_head8 = h8
         log.info("model.quant=exact4: the LM head runs on its exact 8-bit blocks (up to %d rows)", HEAD8_MAX_ROWS)
     key = head.packed_key
