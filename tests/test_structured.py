@@ -265,31 +265,17 @@ def test_grammar_request_hitting_the_prefix_cache(tiny, tok):
     check_valid(kind, spec, tok, second.output_ids, second.finish_reason == "stop", eos)
 
 
-def test_server_engine_warms_the_grammar_matcher_at_start(tiny, tok, monkeypatch):
-    """lp.serve's engine builds llguidance's tokenizer in a thread beside serving (not in the first
-    grammar request) once its first request is answered (``_done``; or after WARM_AFTER_S without
-    one), so the build does not hold up a restart's first answer; a grammar request then uses it."""
-    import threading
-    import time
-    import types
-
-    from lp.server import batched
+def test_server_engine_warms_the_grammar_matcher_at_start(tiny, tok):
+    """lp.serve's engine builds llguidance's tokenizer when it starts, before it serves (not in the
+    first grammar request, not beside serving where its GIL-holding build stalled the first steps),
+    and a grammar request then uses that one."""
     from lp.server.batched import BatchedEngine
 
-    monkeypatch.setattr(batched, "WARM_AFTER_S", 120.0)
     _, runner = tiny
     eos = [tok.eos_token_id]
     gm._TOKENIZERS.clear()
     assert not gm.is_warm(tok, VOCAB, eos)
     engine = BatchedEngine(runner, tok, eos, max_queue=2, max_batch=2, kv_tokens=1024, max_prefill_tokens=None)
-    warm = [t for t in threading.enumerate() if t.name == "lp-grammar-warm"]
-    assert len(warm) == 1
-    time.sleep(0.5)
-    assert warm[0].is_alive() and not gm._TOKENIZERS  # waiting for the first answer, not building
-    job = types.SimpleNamespace(first_token=None, arrived=0.0, started=None, decoding=None, endpoint="chat",
-                                emit=lambda *a: None)
-    engine._done(0, job, None)  # a request answered: the warm-up begins
-    warm[0].join(60)
     assert gm.is_warm(tok, VOCAB, eos)
     built = dict(gm._TOKENIZERS)
     rid = engine.batch.add(tok.encode("x"), DecodingConfig(max_new_tokens=4, grammar=compile_grammar(*GRAMMARS[

@@ -22,11 +22,12 @@ tokens; ``forced()`` is the grammar's forced continuation from the committed sta
 the tests' and the bench's reference.
 
 ``warm(tokenizer, vocab_size, eos)`` pays the one-time set-up a server's first grammar request
-would (llguidance's tokenizer for this tokenizer, ~1 s on SmolLM2's 49152 tokens; importing
-llguidance's torch helpers; a first matcher and mask) and returns its seconds; ``is_warm`` says
-whether the tokenizer for those arguments is built (the key a request's RowGrammar looks up).
-lp.serve warms in a thread beside serving; a tokenizer is built once under a lock, so a grammar
-request that arrives meanwhile waits for that build instead of starting its own.
+would (llguidance's tokenizer for this tokenizer, ~0.6 s on SmolLM2's 49152 tokens; a first
+matcher and mask) and returns its seconds; ``is_warm`` says whether the tokenizer for those
+arguments is built (the key a request's RowGrammar looks up). lp.serve warms at start-up, before
+it serves; a tokenizer is built once under a lock, so two threads asking at once build one.
+Masks are filled through llguidance's numpy helpers (a view of the torch bitmask): its torch
+helpers import torch._dynamo for a compiled kernel lp does not use (~2 s, under the GIL).
 
 Legend: K kept rows, V vocabulary (the model's), W = ceil(V / 32) mask words.
 """
@@ -124,7 +125,7 @@ def is_warm(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()) -> bool:
     imported: a grammar request then pays neither."""
     import sys
 
-    return _key(hf_tokenizer, vocab_size, eos) in _TOKENIZERS and "llguidance.torch" in sys.modules
+    return _key(hf_tokenizer, vocab_size, eos) in _TOKENIZERS and "llguidance.numpy" in sys.modules
 
 
 def warm(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()) -> float:
@@ -176,10 +177,11 @@ class RowGrammar:
 
     def masks(self, extra: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[bool]]:
         """[K, W] int32 bitmasks on the host and whether each row is reachable under the grammar."""
-        import llguidance.torch as lgt
+        import llguidance.numpy as lgn
 
         K = len(extra)
         bm = torch.full((K, self.words), -1, dtype=torch.int32)
+        bm_np = bm.numpy()  # the same memory
         ok = [False] * K
         m = self.matcher
         stack: list[int] = []
@@ -196,7 +198,7 @@ class RowGrammar:
             stack += rest[:n]
             if n < len(rest):
                 continue  # the grammar rejects this row's path: verification never reaches it
-            lgt.fill_next_token_bitmask(m, bm, k)  # a completed grammar (stopped): eos only
+            lgn.fill_next_token_bitmask(m, bm_np, k)  # a completed grammar (stopped): eos only
             ok[k] = True
         if stack:
             m.rollback(len(stack))
