@@ -15,7 +15,8 @@
 # - Runs a short selection of lp's transformers-integration tests with the venv's python: greedy
 #   == generate on the tiny families (tests/test_greedy_tiny.py), packed rows == separate forwards
 #   over lp's cache and masks (test_packed_forward.py), static shapes (test_static_shapes.py), the
-#   CUDA-path pieces on the CPU (test_gpu_paths.py), and the batch engine (test_batch.py, not slow,
+#   CUDA-path pieces on the CPU (test_gpu_paths.py), the fused exact4 stack (test_fused.py: it must
+#   still equal this version's Llama layers bit for bit), and the batch engine (test_batch.py, not slow,
 #   not the second compiled-model test). One pytest process (the import costs ~15 s).
 # - Exit status: pytest's (0 = green); non-zero too on any check above failing.
 # Run from anywhere: `bash .ci/transformers_compat.sh` (.ci/run calls it after the main suite).
@@ -75,7 +76,7 @@ EOF
 
 set +e
 "$vpy" -m pytest -q -p no:cacheprovider -m "not slow" \
-    tests/test_greedy_tiny.py tests/test_packed_forward.py tests/test_static_shapes.py tests/test_gpu_paths.py \
+    tests/test_greedy_tiny.py tests/test_packed_forward.py tests/test_static_shapes.py tests/test_gpu_paths.py tests/test_fused.py \
     tests/test_batch.py --deselect tests/test_batch.py::test_two_compiled_models_of_one_class_each_run_their_own
 rc=$?
 set -e
