@@ -98,7 +98,6 @@ def main(argv=None) -> int:
     for _ in range(a.reps):  # interleaved
         for m, d in modes.items():
             runner.fused = None if m == "ar_modules" else fused
-            runner._forward = runner.fused or runner.model if not runner.compiled else runner._forward
             walls, fwds, n = run_request(engine, ids, d, eos)
             decode = walls[1:]  # the first step is the prefill
             rows[m].append({"ms_per_token": 1e3 * sum(decode) / max(1, n - 1), "steps": len(decode),
@@ -107,7 +106,6 @@ def main(argv=None) -> int:
                             "host_ms_per_step": 1e3 * statistics.median([w - f for w, f in zip(decode, fwds[1:])]),
                             "tokens": n})
     runner.fused = fused  # the profiler over the default's one-row steps
-    runner._forward = runner.fused or runner.model if not runner.compiled else runner._forward
     from torch.profiler import ProfilerActivity, profile
 
     engine.add(ids, modes["ar"], eos_token_ids=eos)

@@ -4,8 +4,8 @@ module tree: the same operations on the same kernels, so the same bits, checked 
 Contract: ``build(model)`` returns a ``FusedDecoder`` for a model whose every decoder layer is
 Llama's (``LlamaDecoderLayer``: pre-norm attention and gated-SiLU MLP, rotary embeddings, no
 biases) with its norms ``lp.model.exact4.FusedRMSNorm``, q/k/v one ``Exact4Linear``, gate/up one,
-o and down one each (what ``model.quant=exact4`` makes of lp's SmolLM2), on an AVX-512 build;
-else None, with the reason in ``why_not``. Calling it takes the arguments lp's steps give the
+o and down one each (what ``model.quant=exact4`` makes of lp's SmolLM2), on an AVX-512 build,
+with ""; else (None, the reason). Calling it takes the arguments lp's steps give the
 model's public forward (``input_ids``, ``position_ids``, ``attention_mask``, the cache as
 ``past_key_values`` or ``cache``, ``use_cache``, ``logits_to_keep``, the attention function's
 extra keywords) and returns an object whose ``logits`` are what that forward returns.
@@ -56,7 +56,7 @@ class _Out:
         self.logits = logits
 
 
-def _fused_parts(parts, names) -> object | None:
+def _fused_parts(parts) -> object | None:
     """The one Exact4Linear behind sibling linears ``parts`` (SharedInputParts 0, 1, ... in order)."""
     from lp.model.exact4 import Exact4Linear
     from lp.model.kernels import SharedInputPart
@@ -100,8 +100,8 @@ def _plan(model) -> tuple[list[_Layer], str]:
         attn, mlp = layer.self_attn, layer.mlp
         if any(hasattr(attn, n) for n in ("q_norm", "k_norm", "sinks")):
             return [], "attention with q/k norms or sinks"
-        qkv = _fused_parts([attn.q_proj, attn.k_proj, attn.v_proj], "q/k/v")
-        gate_up = _fused_parts([mlp.gate_proj, mlp.up_proj], "gate/up")
+        qkv = _fused_parts([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = _fused_parts([mlp.gate_proj, mlp.up_proj])
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if qkv is None or gate_up is None:
             return [], "q/k/v or gate/up not one exact4 linear each"

@@ -279,7 +279,6 @@ class ModelRunner:
             if stack is not None:
                 if fused_stack.agrees(model, stack, self._check_run):
                     self.fused, self.fused_why = stack, ""
-                    self._forward = stack
                 else:
                     self.fused_why = "its logits differ from the model's own forward in this transformers version"
         if fused == "on" and self.fused is None:
@@ -409,7 +408,7 @@ class ModelRunner:
             mask = self._dense_mask(sk, local_add_QQ, cache_len, pos_Q)
         ids_1Q = torch.tensor([layout.tokens], dtype=torch.long).to(self.device, non_blocking=True)
         with self._kernel(sk.num_rows, argmax_only=argmax_only):
-            out = self._forward(
+            out = (self.fused or self._forward)(
                 input_ids=ids_1Q,
                 position_ids=pos_Q[None],
                 attention_mask=mask,
