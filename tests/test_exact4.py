@@ -14,12 +14,11 @@ import torch
 from torch import nn
 
 from lp.config import DecodingConfig
-from lp.engine.batch import BatchEngine
 from lp.engine.decoder import LookaheadDecoder
 from lp.model import exact4
 from lp.model.quant import quantize
 from lp.model.runner import ModelRunner
-from tests.helpers import REPETITIVE_PROMPT, hf_greedy
+from tests.helpers import BATCH_PROMPTS, REPETITIVE_PROMPT, batch_outputs, hf_greedy
 
 pytestmark = [pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86 CPU kernels"),
               pytest.mark.skipif(shutil.which("g++") is None or shutil.which("ninja") is None,
@@ -178,13 +177,7 @@ def test_lookahead_equals_generate_on_the_converted_model(q4_model):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = ModelRunner(model, small_rows="off", compile="on")
-    engine = BatchEngine(compiled, kv_tokens=1024, block_size=8, max_batch=3)
-    prompts = [REPETITIVE_PROMPT, REPETITIVE_PROMPT[4:], [7, 8, 9, 10] * 5]
-    ids = [engine.add(p, cfg) for p in prompts]
-    while engine.has_work:
-        engine.step()
-    for i, p in zip(ids, prompts):
-        assert engine.result(i).output_ids == hf_greedy(model, p, 40)
+    assert batch_outputs(compiled, cfg) == [hf_greedy(model, p, 40) for p in BATCH_PROMPTS]
     assert torch._dynamo.utils.counters["stats"]["calls_captured"] > 0, "the batched step never ran compiled"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from lp.config import DecodingConfig, ModelConfig
-from lp.engine.batch import BatchEngine
 from lp.engine.decoder import LookaheadDecoder
 from lp.model import fused as fused_stack
 from lp.model.quant import quantize
 from lp.model.runner import ModelRunner
-from tests.helpers import REPETITIVE_PROMPT, hf_greedy
+from tests.helpers import BATCH_PROMPTS, REPETITIVE_PROMPT, batch_outputs, hf_greedy
 from tests.test_exact4 import to_q4_blocks
 
 pytestmark = [pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86 CPU kernels"),
@@ -51,7 +50,7 @@ def test_fused_steps_equal_generate_one_sequence_and_a_batch(q4_llama):
     runner = ModelRunner(model)
     assert runner.fused is not None, runner.fused_why
     count = _Counting(runner.fused)
-    runner.fused = runner._forward = count
+    runner.fused = count
     cfg = DecodingConfig(max_new_tokens=40, drafts="suffix", draft_budget="all", max_draft_rows=12, W=2, N=3, G=3,
                          window_policy="always")
     ref = hf_greedy(model, REPETITIVE_PROMPT, 40)
@@ -59,13 +58,7 @@ def test_fused_steps_equal_generate_one_sequence_and_a_batch(q4_llama):
     assert res.output_ids == ref and res.stats.compression_ratio > 1.0
     assert count.calls == res.stats.steps  # every forward (the prefill one of them) ran fused
     count.calls = 0
-    engine = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=3)
-    prompts = [REPETITIVE_PROMPT, REPETITIVE_PROMPT[4:], [7, 8, 9, 10] * 5]
-    ids = [engine.add(p, cfg) for p in prompts]
-    while engine.has_work:
-        engine.step()
-    for i, p in zip(ids, prompts):
-        assert engine.result(i).output_ids == hf_greedy(model, p, 40)
+    assert batch_outputs(runner, cfg) == [hf_greedy(model, p, 40) for p in BATCH_PROMPTS]
     assert count.calls > 0
 
 
