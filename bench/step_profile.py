@@ -6,7 +6,8 @@ blocks; ``model.compile``, ``model.head`` and the rest at their defaults unless 
 ``--override key=value`` on ``ModelConfig``), runs one greedy chat request through a
 ``BatchEngine`` (the server's engine) in plain one-token steps (``decoding.mode=ar``, what the
 budget falls back to on text without repeats), the same through transformers' modules where the
-runner holds lp.model.fused's stack (``ar_modules``: ``model.fused=off``), and with the default
+runner holds lp.model.fused's stack (``ar_modules``: ``model.fused=off``) and through that stack's
+per-layer Python loop instead of its one call for the whole stack (``ar_layers``), and with the default
 drafts, all interleaved, and reports per
 token: wall time of ``BatchEngine.step``, the time inside the batched forward
 (``BatchEngine.forward``), the rest (host work: scheduling, drafts, verification, commit),
@@ -93,11 +94,14 @@ def main(argv=None) -> int:
     fused = runner.fused
     if fused is not None:  # the same steps through transformers' modules (model.fused=off), interleaved
         modes["ar_modules"] = modes["ar"]
+        modes["ar_layers"] = modes["ar"]  # the fused stack's per-layer Python loop (no decoder_paged)
     rows = {m: [] for m in modes}
     run_request(engine, ids, modes["ar"], eos)  # warm-up
     for _ in range(a.reps):  # interleaved
         for m, d in modes.items():
             runner.fused = None if m == "ar_modules" else fused
+            if fused is not None:
+                fused.whole = m != "ar_layers"
             walls, fwds, n = run_request(engine, ids, d, eos)
             decode = walls[1:]  # the first step is the prefill
             rows[m].append({"ms_per_token": 1e3 * sum(decode) / max(1, n - 1), "steps": len(decode),
@@ -106,6 +110,8 @@ def main(argv=None) -> int:
                             "host_ms_per_step": 1e3 * statistics.median([w - f for w, f in zip(decode, fwds[1:])]),
                             "tokens": n})
     runner.fused = fused  # the profiler over the default's one-row steps
+    if fused is not None:
+        fused.whole = True
     from torch.profiler import ProfilerActivity, profile
 
     engine.add(ids, modes["ar"], eos_token_ids=eos)

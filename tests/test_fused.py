@@ -59,7 +59,9 @@ def test_fused_steps_equal_generate_one_sequence_and_a_batch(q4_llama):
     assert count.calls == res.stats.steps  # every forward (the prefill one of them) ran fused
     count.calls = 0
     assert batch_outputs(runner, cfg) == [hf_greedy(model, p, 40) for p in BATCH_PROMPTS]
-    assert count.calls > 0
+    # every batched step but the first (which allocates the paged pool) ran the whole stack as one
+    # decoder_paged call
+    assert count.calls > 1 and count.stack.paged_calls == count.calls - 1, (count.calls, count.stack.paged_calls)
 
 
 def test_a_stack_that_differs_is_refused(q4_llama):

@@ -135,6 +135,28 @@ class FusedDecoder:
         self.heads = self.config.num_attention_heads
         self.kv_heads = self.config.num_key_value_heads
         self._functions = ALL_ATTENTION_FUNCTIONS
+        # decoder_paged's per-layer lists (one C++ call for the whole stack on the paged pool)
+        self._lists = ([ly.ln1 for ly in layers], [ly.eps1 for ly in layers], [ly.qkv for ly in layers],
+                       [ly.o for ly in layers], [ly.ln2 for ly in layers], [ly.eps2 for ly in layers],
+                       [ly.gate_up for ly in layers], [ly.down for ly in layers])
+        a = layers[0].attn
+        inters = {ly.inter for ly in layers}
+        same = (len(inters) == 1 and all(ly.attn.head_dim == a.head_dim and ly.attn.scaling == a.scaling
+                                         and ly.attn.layer_idx == i for i, ly in enumerate(layers)))
+        self._shape = (a.head_dim, inters.pop(), float(a.scaling)) if same else None
+        self.whole = True  # False: the per-layer loop on the paged pool too (bench.step_profile compares)
+        self.paged_calls = 0  # steps decoder_paged ran (tests read it)
+
+    def _paged(self, cache, kwargs) -> bool:
+        """Whether this step can run as one decoder_paged call: a batched step (lp.engine.batch) on
+        the paged pool read in place, lp's C++ paged attention, every layer's pool allocated."""
+        from lp.model import attention
+        from lp.model.paged import PagedCache
+
+        return (self.whole and self._shape is not None and type(cache) is PagedCache and cache._read is None
+                and len(cache.keys) == len(self.layers) and "lp_spans" in kwargs
+                and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
+                and self.config._attn_implementation == attention.BATCH_SDPA and attention._NATIVE is not None)
 
     def _attention(self):
         """The function transformers' attention module calls for the model's current implementation."""
@@ -152,8 +174,17 @@ class FusedDecoder:
         base, ops = self.base, torch.ops.lp_exact4
         h = base.embed_tokens(input_ids)
         cos, sin = base.rotary_emb(h, position_ids)
-        attention = self._attention()
         heads, kv_heads = self.heads, self.kv_heads
+        if self._paged(cache, kwargs):
+            from lp.model.attention import NATIVE_ROWS
+
+            d, inter, scale = self._shape
+            h = ops.decoder_paged(h, *self._lists, heads, kv_heads, d, inter, cos, sin, cache.keys, cache.values,
+                                  cache._write, kwargs["lp_spans"], kwargs["lp_masks"], kwargs["lp_slots"], scale,
+                                  NATIVE_ROWS)
+            self.paged_calls += 1
+            return self._head(h, logits_to_keep)
+        attention = self._attention()
         for ly in self.layers:
             a = ly.attn
             q, k, v = ops.attn_in(h, ly.ln1, ly.eps1, ly.qkv, heads, kv_heads, a.head_dim, cos, sin)
@@ -161,6 +192,10 @@ class FusedDecoder:
             out, _ = attention(a, q, k, v, attention_mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
                                use_cache=use_cache, **kwargs)
             h = ops.out_mlp(h, out, ly.o, ly.ln2, ly.eps2, ly.gate_up, ly.inter, ly.down)
+        return self._head(h, logits_to_keep)
+
+    def _head(self, h, logits_to_keep):
+        base = self.base
         h = base.norm(h)
         if isinstance(logits_to_keep, int):
             h = h[:, -logits_to_keep:, :]

@@ -17,6 +17,7 @@
 // itself: the one-row product then runs at the memory's bandwidth (bench/results/step_cost).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -447,6 +448,37 @@ torch::Tensor out_mlp(const torch::Tensor& h, const torch::Tensor& attn, const t
   const at::Tensor m = at::mul(at::silu(gu.slice(1, 0, inter)), gu.slice(1, inter, 2 * inter));
   return at::add(h1, exact4_mm(m, p_down, H).view({1, Q, H}));
 }
+
+// Every decoder layer of a batched step on the paged pool (lp.model.paged, gather=False) in one
+// call: per layer attn_in, the pool's write (index_copy_ of k and v at the step's slots, as
+// PagedCache.update), lp_attention::paged through the dispatcher (lp.model.attention's
+// batch_sdpa_forward: the same op, arguments and order), out_mlp. The same operations as the
+// per-layer Python loop of lp.model.fused, without ~4 Python calls a layer.
+torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<double> eps1, at::TensorList qkv,
+                            at::TensorList o, at::TensorList ln2, at::ArrayRef<double> eps2, at::TensorList gate_up,
+                            at::TensorList down, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+                            const torch::Tensor& cos, const torch::Tensor& sin, at::TensorList keys,
+                            at::TensorList values, const torch::Tensor& write, const torch::Tensor& spans,
+                            const torch::Tensor& masks, const torch::Tensor& slots, double scale, int64_t max_rows) {
+  const size_t L = ln1.size();
+  TORCH_CHECK(eps1.size() == L && qkv.size() == L && o.size() == L && ln2.size() == L && eps2.size() == L &&
+                  gate_up.size() == L && down.size() == L && keys.size() == L && values.size() == L,
+              "decoder_paged: one entry per layer in every list");
+  static auto paged = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("lp_attention::paged", "")
+                          .typed<at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                            at::Tensor, at::Tensor, double, bool, int64_t)>();
+  for (size_t l = 0; l < L; ++l) {
+    auto qkv_l = attn_in(h, ln1[l], eps1[l], qkv[l], heads, kv_heads, head_dim, cos, sin);
+    at::Tensor pool_k = keys[l], pool_v = values[l];
+    pool_k.index_copy_(1, write, qkv_l[1][0]);
+    pool_v.index_copy_(1, write, qkv_l[2][0]);
+    const at::Tensor out = paged.call(qkv_l[0], pool_k.unsqueeze(0), pool_v.unsqueeze(0), spans, masks, slots, scale,
+                                      false, max_rows);
+    h = out_mlp(h, out, o[l], ln2[l], eps2[l], gate_up[l], inter, down[l]);
+  }
+  return h;
+}
 #endif
 
 bool exact4_avx512() {
@@ -479,6 +511,10 @@ TORCH_LIBRARY(lp_exact4, m) {
         "Tensor sin) -> Tensor[]");
   m.def("out_mlp(Tensor h, Tensor attn, Tensor p_o, Tensor ln_w, float eps, Tensor p_gu, int inter, Tensor p_down) "
         "-> Tensor");
+  m.def("decoder_paged(Tensor h, Tensor[] ln1, float[] eps1, Tensor[] qkv, Tensor[] o, Tensor[] ln2, float[] eps2, "
+        "Tensor[] gate_up, Tensor[] down, int heads, int kv_heads, int head_dim, int inter, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] keys, Tensor(b!)[] values, Tensor write, Tensor spans, Tensor masks, Tensor slots, float scale, "
+        "int max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
@@ -488,6 +524,7 @@ TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
 #if defined(__AVX512F__)
   m.impl("attn_in", &attn_in);
   m.impl("out_mlp", &out_mlp);
+  m.impl("decoder_paged", &decoder_paged);
 #endif
 }
 
