@@ -430,7 +430,8 @@ def _groups(runs: list[dict]) -> list[list[dict]]:
 
 def peer_table(group: list[dict]) -> str:
     """One markdown table: a row per (workload, clients), a column per server (median tok/s over the
-    repeats), then each lp server over the fastest peer; the sources' commit, machine and commands."""
+    repeats), then each lp server over the fastest server of each peer engine in the run; the
+    sources' commit, machine and commands."""
     cells: dict[tuple, list[float]] = {}
     ttft: dict[tuple, list[float]] = {}
     servers: list[str] = []
@@ -455,18 +456,22 @@ def peer_table(group: list[dict]) -> str:
     lp_servers = [s for s in servers if peer_of(s) == "lp"]
     ratio_servers = [s for s in lp_servers if s not in NO_RATIO]
     peer_servers = [s for s in servers if peer_of(s) not in ("lp", None)]
-    best_peer = max(peer_servers, key=lambda s: sum(v for (srv, _, _), v in med.items() if srv == s))
+    total = lambda s: sum(v for (srv, _, _), v in med.items() if srv == s)  # noqa: E731
+    # each lp server over the fastest server of every peer engine in the run (vLLM, llama.cpp, ...)
+    best_peers = [max((s for s in peer_servers if peer_of(s) == kind), key=total)
+                  for kind in dict.fromkeys(peer_of(s) for s in peer_servers)]
     rows = sorted({(w, c) for (_, w, c) in med})
     label = lambda s: LABELS.get(s, s)  # noqa: E731
     head = ["workload", "clients"] + [label(s) for s in lp_servers + peer_servers] + \
-           [f"{label(s)} / {label(best_peer)}" for s in ratio_servers]
+           [f"{label(s)} / {label(b)}" for s in ratio_servers for b in best_peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w, c in rows:
         vals = [med.get((s, w, c)) for s in lp_servers + peer_servers]
         ratios = []
         for s in ratio_servers:
-            a, b = med.get((s, w, c)), med.get((best_peer, w, c))
-            ratios.append(f"{a / b:.2f}x" if a is not None and b else "–")
+            for best in best_peers:
+                a, b = med.get((s, w, c)), med.get((best, w, c))
+                ratios.append(f"{a / b:.2f}x" if a is not None and b else "–")
         lines.append("| " + " | ".join([w, str(c)] + [f"{v:.1f}" if v is not None else "–" for v in vals] + ratios)
                      + " |")
     clients = sorted({c for _, c in rows})

@@ -567,7 +567,7 @@ def test_report_readme_builds_the_table_from_bench_results(tmp_path):
     assert out.startswith(before + BEGIN + "\n") and out.endswith(END + after) and "stale table" not in out
     block = out[out.index(BEGIN):out.index(END)]
     n_tables = 0
-    # a comparison may sit inside its benchmark's folder (llamacpp/vs_lp): two levels
+    # a comparison may sit inside its benchmark's folder (e.g. llamacpp/<run>): two levels
     for path in sorted(RESULTS.glob("*/concurrency.json")) + sorted(RESULTS.glob("*/*/concurrency.json")):
         summary = json.loads(path.read_text())
         servers = {p["server"] for p in summary["points"]}
@@ -588,15 +588,16 @@ def test_report_readme_builds_the_table_from_bench_results(tmp_path):
                            and p.get("workload", "chat") == workload and p["clients"] == clients])
             row = [ln for ln in block.splitlines() if ln.startswith(f"| {workload} | {clients} |")]
             assert any(f"| {tps:.1f} |" in r for r in row), (path.parent.name, server, workload, clients, tps, row)
-    assert n_tables >= 4  # vLLM (spr_native + sweep), transformers (concurrency), llama.cpp (llamacpp/vs_lp)
+    assert n_tables >= 4  # lp's defaults vs vLLM and llama.cpp, vLLM (spr_native + sweep), transformers (concurrency)
     assert "| chat | 1 | 32.1 | 55.8 | 23.7 | 1.36x | 2.35x |" in block  # vs_vllm_spr_native, by hand
-    assert "| chat | 1 | 67.5 | 52.7 | 1.28x |" in block  # llamacpp/vs_lp (lp / llama-server): medians of 61.75, 73.331 and 51.907, 53.518, by hand
+    # defaults_vs_peers (lp / vLLM / llama-server): medians of 71.442, 78.97; 15.902, 19.78; 49.408, 50.919, by hand
+    assert "| chat | 1 | 75.2 | 17.8 | 50.2 | 4.22x | 1.50x |" in block
     assert "lp vs vLLM" in block and "lp vs transformers" in block and "lp vs llama.cpp" in block
     assert "No run of lp against" not in block
-    # llama.cpp's texts are not compared (Q8_1 activations): counted apart, not as 96 of 192 equal
-    # (lp's 96: 2 repeats of 8 + 8 + 16 + 16 requests)
-    assert "96 of 96 texts equal" in block and "llama.cpp's texts are not compared" in block
-    assert "out_dir=bench/results/llamacpp/vs_lp    # bench/results/llamacpp/vs_lp" in block
+    # llama.cpp's texts are not compared (Q8_1 activations): counted apart, not as 192 of 288 equal
+    # (lp's and vLLM's 96 each: 2 repeats of 8 + 8 + 16 + 16 requests)
+    assert "192 of 192 texts equal" in block and "llama.cpp's texts are not compared" in block
+    assert "out_dir=bench/results/defaults_vs_peers    # bench/results/defaults_vs_peers" in block
     proc = subprocess.run([sys.executable, "-m", "bench.report", "--readme", str(readme)], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0 and "unchanged" in proc.stdout and readme.read_text() == out

@@ -129,8 +129,8 @@ def is_warm(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()) -> bool:
 
 
 def warm(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()) -> float:
-    """Build llguidance's tokenizer, import its torch helpers, run one matcher and one mask (a
-    server's start-up, so its first grammar request does not pay them). -> seconds spent."""
+    """Build llguidance's tokenizer, run one matcher and fill one mask (a server's start-up, so its
+    first grammar request does not pay them). -> seconds spent."""
     import time
 
     t0 = time.perf_counter()

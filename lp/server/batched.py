@@ -297,9 +297,7 @@ def worker_loop(engine: BatchEngine, tokenizer, eos: list[int], base, group) -> 
     silent past parallel.timeout_s or a collective fails."""
     channel = RequestChannel(group)
     if tokenizer is not None:  # the grammar matcher's set-up, as rank 0's BatchedEngine does (lp.grammar)
-        from lp.grammar.matcher import warm
-
-        warm(tokenizer, engine.runner.vocab_size, eos)
+        _warm_grammar(tokenizer, engine.runner.vocab_size, eos)
     steps = 0
     while True:
         kind, fields, payload = channel.recv()
