@@ -77,12 +77,18 @@ def smollm2_refs():
     return prompts, refs
 
 
+def greedy_pairs(n_prompts: int) -> list[tuple[int, int]]:
+    """(prompt, config) pairs: the first config on every prompt, each other config on one prompt
+    (in turn): every config's shape and every prompt kind runs, in 7 jobs rather than 15."""
+    return [(p, 0) for p in range(n_prompts)] + [(c % n_prompts, c) for c in range(1, len(CONFIGS))]
+
+
 def greedy_spec(prompts):
     jobs = []
-    for ids in prompts:
-        for W, N, G in CONFIGS:
-            jobs.append({"prompt_ids": ids, "eos": [2],
-                         "decoding": {"W": W, "N": N, "G": G, "max_new_tokens": 40, "prompt_pool": True}})
+    for p, c in greedy_pairs(len(prompts)):
+        W, N, G = CONFIGS[c]
+        jobs.append({"prompt_ids": prompts[p], "eos": [2],
+                     "decoding": {"W": W, "N": N, "G": G, "max_new_tokens": 40, "prompt_pool": True}})
     return {"jobs": jobs, "check_divergence": True}
 
 
@@ -95,8 +101,8 @@ def test_lp_greedy_matches_one_process_and_generate(smollm2_refs, tmp_path):
         proc, multi = torchrun(nproc, spec, tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert len(multi) == len(spec["jobs"])
-        for j, (job, one, many) in enumerate(zip(spec["jobs"], single, multi)):
-            ref = refs[j // len(CONFIGS)]
+        for (p, _), job, one, many in zip(greedy_pairs(len(prompts)), spec["jobs"], single, multi):
+            ref = refs[p]
             cfg = job["decoding"]
             assert one["output_ids"] == ref, (cfg, "single process differs from generate")
             assert many["output_ids"] == ref, (nproc, cfg, "LP differs from generate")
@@ -122,16 +128,19 @@ TREE_CONFIGS = [
 
 def test_lp_tree_drafts_greedy_matches_one_process(smollm2_refs, tmp_path):
     prompts, refs = smollm2_refs
-    jobs = [{"prompt_ids": ids, "eos": [2], "decoding": dict(c, max_new_tokens=40)}
-            for ids in prompts for c in TREE_CONFIGS]
+    # each config on two of the three prompts (the raw-code one under the fixed trees, the second
+    # chat one under the default budget): 4 jobs rather than 6
+    pairs = [(0, 0), (1, 0), (1, 1), (2, 1)]
+    jobs = [{"prompt_ids": prompts[p], "eos": [2], "decoding": dict(TREE_CONFIGS[c], max_new_tokens=40)}
+            for p, c in pairs]
     spec = {"jobs": jobs, "check_divergence": True}
     proc1, single = torchrun(1, spec, tmp_path)
     assert proc1.returncode == 0, proc1.stderr[-3000:]
     for nproc in (2, 3):
         proc, multi = torchrun(nproc, spec, tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        for j, (job, one, many) in enumerate(zip(jobs, single, multi)):
-            ref = refs[j // len(TREE_CONFIGS)]
+        for (p, _), job, one, many in zip(pairs, jobs, single, multi):
+            ref = refs[p]
             assert one["output_ids"] == ref, (job["decoding"], "single process differs from generate")
             assert many["output_ids"] == ref, (nproc, job["decoding"], "LP differs from generate")
             # the same trees, so the same steps, where every node is verified; under the default
