@@ -13,8 +13,12 @@ extra keywords) and returns an object whose ``logits`` are what that forward ret
 Per layer: ``lp_exact4::attn_in`` (input norm, q/k/v product, rotary embedding), the cache's own
 ``update``, the attention function transformers would call (``config._attn_implementation``,
 looked up per call: lp's runners switch it), ``lp_exact4::out_mlp`` (o product, residual, norm,
-gate/up product, silu * up, down product, residual). Embedding, rotary tables, final norm and
-head are the model's own modules. ``agrees(model, fused)`` runs both forwards on the same
+gate/up product, silu * up, down product, residual). On a batched step of lp.engine.batch (the
+paged pool read in place, lp's C++ paged attention: what ``lp serve`` runs) the whole loop is one
+call, ``lp_exact4::decoder_paged``: the same ops in the same order, the pool's writes and the
+attention call being ``PagedCache.update``'s and ``batch_sdpa_forward``'s (tests/test_fused.py
+holds its batches equal to ``generate``). Embedding, rotary tables, final norm and head are the
+model's own modules. ``agrees(model, fused)`` runs both forwards on the same
 prompt and tree step and says whether every logit and cached key and value is bit-equal; the
 runner keeps the fused stack only when it is (a transformers version whose layer computes
 anything differently falls back to its own forward).
