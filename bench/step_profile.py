@@ -7,7 +7,9 @@ blocks; ``model.compile``, ``model.head`` and the rest at their defaults unless 
 ``BatchEngine`` (the server's engine) in plain one-token steps (``decoding.mode=ar``, what the
 budget falls back to on text without repeats), the same through transformers' modules where the
 runner holds lp.model.fused's stack (``ar_modules``: ``model.fused=off``) and through that stack's
-per-layer Python loop instead of its one call for the whole stack (``ar_layers``), and with the default
+per-layer Python loop instead of its one call for the whole stack (``ar_layers``), ``ar`` again with
+``lp_exact4::decoder_paged``'s phase clock on (``ar_clocked``: ms per step in each phase, the stack's
+own profile, which torch.profiler cannot see into), and with the default
 drafts, all interleaved, and reports per
 token: wall time of ``BatchEngine.step``, the time inside the batched forward
 (``BatchEngine.forward``), the rest (host work: scheduling, drafts, verification, commit),
@@ -29,8 +31,9 @@ from bench.envelope import command, commit, cpu_name, write
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def run_request(engine, ids, dcfg, eos):
-    """(per-step wall seconds, per-step forward seconds, tokens) of one request to the end."""
+def run_request(engine, ids, dcfg, eos, after_prefill=None):
+    """(per-step wall seconds, per-step forward seconds, tokens) of one request to the end;
+    ``after_prefill()`` runs after its first step."""
     walls, fwds, tokens = [], [], 0
     inner = engine.forward
 
@@ -48,6 +51,8 @@ def run_request(engine, ids, dcfg, eos):
             outs = engine.step()
             walls.append(time.perf_counter() - t)
             tokens += sum(len(o.new_tokens) for o in outs)
+            if after_prefill is not None and len(walls) == 1:
+                after_prefill()
     finally:
         engine.forward = inner
     return walls, fwds, tokens
@@ -95,15 +100,26 @@ def main(argv=None) -> int:
     if fused is not None:  # the same steps through transformers' modules (model.fused=off), interleaved
         modes["ar_modules"] = modes["ar"]
         modes["ar_layers"] = modes["ar"]  # the fused stack's per-layer Python loop (no decoder_paged)
+        modes["ar_clocked"] = modes["ar"]  # decoder_paged with its phase clock on
     rows = {m: [] for m in modes}
+    phases = []  # per ar_clocked run: ms per decode step in each phase of decoder_paged
+    ext = None
+    if fused is not None:
+        from lp.model import exact4
+
+        ext = exact4.extension()
     run_request(engine, ids, modes["ar"], eos)  # warm-up
     for _ in range(a.reps):  # interleaved
         for m, d in modes.items():
             runner.fused = None if m == "ar_modules" else fused
             if fused is not None:
                 fused.whole = m != "ar_layers"
-            walls, fwds, n = run_request(engine, ids, d, eos)
+            clocked = m == "ar_clocked"
+            walls, fwds, n = run_request(engine, ids, d, eos, (lambda: ext.set_clock(True)) if clocked else None)
             decode = walls[1:]  # the first step is the prefill
+            if clocked:
+                phases.append({k: 1e3 * v / len(decode) for k, v in ext.clock()})
+                ext.set_clock(False)
             rows[m].append({"ms_per_token": 1e3 * sum(decode) / max(1, n - 1), "steps": len(decode),
                             "ms_per_step": 1e3 * statistics.median(decode),
                             "forward_ms_per_step": 1e3 * statistics.median(fwds[1:]),
@@ -126,7 +142,8 @@ def main(argv=None) -> int:
               "commit": commit(), "cpu": cpu_name(), "threads": a.threads, "model": {**vars(mc)},
               "resolved": {"quant": runner.quant, "compiled": bool(runner.compiled), "fused": fused is not None, "attention": runner.attention,
                            "linears": runner.linears},
-              "load_s": load_s, "runs": rows, "profile_20_one_row_steps": table}
+              "load_s": load_s, "runs": rows, "decoder_paged_phases_ms_per_step": phases,
+              "profile_20_one_row_steps": table}
     md = [f"# One-sequence decode step, lp.serve's engine, defaults ({result['resolved']})", "",
           f"`{result['command']}` at {result['commit']}, {result['cpu']}, {a.threads} threads", "",
           "| mode | ms/token | ms/step | forward ms/step | host ms/step | steps |", "|---|---|---|---|---|---|"]
@@ -134,6 +151,13 @@ def main(argv=None) -> int:
         rng = lambda k: f"{min(r[k] for r in rs):.2f}-{max(r[k] for r in rs):.2f}"  # noqa: E731
         md.append(f"| {m} | {rng('ms_per_token')} | {rng('ms_per_step')} | {rng('forward_ms_per_step')} | "
                   f"{rng('host_ms_per_step')} | {rs[0]['steps']} |")
+    if phases:
+        names = list(phases[0])
+        md += ["", "Inside `lp_exact4::decoder_paged` (ar_clocked: its phase clock on, ms per step, summed over the "
+               "30 layers; `norm` both norms, `residual` both sums):", "",
+               "| " + " | ".join(names + ["sum"]) + " |", "|" + "---|" * (len(names) + 1),
+               "| " + " | ".join(f"{min(p[k] for p in phases):.2f}-{max(p[k] for p in phases):.2f}" for k in names)
+               + f" | {min(sum(p.values()) for p in phases):.2f}-{max(sum(p.values()) for p in phases):.2f} |"]
     md += ["", "torch.profiler, 20 one-row steps (self CPU):", "", "```", table, "```"]
     write(a.out, "profile", result, md)
     print("\n".join(md[:8 + len(rows)]))

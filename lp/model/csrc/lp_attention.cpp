@@ -9,7 +9,7 @@
 // KEYS, MASK, SLIDING, SLOTS), masks: the flat float32 additive masks, slots: the flat int64 pool
 // slots of fragmented sequences. Output [1, Q, H, D] contiguous.
 //
-// Per (sequence, KV head), on one thread: for each of its rows and each query head of the group,
+// Per (sequence, query head), on one thread: for each of its rows,
 // scores s_j = scale * (q . k_j) + mask_j over the sequence's keys in order, m = max_j s_j,
 // p_j = exp(s_j - m), out = (sum_j p_j v_j) / (sum_j p_j); every sum runs over j in order and
 // over d in 16-lane chunks, the same operations whatever the batch holds: a sequence's output
@@ -75,6 +75,25 @@ inline float dot(const float* a, const float* b, int64_t D) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// dot(q, k[i], D) for the 4 keys k[0..3]: the same chain per key (16 lanes over d in order, summed at
+// the end), the four run side by side
+inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[0] + d), a0);
+    a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[1] + d), a1);
+    a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[2] + d), a2);
+    a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[3] + d), a3);
+  }
+  out[0] = _mm512_reduce_add_ps(a0);
+  out[1] = _mm512_reduce_add_ps(a1);
+  out[2] = _mm512_reduce_add_ps(a2);
+  out[3] = _mm512_reduce_add_ps(a3);
+}
+#endif
+
 }  // namespace
 
 torch::Tensor lp_paged_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor spans,
@@ -110,12 +129,12 @@ torch::Tensor lp_paged_attention(torch::Tensor query, torch::Tensor key, torch::
   const float* mp = masks.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // tasks: (sequence, KV head) of every sequence this call runs
+  // tasks: (sequence, query head) of every sequence this call runs
   std::vector<std::pair<int64_t, int64_t>> tasks;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t* row = table + s * 7;
     if (row[ROWS] > 0 && row[ROWS] <= max_rows)
-      for (int64_t g = 0; g < Hkv; ++g) tasks.emplace_back(s, g);
+      for (int64_t h = 0; h < H; ++h) tasks.emplace_back(s, h);
   }
   for (int64_t s = 0; s < S; ++s) {  // long sequences: sdpa, one call each
     const int64_t* row = table + s * 7;
@@ -141,7 +160,8 @@ torch::Tensor lp_paged_attention(torch::Tensor query, torch::Tensor key, torch::
     std::vector<float> score;
     std::vector<const float*> kr, vr;
     for (int64_t t = t0; t < t1; ++t) {
-      const auto [s, g] = tasks[t];
+      const auto [s, h] = tasks[t];
+      const int64_t g = h / groups;
       const int64_t* row = table + s * 7;
       const int64_t qo = row[QO], q = row[ROWS], first = row[FIRST], k = row[KEYS];
       const int64_t at = sliding && row[SLIDING] >= 0 ? row[SLIDING] : row[MASK];
@@ -156,13 +176,17 @@ torch::Tensor lp_paged_attention(torch::Tensor query, torch::Tensor key, torch::
       score.resize(k);
       for (int64_t r = 0; r < q; ++r) {
         const float* mask = at >= 0 ? mp + at + r * k : nullptr;
-        for (int64_t i = 0; i < groups; ++i) {
-          const int64_t h = g * groups + i;
+        {
           const float* qv = qp + h * qs_h + (qo + r) * qs_q;
           float m = -std::numeric_limits<float>::infinity();
           bool nan = false;
+          int64_t j0 = 0;
+#if defined(__AVX512F__)
+          for (; j0 + 4 <= k; j0 += 4) dot4(qv, kr.data() + j0, D, score.data() + j0);  // dot()'s chains, 4 at once
+#endif
+          for (int64_t j = j0; j < k; ++j) score[j] = dot(qv, kr[j], D);
           for (int64_t j = 0; j < k; ++j) {
-            float x = dot(qv, kr[j], D) * sc;
+            float x = score[j] * sc;
             if (mask) x += mask[j];
             score[j] = x;
             nan |= x != x;  // std::max skips a NaN (and exp512 would clamp it): caught here

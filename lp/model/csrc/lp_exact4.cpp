@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #if defined(__AVX512F__)
@@ -32,6 +33,23 @@ constexpr int64_t kRowTile = 8;
 constexpr int kGroup = 8;            // outputs per chunk
 constexpr int64_t kPrefetch = 4096;  // bytes ahead of the chunk being read (measured: 3-8 KiB alike)
 std::atomic<bool> g_prefetch{true};  // off only to measure what it buys (bench/exact4_bandwidth.py)
+
+// decoder_paged's phase clock (bench/step_profile.py): off unless switched on, seconds per phase
+constexpr int kPhases = 10;
+const char* const kPhaseNames[kPhases] = {"norm", "qkv", "rope", "kv_write", "attention", "o", "residual",
+                                          "gate_up", "silu_mul", "down"};
+std::atomic<bool> g_clock{false};
+double g_phase[kPhases] = {0};
+struct Clock {
+  bool on = g_clock.load(std::memory_order_relaxed);
+  std::chrono::steady_clock::time_point t = on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+  void lap(int phase) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_phase[phase] += std::chrono::duration<double>(now - t).count();
+    t = now;
+  }
+};
 
 // How a chunk's output j forms its block's 32 weights: lanes 0-15 (w0) and 16-31 (w1).
 struct Weights4 {
@@ -405,6 +423,48 @@ void rope_row(const float* x, const float* c, const float* s, float* out, int64_
 }
 }  // namespace
 
+// y = x + y elementwise, x and y contiguous float32 of one shape: the float sum at::add(x, y) gives
+// (alpha 1: fma(y, 1, x) rounds once, as x + y), without its allocation and dispatch
+void add_into(const torch::Tensor& x_in, const torch::Tensor& y) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.sizes() == y.sizes() && y.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
+                  y.scalar_type() == torch::kFloat32, "add_into: x and y of one shape, float32, y contiguous");
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t n = y.numel();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(yp + i, _mm512_add_ps(_mm512_loadu_ps(xp + i), _mm512_loadu_ps(yp + i)));
+  for (; i < n; ++i) yp[i] = xp[i] + yp[i];
+}
+
+// pool[h, write[t], :] = kv[t, h, :] for kv a [1, heads, Q, D] view of a contiguous [1, Q, heads, D]
+// buffer (attn_in's k, v) and pool [heads, P, D] contiguous: PagedCache.update's index_copy_ along
+// the slots, as plain copies; any other layout goes through index_copy_ itself
+void write_slots(at::Tensor& pool, const torch::Tensor& write, const torch::Tensor& kv) {
+  const at::Tensor rows = kv[0];  // [heads, Q, D]
+  const int64_t heads = rows.size(0), Q = rows.size(1), D = rows.size(2);
+  const bool plain = pool.is_contiguous() && pool.dim() == 3 && pool.size(0) == heads && pool.size(2) == D &&
+                     pool.scalar_type() == torch::kFloat32 && rows.scalar_type() == torch::kFloat32 &&
+                     rows.stride(2) == 1 && rows.stride(1) == heads * D && rows.stride(0) == D &&
+                     write.scalar_type() == torch::kLong && write.dim() == 1 && write.size(0) == Q &&
+                     write.is_contiguous();
+  if (!plain) {
+    pool.index_copy_(1, write, rows);
+    return;
+  }
+  const int64_t P = pool.size(1);
+  const int64_t* wp = write.data_ptr<int64_t>();
+  const float* src = rows.data_ptr<float>();
+  float* dst = pool.data_ptr<float>();
+  for (int64_t t = 0; t < Q; ++t) {
+    const int64_t slot = wp[t];
+    TORCH_CHECK(slot >= 0 && slot < P, "decoder_paged: a write slot outside the pool");
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(dst + (h * P + slot) * D, src + (t * heads + h) * D, sizeof(float) * D);
+  }
+}
+
 std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, double eps, const torch::Tensor& p_qkv,
                                    int64_t heads, int64_t kv_heads, int64_t head_dim, torch::Tensor cos,
                                    torch::Tensor sin) {
@@ -415,8 +475,11 @@ std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, d
   sin = sin.contiguous();
   TORCH_CHECK(cos.numel() == Q * D && sin.numel() == Q * D && cos.scalar_type() == torch::kFloat32 &&
                   sin.scalar_type() == torch::kFloat32, "attn_in: cos, sin must be [1, Q, head_dim] float32");
+  Clock clock;
   const at::Tensor x = rms_norm(h, ln_w, eps);
+  clock.lap(0);
   const at::Tensor y = exact4_mm(x.view({Q, h.size(2)}), p_qkv, N);
+  clock.lap(1);
   at::Tensor q = torch::empty({1, Q, heads, D}, h.options());
   at::Tensor k = torch::empty({1, Q, kv_heads, D}, h.options());
   at::Tensor v = torch::empty({1, Q, kv_heads, D}, h.options());
@@ -433,6 +496,7 @@ std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, d
       rope_row(row + (heads + i) * D, cp + t * D, sp + t * D, kp + (t * kv_heads + i) * D, D);
     std::memcpy(vp + t * kv_heads * D, row + (heads + kv_heads) * D, sizeof(float) * kv_heads * D);
   }
+  clock.lap(2);
   return {q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)};
 }
 
@@ -441,12 +505,23 @@ torch::Tensor out_mlp(const torch::Tensor& h, const torch::Tensor& attn, const t
                       const torch::Tensor& p_down) {
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1, "out_mlp: h must be [1, Q, H]");
   const int64_t Q = h.size(1), H = h.size(2);
+  Clock clock;
   const at::Tensor a = attn.reshape({Q, -1}).contiguous();
-  const at::Tensor h1 = at::add(h, exact4_mm(a, p_o, H).view({1, Q, H}));
+  const at::Tensor h1 = exact4_mm(a, p_o, H).view({1, Q, H});
+  clock.lap(5);
+  add_into(h, h1);  // h1 = h + o(a): at::add's sum (alpha 1), in o's fresh buffer
+  clock.lap(6);
   const at::Tensor x = rms_norm(h1, ln_w, eps);
+  clock.lap(0);
   const at::Tensor gu = exact4_mm(x.view({Q, H}), p_gu, 2 * inter);
+  clock.lap(7);
   const at::Tensor m = at::mul(at::silu(gu.slice(1, 0, inter)), gu.slice(1, inter, 2 * inter));
-  return at::add(h1, exact4_mm(m, p_down, H).view({1, Q, H}));
+  clock.lap(8);
+  at::Tensor out = exact4_mm(m, p_down, H).view({1, Q, H});
+  clock.lap(9);
+  add_into(h1, out);
+  clock.lap(6);
+  return out;
 }
 
 // Every decoder layer of a batched step on the paged pool (lp.model.paged, gather=False) in one
@@ -471,10 +546,13 @@ torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<do
   for (size_t l = 0; l < L; ++l) {
     auto qkv_l = attn_in(h, ln1[l], eps1[l], qkv[l], heads, kv_heads, head_dim, cos, sin);
     at::Tensor pool_k = keys[l], pool_v = values[l];
-    pool_k.index_copy_(1, write, qkv_l[1][0]);
-    pool_v.index_copy_(1, write, qkv_l[2][0]);
+    Clock clock;
+    write_slots(pool_k, write, qkv_l[1]);
+    write_slots(pool_v, write, qkv_l[2]);
+    clock.lap(3);
     const at::Tensor out = paged.call(qkv_l[0], pool_k.unsqueeze(0), pool_v.unsqueeze(0), spans, masks, slots, scale,
                                       false, max_rows);
+    clock.lap(4);
     h = out_mlp(h, out, o[l], ln2[l], eps2[l], gate_up[l], inter, down[l]);
   }
   return h;
@@ -536,4 +614,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "the kernels' software prefetch on or off (benchmarks)");
   m.def("parallel_width", &exact4_parallel_width, "threads the kernel's parallel_for runs on");
+  m.def("set_clock", [](bool on) {
+    g_clock = on;
+    for (double& t : g_phase) t = 0;
+  }, "decoder_paged's phase clock on (zeroed) or off (benchmarks)");
+  m.def("clock", []() {
+    std::vector<std::pair<std::string, double>> out;
+    for (int i = 0; i < kPhases; ++i) out.emplace_back(kPhaseNames[i], g_phase[i]);
+    return out;
+  }, "seconds per phase of decoder_paged since set_clock(True)");
 }
