@@ -306,7 +306,7 @@ def _gather_slots(pool_BHPD: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return pool_BHPD.view(h * p, d).index_select(0, rows).view(1, h, slots.numel(), d)
 
 
-# sequences of at most this many rows run lp's C++ loop (one thread a sequence and KV head);
+# sequences of at most this many rows run lp's C++ loop (one task a sequence and query head);
 # longer ones one ATen sdpa each. Measured here (9 / 3 heads, 400 keys, us): rows 2 34 vs 51
 # (sdpa from Python), 4 71 vs 68, 8 141 vs 98, 16 267 vs 106
 NATIVE_ROWS = 3
@@ -342,6 +342,14 @@ def native_op():
     return mod, torch.ops.lp_attention.paged.default
 
 
+def native_attends(device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``batch_sdpa_forward`` runs lp's C++ op on float32 queries, keys and values of this
+    device, dtype and head size (lp.model.fused's one-call stack asks the same before it calls
+    the op itself)."""
+    return (_NATIVE is not None and torch.device(device).type == "cpu" and dtype == torch.float32
+            and head_dim % 16 == 0)
+
+
 def batch_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, lp_spans=None,
                        lp_masks=None, lp_slots=None, sliding_window=None, **kwargs):
     """A batched step (lp.engine.batch): the step's rows are sequence after sequence; ``key`` and
@@ -355,8 +363,7 @@ def batch_sdpa_forward(module, query, key, value, attention_mask, scaling=None, 
         raise ValueError("batched steps do not support attention logit soft-capping; use model.attention=eager")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sliding = sliding_window is not None
-    if (_NATIVE is not None and query.device.type == "cpu" and query.dtype == torch.float32
-            and key.dtype == torch.float32 and query.shape[-1] % 16 == 0):
+    if native_attends(query.device, query.dtype, query.shape[-1]) and key.dtype == value.dtype == torch.float32:
         return _NATIVE(query, key, value, lp_spans, lp_masks, lp_slots, float(scale), sliding, NATIVE_ROWS), None
     return torch.ops.lp.paged_attention(query, key, value, lp_spans, lp_masks, lp_slots, float(scale), sliding), None
 

@@ -160,7 +160,8 @@ class FusedDecoder:
         return (self.whole and self._shape is not None and type(cache) is PagedCache and cache._read is None
                 and len(cache.keys) == len(self.layers) and "lp_spans" in kwargs
                 and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
-                and self.config._attn_implementation == attention.BATCH_SDPA and attention._NATIVE is not None)
+                and self.config._attn_implementation == attention.BATCH_SDPA
+                and attention.native_attends(cache.keys[0].device, cache.keys[0].dtype, self._shape[0]))
 
     def _attention(self):
         """The function transformers' attention module calls for the model's current implementation."""
