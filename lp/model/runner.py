@@ -277,7 +277,13 @@ class ModelRunner:
 
             stack, self.fused_why = fused_stack.build(model)
             if stack is not None:
-                if fused_stack.agrees(model, stack, self._check_run):
+                # the check's verdict, kept on the model per attention and head (a second runner over
+                # the same model, as tests and benches build, skips its two forwards)
+                seen = model.__dict__.setdefault("_lp_fused_agrees", {})
+                key = (self.attention, type(model.get_output_embeddings()).__name__)
+                if key not in seen:
+                    seen[key] = fused_stack.agrees(model, stack, self._check_run)
+                if seen[key]:
                     self.fused, self.fused_why = stack, ""
                 else:
                     self.fused_why = "its logits differ from the model's own forward in this transformers version"
