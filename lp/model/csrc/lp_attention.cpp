@@ -176,71 +176,69 @@ torch::Tensor lp_paged_attention(torch::Tensor query, torch::Tensor key, torch::
       score.resize(k);
       for (int64_t r = 0; r < q; ++r) {
         const float* mask = at >= 0 ? mp + at + r * k : nullptr;
-        {
-          const float* qv = qp + h * qs_h + (qo + r) * qs_q;
-          float m = -std::numeric_limits<float>::infinity();
-          bool nan = false;
-          int64_t j0 = 0;
+        const float* qv = qp + h * qs_h + (qo + r) * qs_q;
+        float m = -std::numeric_limits<float>::infinity();
+        bool nan = false;
+        int64_t j0 = 0;
 #if defined(__AVX512F__)
-          for (; j0 + 4 <= k; j0 += 4) dot4(qv, kr.data() + j0, D, score.data() + j0);  // dot()'s chains, 4 at once
+        for (; j0 + 4 <= k; j0 += 4) dot4(qv, kr.data() + j0, D, score.data() + j0);  // dot()'s chains, 4 at once
 #endif
-          for (int64_t j = j0; j < k; ++j) score[j] = dot(qv, kr[j], D);
-          for (int64_t j = 0; j < k; ++j) {
-            float x = score[j] * sc;
-            if (mask) x += mask[j];
-            score[j] = x;
-            nan |= x != x;  // std::max skips a NaN (and exp512 would clamp it): caught here
-            m = std::max(m, x);
-          }
-          float* o = op + ((qo + r) * H + h) * D;
-          // NaN as sdpa gives it: a NaN score (from q or a key), a +inf one (exp(inf - inf)), or no
-          // visible key at all (every score -inf)
-          if (nan || m == std::numeric_limits<float>::infinity() || m == -std::numeric_limits<float>::infinity()) {
-            for (int64_t d = 0; d < D; ++d) o[d] = std::numeric_limits<float>::quiet_NaN();
-            continue;
-          }
-          float l = 0;
-#if defined(__AVX512F__)
-          const __m512 mv = _mm512_set1_ps(m);
-          int64_t j = 0;
-          __m512 lv = _mm512_setzero_ps();
-          for (; j + 16 <= k; j += 16) {
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(score.data() + j), mv));
-            _mm512_storeu_ps(score.data() + j, e);
-            lv = _mm512_add_ps(lv, e);
-          }
-          if (j < k) {
-            const __mmask16 tail = static_cast<__mmask16>((1u << (k - j)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(
-                tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, score.data() + j), mv)));
-            _mm512_mask_storeu_ps(score.data() + j, tail, e);
-            lv = _mm512_add_ps(lv, e);
-          }
-          l = _mm512_reduce_add_ps(lv);
-          const float inv = 1.0f / l;
-          for (int64_t d = 0; d < D; d += 64) {  // four 16-lane accumulators over the keys, in order
-            const int64_t w = std::min<int64_t>(4, (D - d) / 16);
-            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-            for (int64_t jj = 0; jj < k; ++jj) {
-              const __m512 pj = _mm512_set1_ps(score[jj]);
-              for (int64_t c = 0; c < w; ++c)
-                acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr[jj] + d + 16 * c), acc[c]);
-            }
-            for (int64_t c = 0; c < w; ++c) _mm512_storeu_ps(o + d + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
-          }
-#else
-          for (int64_t j = 0; j < k; ++j) {
-            score[j] = exp1(score[j] - m);
-            l += score[j];
-          }
-          const float inv = 1.0f / l;
-          for (int64_t d = 0; d < D; ++d) {
-            float acc = 0;
-            for (int64_t j = 0; j < k; ++j) acc = std::fma(score[j], vr[j][d], acc);
-            o[d] = acc * inv;
-          }
-#endif
+        for (int64_t j = j0; j < k; ++j) score[j] = dot(qv, kr[j], D);
+        for (int64_t j = 0; j < k; ++j) {
+          float x = score[j] * sc;
+          if (mask) x += mask[j];
+          score[j] = x;
+          nan |= x != x;  // std::max skips a NaN (and exp512 would clamp it): caught here
+          m = std::max(m, x);
         }
+        float* o = op + ((qo + r) * H + h) * D;
+        // NaN as sdpa gives it: a NaN score (from q or a key), a +inf one (exp(inf - inf)), or no
+        // visible key at all (every score -inf)
+        if (nan || m == std::numeric_limits<float>::infinity() || m == -std::numeric_limits<float>::infinity()) {
+          for (int64_t d = 0; d < D; ++d) o[d] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
+        float l = 0;
+#if defined(__AVX512F__)
+        const __m512 mv = _mm512_set1_ps(m);
+        int64_t j = 0;
+        __m512 lv = _mm512_setzero_ps();
+        for (; j + 16 <= k; j += 16) {
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(score.data() + j), mv));
+          _mm512_storeu_ps(score.data() + j, e);
+          lv = _mm512_add_ps(lv, e);
+        }
+        if (j < k) {
+          const __mmask16 tail = static_cast<__mmask16>((1u << (k - j)) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(
+              tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, score.data() + j), mv)));
+          _mm512_mask_storeu_ps(score.data() + j, tail, e);
+          lv = _mm512_add_ps(lv, e);
+        }
+        l = _mm512_reduce_add_ps(lv);
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < D; d += 64) {  // four 16-lane accumulators over the keys, in order
+          const int64_t w = std::min<int64_t>(4, (D - d) / 16);
+          __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          for (int64_t jj = 0; jj < k; ++jj) {
+            const __m512 pj = _mm512_set1_ps(score[jj]);
+            for (int64_t c = 0; c < w; ++c)
+              acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr[jj] + d + 16 * c), acc[c]);
+          }
+          for (int64_t c = 0; c < w; ++c) _mm512_storeu_ps(o + d + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+        }
+#else
+        for (int64_t j = 0; j < k; ++j) {
+          score[j] = exp1(score[j] - m);
+          l += score[j];
+        }
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < D; ++d) {
+          float acc = 0;
+          for (int64_t j = 0; j < k; ++j) acc = std::fma(score[j], vr[j][d], acc);
+          o[d] = acc * inv;
+        }
+#endif
       }
     }
   });

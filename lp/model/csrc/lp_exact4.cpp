@@ -421,8 +421,6 @@ void rope_row(const float* x, const float* c, const float* s, float* out, int64_
     _mm512_storeu_ps(out + d, _mm512_add_round_ps(a, b, R));
   }
 }
-}  // namespace
-
 // y = x + y elementwise, x and y contiguous float32 of one shape: the float sum at::add(x, y) gives
 // (alpha 1: fma(y, 1, x) rounds once, as x + y), without its allocation and dispatch
 void add_into(const torch::Tensor& x_in, const torch::Tensor& y) {
@@ -464,6 +462,7 @@ void write_slots(at::Tensor& pool, const torch::Tensor& write, const torch::Tens
       std::memcpy(dst + (h * P + slot) * D, src + (t * heads + h) * D, sizeof(float) * D);
   }
 }
+}  // namespace
 
 std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, double eps, const torch::Tensor& p_qkv,
                                    int64_t heads, int64_t kv_heads, int64_t head_dim, torch::Tensor cos,
