@@ -449,7 +449,11 @@ def test_batch_cost_prices_a_sequence_that_starts_drafting(tiny_factory, draft_s
 
 def test_batch_step_cost_is_measured_once_and_cached(tiny_factory, monkeypatch, tmp_path):
     """lp.engine.batch_cost: a first call measures (non-negative seconds) and writes its own
-    file beside the t(Q) one; a second call reads it back without measuring."""
+    file beside the t(Q) one; a second call reads it back without measuring; once the t(Q)
+    file is newer (its curve measured again), the next call measures again."""
+    import json
+    import os
+
     from lp.engine import batch_cost
     from lp.model.calibrate import cache_path
 
@@ -461,3 +465,34 @@ def test_batch_step_cost_is_measured_once_and_cached(tiny_factory, monkeypatch, 
     assert path.is_file() and path != cache_path(runner) and path.parent == cache_path(runner).parent
     monkeypatch.setattr(batch_cost, "measure", lambda *a, **k: pytest.fail("measured again"))
     assert batch_cost.batch_step_cost(runner) == got
+    curve = cache_path(runner)
+    curve.write_text(json.dumps({"curve": [[1, 0.001]], "small_rows": []}))
+    os.utime(curve, (path.stat().st_mtime + 10,) * 2)
+    calls = []
+    monkeypatch.setattr(batch_cost, "measure", lambda *a, **k: calls.append(1) or got)
+    assert batch_cost.batch_step_cost(runner) == got and calls == [1]
+
+
+def test_warm_allocates_the_pool_and_leaves_nothing_behind(tiny_factory):
+    """lp.serve's start-up step (BatchEngine.warm): the paged pool exists afterwards, and the
+    engine is as it was: no blocks in use, no result, nothing in the draft store, no prefix
+    block registered; the next requests still equal generate; a second call runs nothing."""
+    from lp.drafts.suffix import DraftStore
+
+    model = tiny_factory("llama")
+    store = DraftStore(4096)
+    engine = BatchEngine(ModelRunner(model), kv_tokens=512, block_size=8, max_batch=2, draft_store=store,
+                         prefix_cache=True)
+    assert not engine.cache.keys
+    assert engine.warm() is True
+    assert len(engine.cache.keys) == model.config.num_hidden_layers
+    assert engine.blocks_in_use == 0 and not engine.has_work and not engine._results
+    assert len(store) == 0 and not engine.cache.blocks.by_digest
+    assert len(engine.cache.blocks.free) == engine.cache.blocks.num_blocks
+    assert engine.warm() is False
+    cfg = DecodingConfig(max_new_tokens=12, **TREE)
+    ids = [engine.add(p, cfg) for p in PROMPTS[:2]]
+    outs = {}
+    _drain(engine, outs, {})
+    for rid, prompt in zip(ids, PROMPTS[:2]):
+        assert outs[rid] == hf_greedy(model, prompt, 12)

@@ -79,6 +79,29 @@ def test_detokenizer_deltas_concatenate_to_content(tok, stop):
             assert "".join(parts) == full[:cut] == d.content()
 
 
+def test_detokenizer_push_decodes_a_window(tok):
+    """A push decodes a few recent tokens, not the whole completion: over 1,500 tokens pushed
+    one at a time, the ids decoded per push stay bounded, and the deltas still concatenate to
+    the whole decode."""
+    from lp.server.detok import Detokenizer
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.seen = inner, []
+
+        def decode(self, ids, **kw):
+            self.seen.append(len(ids))
+            return self.inner.decode(ids, **kw)
+
+    ids = tok(" ".join(TEXTS) * 40)["input_ids"][:1500]
+    counting = Counting(tok)
+    d = Detokenizer(counting, ["STOP!"])
+    parts = [d.push([t]) for t in ids]
+    assert len(ids) == 1500 and max(counting.seen) <= 16, max(counting.seen)
+    parts.append(d.finish())
+    assert "".join(parts) == tok.decode(ids, skip_special_tokens=True)
+
+
 def _ctx(tok, **limits):
     return ServingContext("smollm2", tok, 49152, 2048, DecodingConfig(max_new_tokens=100),
                           dataclasses.replace(ServerConfig(), **limits))

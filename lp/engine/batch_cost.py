@@ -14,7 +14,8 @@ rounds, medians over the rounds:
 
 (each clamped at 0). Cached as JSON next to the t(Q) file (``-batch`` before its suffix), so
 the same machine, model, threads and kernels read it back; a measurement taken while the
-machine was busy is taken again on a later quiet call. Measured on the 2-core EPYC of this
+machine was busy is taken again on a later quiet call, and so is one older than the t(Q)
+file (a curve measured again, lp.model.calibrate: this was measured at that moment too). Measured on the 2-core EPYC of this
 project (SmolLM2 fp32, compiled, S = 8, twice): seq_s 0.75 / 0.79 ms and draft_s 0.78 / 0.73
 ms, against a one-row step of ~20 ms and a t(Q) that rises ~0.5 ms a row there: a sequence's
 first draft node costs ~2.5x what the curve alone says.
@@ -48,6 +49,9 @@ def batch_step_cost(runner, refresh: bool = False, rounds: int = 3) -> BatchCost
     path = cache_path(runner)
     cached = None
     saved = None if refresh else calibrate.read_cached(path)
+    curve = calibrate.cache_path(runner)
+    if saved is not None and curve.is_file() and curve.stat().st_mtime > path.stat().st_mtime:
+        saved = None  # the curve was measured again after this
     if saved is not None:
         try:
             cached = BatchCost(float(saved["seq_s"]), float(saved["draft_s"]))

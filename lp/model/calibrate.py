@@ -5,7 +5,11 @@ above, after a 128-token prefix, measured once (~10 s on a 2-core CPU) and cache
 ``$LP_CACHE/tq/<model>-<device>-<dtype>-t<threads>-<attention>-small<mode>-lin<linears>[-compiled][-fused][-<quant>]-<version>.json`` (``LP_CACHE`` defaults to
 ~/.cache/lp); later calls read the file. A curve measured while the machine was busy
 (1-minute load average above the core count) is measured again on the first call that
-finds the machine quiet. The draft budget (lp.drafts.budget) takes the curve
+finds the machine quiet. The load average lags (a build that starts with the measurement
+is missed), so a read also re-times t(1) (~0.3 s: the prefix and six one-row forwards):
+a cached t(1) more than ``STALE`` times the one timed now (and 2 ms more) was measured at a
+slower moment, and the whole curve is measured again (once per file and process: later reads
+in the same process trust it). The draft budget (lp.drafts.budget) takes the curve
 as a plain argument, so nothing else here depends on timing.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -25,6 +30,11 @@ from lp.model.head import argmax_rows
 QS = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)
 PREFIX = 128
 VERSION = "v8"  # bumped when QS, the measurement or a kernel it prices changes: older files are not read
+# a cached t(1) above STALE x (and STALE_MIN_S above) the one timed at start-up: measured too slow
+STALE, STALE_MIN_S = 1.3, 0.002
+
+log = logging.getLogger(__name__)
+_probed: set[Path] = set()  # cache files re-timed in this process (each rank re-times the same ones)
 
 
 def cache_path(runner) -> Path:
@@ -48,9 +58,11 @@ def _quant_tag(runner) -> str:
     return "" if runner.quant == "none" else f"-{runner.quant}"
 
 
-def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False) -> list[tuple[int, float]]:
+def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False, probe: bool = True
+                   ) -> list[tuple[int, float]]:
     """The curve (cached); with ``model.small_rows=auto`` it also sets ``runner.small_rows``
-    to the row counts that ran faster with small-row matmuls (lp.model.kernels)."""
+    to the row counts that ran faster with small-row matmuls (lp.model.kernels). ``probe``:
+    a cached curve whose t(1) is stale against a re-time now is measured again."""
     path = cache_path(runner)
     cached = None
     saved = None if refresh else read_cached(path)
@@ -64,13 +76,31 @@ def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False) -> li
     if tp_all(runner.model, cached is not None):
         if runner.small_rows_mode == "auto":
             runner.small_rows = cached[1]
-        return cached[0]
+        # under TP the re-time is collective too, and every rank keeps the curve or none does
+        if not probe or path in _probed or tp_all(runner.model, not _stale(runner, cached[0], path)):
+            return cached[0]
     load = _load()
     curve, small = measure(runner, qs, repeats)
     if runner.small_rows_mode == "auto":
         runner.small_rows = small
     write_cached(path, {"curve": curve, "small_rows": sorted(small), "prefix": PREFIX, "repeats": repeats}, load)
+    _probed.add(path)
     return curve
+
+
+def _stale(runner, curve: list[tuple[int, float]], path: Path) -> bool:
+    """Whether the cached ``curve`` was measured at a slower moment than now: its t(1)
+    against the fastest of a few one-row forwards timed now (module doc)."""
+    cached = dict(curve).get(1)
+    _probed.add(path)
+    if cached is None:
+        return False
+    now = dict(measure(runner, (1,), repeats=5)[0])[1]
+    stale = cached > STALE * now and cached - now > STALE_MIN_S
+    if stale:
+        log.info("t(Q) cache %s: its t(1) %.1f ms against %.1f ms timed now; measuring the curve again",
+                 path.name, 1e3 * cached, 1e3 * now)
+    return stale
 
 
 def read_cached(path: Path) -> dict | None:
