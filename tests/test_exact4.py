@@ -81,7 +81,7 @@ def test_rows_do_not_depend_on_each_other_and_fused_equals_separate(q4_model):
     torch.manual_seed(1)
     x = torch.randn(21, fused.in_features)
     y = fused(x)
-    for m in (1, 2, 3, 5, 8, 9, 16, 21):  # every row tile the kernel has
+    for m in (*range(1, 10), 12, 16, 21):  # every row tile the kernel has (1..8 rows), and sums of them
         assert torch.equal(fused(x[:m].clone()), y[:m]), m
         assert torch.equal(fused(x[m - 1 : m].clone())[0], y[m - 1]), m
     assert torch.equal(single(x), y[:, : q_w.shape[0]])  # the stacked columns equal the separate linear's
@@ -91,6 +91,35 @@ def test_rows_do_not_depend_on_each_other_and_fused_equals_separate(q4_model):
         assert torch.equal(exact4.mm(torch.eye(q_w.shape[1]), part, n).t(), q_w[:n])
         assert torch.equal(exact4.mm(x, part, n), y[:, :n])
     assert torch.allclose(y[:, q_w.shape[0] : q_w.shape[0] + k_w.shape[0]], x @ k_w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_every_tile_width_gives_the_same_bits(q4_model, q48_model):
+    """The kernels form 1, 2, 4 or 8 outputs at once per row tile (lp_exact4.tiles(): a speed
+    choice, bench.exact4_tiles): each output's sum runs in the same order at every width, so
+    every width gives the built-in one's bits, at every row count of a tile, for both kinds."""
+    ext = exact4.extension()
+    builtin = ext.tiles()
+    w_q = q4_model.model.layers[0].mlp.gate_proj.weight.detach().clone()
+    p4, n4 = exact4.pack(*exact4.encode(w_q)), w_q.shape[0]
+    w_h = q48_model.get_output_embeddings().weight.detach().clone()
+    p8, n8 = exact4.pack8(*exact4.encode8(w_h)), w_h.shape[0]
+    torch.manual_seed(3)
+    try:
+        for kind, mm, p, n, k in ((0, exact4.mm, p4, n4, w_q.shape[1]), (1, exact4.mm8, p8, n8, w_h.shape[1])):
+            for m in range(1, 9):
+                x = torch.randn(m, k)
+                want = mm(x, p, n)
+                for width in (1, 2, 4, 8):
+                    ext.set_tile(kind, m, width)
+                    assert torch.equal(mm(x, p, n), want), (kind, m, width)
+                ext.set_tile(kind, m, builtin[kind][m - 1])
+    finally:
+        for kind, widths in enumerate(builtin):
+            for m, width in enumerate(widths, start=1):
+                ext.set_tile(kind, m, width)
+    assert ext.tiles() == builtin
+    with pytest.raises(RuntimeError, match="set_tile: kind 0"):
+        ext.set_tile(0, 9, 8)
 
 
 def test_the_kernel_runs_on_every_thread():
@@ -236,7 +265,7 @@ def test_a_q8_head_runs_on_its_blocks_bit_for_bit_and_rows_alone(q48_model):
     torch.manual_seed(2)
     x = torch.randn(21, w_VK.shape[1])
     y = exact4.mm8(x, p, v)
-    for m in (1, 2, 3, 5, 8, 9, 16, 21):  # every row tile: a row's logits depend on that row only
+    for m in (*range(1, 10), 12, 16, 21):  # every row tile: a row's logits depend on that row only
         assert torch.equal(exact4.mm8(x[m - 1 : m].clone(), p, v)[0], y[m - 1]), m
         assert torch.equal(exact4.mm8(x[:m].clone(), p, v), y[:m]), m
     for n in (1, 7, 13):  # outputs that fill no whole group of 8 (the packed layout's zero padding)

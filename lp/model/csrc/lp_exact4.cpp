@@ -54,6 +54,7 @@ struct Clock {
 // How a chunk's output j forms its block's 32 weights: lanes 0-15 (w0) and 16-31 (w1).
 struct Weights4 {
   static constexpr int64_t kBytes = kGroup * 16 + 2 * kGroup * 4;
+  static constexpr int kKind = 0;  // its row of g_tile
 #if defined(__AVX512F__)
   static inline void load(const uint8_t* chunk, int j, __m512& w0, __m512& w1) {
     const float* d = reinterpret_cast<const float*>(chunk + kGroup * 16);
@@ -84,6 +85,7 @@ struct Weights4 {
 
 struct Weights8 {
   static constexpr int64_t kBytes = kGroup * 32 + kGroup * 4;
+  static constexpr int kKind = 1;
 #if defined(__AVX512F__)
   static inline void load(const uint8_t* chunk, int j, __m512& w0, __m512& w1) {
     const __m512 dv = _mm512_set1_ps(reinterpret_cast<const float*>(chunk + kGroup * 32)[j]);
@@ -162,12 +164,31 @@ void tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, 
 #endif
 }
 
+// outputs per tile (NB) for a tile of MT rows, per weight kind (exact4, exact8): the fastest of
+// 1, 2, 4, 8 measured per MT on this project's 2-vCPU EPYC over SmolLM2's shapes (python -m
+// bench.exact4_tiles; bench/results/step_cost/exact4_tiles). Below 8 rows more outputs share
+// each row's loads, even where their accumulators spill (2 rows: ~20% less time at 8 outputs
+// than at 4). Whatever NB, each output's sum runs in the same order: only speed depends on it.
+// set_tile overrides an entry (the benchmark).
+int g_tile[2][kRowTile + 1] = {{0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}};
+
 // every row tile over one group, the group's chunks read from memory once (prefetched on the
 // first pass, in L1 for the others)
 template <class W, int MT, int NB>
 void group_rows(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0,
                 bool prefetch) {
   for (int s = 0; s < kGroup; s += NB) tile<W, MT, NB>(x, group, y, K, N, m0, n0, s, prefetch && s == 0);
+}
+
+template <class W, int MT>
+void group_tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                bool prefetch) {
+  switch (g_tile[W::kKind][MT]) {
+    case 1: group_rows<W, MT, 1>(x, group, y, K, N, m0, n0, prefetch); break;
+    case 2: group_rows<W, MT, 2>(x, group, y, K, N, m0, n0, prefetch); break;
+    case 4: group_rows<W, MT, 4>(x, group, y, K, N, m0, n0, prefetch); break;
+    default: group_rows<W, MT, 8>(x, group, y, K, N, m0, n0, prefetch); break;
+  }
 }
 
 template <class W>
@@ -191,14 +212,14 @@ torch::Tensor packed_mm(const char* name, torch::Tensor x, const torch::Tensor& 
       for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
         const bool first = prefetch && m0 == 0;
         switch (std::min(kRowTile, M - m0)) {
-          case 1: group_rows<W, 1, 8>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 2: group_rows<W, 2, 4>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 3: group_rows<W, 3, 4>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 4: group_rows<W, 4, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 5: group_rows<W, 5, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 6: group_rows<W, 6, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 7: group_rows<W, 7, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          default: group_rows<W, 8, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 1: group_tile<W, 1>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 2: group_tile<W, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 3: group_tile<W, 3>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 4: group_tile<W, 4>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 5: group_tile<W, 5>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 6: group_tile<W, 6>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          case 7: group_tile<W, 7>(xp, group, yp, K, N, m0, g * kGroup, first); break;
+          default: group_tile<W, 8>(xp, group, yp, K, N, m0, g * kGroup, first); break;
         }
       }
     }
@@ -611,6 +632,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
+  m.def("set_tile", [](int kind, int rows, int outputs) {
+    TORCH_CHECK(kind >= 0 && kind < 2 && rows >= 1 && rows <= kRowTile &&
+                    (outputs == 1 || outputs == 2 || outputs == 4 || outputs == 8),
+                "set_tile: kind 0 (exact4) or 1 (exact8), rows 1..8, outputs 1, 2, 4 or 8");
+    g_tile[kind][rows] = outputs;
+  }, "outputs per tile for a tile of `rows` rows (benchmarks)");
+  m.def("tiles", []() {
+    std::vector<std::vector<int>> t;
+    for (const auto& row : g_tile) t.emplace_back(row + 1, row + kRowTile + 1);
+    return t;
+  }, "outputs per tile for 1..8 rows, exact4 then exact8");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "the kernels' software prefetch on or off (benchmarks)");
   m.def("parallel_width", &exact4_parallel_width, "threads the kernel's parallel_for runs on");
   m.def("set_clock", [](bool on) {
