@@ -15,10 +15,10 @@ rounds, medians over the rounds:
 (each clamped at 0). Cached as JSON next to the t(Q) file (``-batch`` before its suffix), so
 the same machine, model, threads and kernels read it back; a measurement taken while the
 machine was busy is taken again on a later quiet call, and so is one older than the t(Q)
-file (a curve measured again, lp.model.calibrate: this was measured at that moment too). Measured on the 2-core EPYC of this
-project (SmolLM2 fp32, compiled, S = 8, twice): seq_s 0.75 / 0.79 ms and draft_s 0.78 / 0.73
-ms, against a one-row step of ~20 ms and a t(Q) that rises ~0.5 ms a row there: a sequence's
-first draft node costs ~2.5x what the curve alone says.
+file (its curve measured again, lp.model.calibrate: this cost was taken at that moment too).
+Measured on the 2-core EPYC of this project (SmolLM2 fp32, compiled, S = 8, twice): seq_s
+0.75 / 0.79 ms and draft_s 0.78 / 0.73 ms, against a one-row step of ~20 ms and a t(Q) that
+rises ~0.5 ms a row there: a sequence's first draft node costs ~2.5x what the curve alone says.
 """
 
 from __future__ import annotations
