@@ -240,8 +240,8 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=N
         engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, kv_tokens(cfg, runner, group),
                                s.max_prefill_tokens, metrics, draft_store=_draft_store(cfg), group=group,
                                heartbeat_s=heartbeat, prefix_cache=s.prefix_cache, batch_cost=batch_cost)
-        # the first request would otherwise pay the pool's allocation (~1 s for the default
-        # 0.7 GiB on a 2-core CPU): one throwaway step now, on this thread (BatchedEngine.run's)
+        # the first request would otherwise pay the pool's allocation and the step's first-call
+        # costs: one throwaway step now, on this thread (BatchedEngine.run's)
         with phase(f"warming the batched step (the K/V pool: {engine.batch.cache.kv_tokens} slots)") \
                 if phase is not None else contextlib.nullcontext():
             engine.batch.warm()

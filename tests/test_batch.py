@@ -496,3 +496,21 @@ def test_warm_allocates_the_pool_and_leaves_nothing_behind(tiny_factory):
     _drain(engine, outs, {})
     for rid, prompt in zip(ids, PROMPTS[:2]):
         assert outs[rid] == hf_greedy(model, prompt, 12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeroed_pool_memory_is_zero_and_writable(dtype):
+    """lp.model.paged.zeroed: a large CPU tensor from an anonymous mapping (zero pages on first
+    touch) reads as zeros, takes writes in place, and outlives every other reference."""
+    import gc
+
+    from lp.model.paged import zeroed
+
+    with torch.inference_mode():  # as the pool is made, inside a forward
+        big = zeroed((3, 4096, 64), dtype, "cpu")
+        small = zeroed((2, 3), dtype, "cpu")
+        gc.collect()
+        assert big.shape == (3, 4096, 64) and big.dtype == dtype and big.is_contiguous()
+        assert not big.any() and not small.any() and small.shape == (2, 3)
+        big.index_copy_(1, torch.tensor([7, 4095]), torch.ones(3, 2, 64, dtype=dtype))
+        assert big.sum().item() == 3 * 2 * 64 and big[:, 8].abs().sum().item() == 0

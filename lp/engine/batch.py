@@ -289,8 +289,9 @@ class BatchEngine:
 
     def warm(self) -> bool:
         """Before serving: one throwaway one-token request through a step, so the first real
-        request does not pay the paged pool's allocation (zeroed on first touch: ~1 s for the
-        default 0.7 GiB on a 2-core CPU) and the step's first-call costs. Every rank calls it at
+        request does not pay the paged pool's allocation and the step's first-call costs (on
+        the CPU the pool's pages are zeroed as they are first written, lp.model.paged.zeroed;
+        elsewhere it is zeroed at once here). Every rank calls it at
         the same point (under LP the step is collective). It leaves nothing behind: no draft-store
         entry, no result, its blocks freed. False (nothing run) once the pool exists or while
         requests are queued."""
