@@ -24,6 +24,25 @@ import torch
 from bench.envelope import command, commit, cpu_name, write
 
 
+def default_model_kernels():
+    """The default model (SmolLM2-135M's GGUF) as exact4's kernels see it: (its name, its
+    ``Exact4Linear`` modules after ``model.quant=exact4``'s conversion, its head's packed exact
+    8-bit blocks, the vocabulary size); a ValueError if the head is not 8-bit blocks."""
+    from lp.config import ModelConfig
+    from lp.model import exact4
+    from lp.model.loader import load_model, resolve_model_path
+    from lp.model.quant import quantize
+
+    mc = ModelConfig()
+    model, _ = load_model(resolve_model_path(mc.name, mc.path, mc.cache_dir), "float32", "cpu", "none", tokenizer=False)
+    code8 = exact4.encode8(model.get_output_embeddings().weight.detach().contiguous())
+    if code8 is None:
+        raise ValueError(f"{mc.name}: its head is not exact 8-bit blocks")
+    quantize(model, "exact4")
+    linears = [m for m in model.modules() if isinstance(m, exact4.Exact4Linear)]
+    return mc.name, linears, exact4.pack8(*code8), code8[0].shape[0]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -31,20 +50,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/step_cost/exact4_bandwidth")
     a = ap.parse_args(argv)
-    from lp.config import ModelConfig
     from lp.model import exact4
-    from lp.model.loader import load_model, resolve_model_path
-    from lp.model.quant import quantize
 
     torch.set_num_threads(a.threads)
-    mc = ModelConfig()
-    model, _ = load_model(resolve_model_path(mc.name, mc.path, mc.cache_dir), "float32", "cpu", "none", tokenizer=False)
-    code8 = exact4.encode8(model.get_output_embeddings().weight.detach().contiguous())
-    if code8 is None:
-        raise ValueError(f"{mc.name}: its head is not exact 8-bit blocks")
-    head_p, vocab = exact4.pack8(*code8), code8[0].shape[0]
-    quantize(model, "exact4")
-    linears = [m for m in model.modules() if isinstance(m, exact4.Exact4Linear)]
+    name, linears, head_p, vocab = default_model_kernels()
     ext = exact4.extension()
     nbytes = {"linears": sum(m.p.numel() for m in linears), "head8": head_p.numel()}
     big = torch.ones(100_000_000)
@@ -81,7 +90,7 @@ def main(argv=None) -> int:
     result = {"command": command("bench.exact4_bandwidth", argv),
               "commit": commit(), "cpu": cpu_name(), "threads": a.threads, "load_average_at_start": load,
               "bytes": nbytes, "kernel_calls": len(linears), "results": rows}
-    md = [f"# exact4's kernels against the memory's bandwidth, {mc.name}", "",
+    md = [f"# exact4's kernels against the memory's bandwidth, {name}", "",
           f"`{result['command']}` at {result['commit']}, {result['cpu']}, {a.threads} threads, load average "
           f"{load:.1f} at the start; min / median of {a.reps} interleaved rounds. Bytes a step streams: the "
           f"{len(linears)} exact4 kernel calls {nbytes['linears'] / 1e6:.1f} MB, the head's 8-bit blocks "

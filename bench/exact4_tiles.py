@@ -35,20 +35,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if any(not 1 <= m <= 8 for m in a.rows):
         raise ValueError(f"--rows: each row count must be in 1..8 (one tile), got {a.rows}")
-    from lp.config import ModelConfig
+    from bench.exact4_bandwidth import default_model_kernels
     from lp.model import exact4
-    from lp.model.loader import load_model, resolve_model_path
-    from lp.model.quant import quantize
 
     torch.set_num_threads(a.threads)
-    mc = ModelConfig()
-    model, _ = load_model(resolve_model_path(mc.name, mc.path, mc.cache_dir), "float32", "cpu", "none", tokenizer=False)
-    code8 = exact4.encode8(model.get_output_embeddings().weight.detach().contiguous())
-    if code8 is None:
-        raise ValueError(f"{mc.name}: its head is not exact 8-bit blocks")
-    head_p, vocab = exact4.pack8(*code8), code8[0].shape[0]
-    quantize(model, "exact4")
-    linears = [m for m in model.modules() if isinstance(m, exact4.Exact4Linear)]
+    name, linears, head_p, vocab = default_model_kernels()
     ext = exact4.extension()
     builtin = ext.tiles()
     load = os.getloadavg()[0]
@@ -93,7 +84,7 @@ def main(argv=None) -> int:
     result = {"command": command("bench.exact4_tiles", argv), "commit": commit(), "cpu": cpu_name(),
               "threads": a.threads, "load_average_at_start": load, "kernel_calls": len(linears),
               "builtin": {k: builtin[i] for i, k in enumerate(KINDS)}, "results": rows}
-    md = [f"# exact4 / exact8 kernel tiles: outputs formed at once per row count, {mc.name}", "",
+    md = [f"# exact4 / exact8 kernel tiles: outputs formed at once per row count, {name}", "",
           f"`{result['command']}` at {result['commit']}, {result['cpu']}, {a.threads} threads, load average "
           f"{load:.1f} at the start; min of {a.reps} interleaved rounds, ms for one pass of M rows through the "
           f"{len(linears)} exact4 calls (`exact4`) and through the 8-bit head (`exact8`) at each tile width. "
