@@ -298,6 +298,8 @@ def test_lookahead_on_the_8_bit_head_equals_generate(q48_model):
     res = LookaheadDecoder(runner, cfg).generate(REPETITIVE_PROMPT)
     assert res.output_ids == ref and res.stats.compression_ratio > 1.0
     assert runner.head8.calls >= res.stats.steps  # every step's head ran on the blocks
+    if exact4.extension().vnni():  # its drafting steps' greedy rows through the screen (Head8.argmax_logits)
+        assert runner.head8.screened > 0
     calls = runner.head8.calls
     torch.manual_seed(3)
     x = torch.randn(exact4.HEAD8_MAX_ROWS + 1, model.config.hidden_size)
@@ -336,3 +338,99 @@ def test_rms_norms_run_as_one_op_rows_alone(q4_model, tiny_factory):
         assert torch.allclose(exact4.FusedRMSNorm(odd_norm)(xo), odd_norm(xo), rtol=2e-6, atol=1e-6)
     gemma = copy.deepcopy(tiny_factory("gemma3"))
     assert exact4.convert_norms(gemma) == 0
+
+
+# -- the greedy head's screen (Head8.argmax_logits, lp_exact4.screen8) ----------------------------
+
+
+@pytest.fixture(scope="module")
+def vnni():
+    if not exact4.extension().vnni():
+        pytest.skip("the head's screen runs where the kernels' build has AVX-512 VNNI")
+
+
+def _q8_head(V: int, K: int, seed: int) -> torch.Tensor:
+    """A random [V, K] head in Q8_0's blocks, per-token scales far apart (the screen's per-token
+    re-quantization loses the most where a token's blocks differ)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.round(torch.randn(V, K // 32, 32, generator=g) * 40).clamp(-127, 127)
+    q[:, :, 0] = 127  # the block's largest |q|, as Q8_0 writes it
+    d = ((0.02 + torch.rand(V, K // 32, 1, generator=g)).pow(2) * 1e-3).half().float()
+    return (q * d).view(V, K).contiguous()
+
+
+def _adversarial_rows(w_VK: torch.Tensor, screen, tokens) -> torch.Tensor:
+    """Per token v, the one-hot row c e_i at the input i where the screen's int8 weight w~ is
+    furthest from w, signed so that the true logit lies above the screen's: its error is then
+    c werr_v, the bound's leading term, with nothing to spare but the bound's 2%."""
+    _, D_V, _, _ = screen
+    rows = []
+    for v in tokens:
+        r = torch.clamp(torch.round(w_VK[v].double() / D_V[v].double()), -127, 127)
+        delta = w_VK[v].double() - r * D_V[v].double()
+        i = int(delta.abs().argmax())
+        x = torch.zeros(w_VK.shape[1])
+        x[i] = 3.0 * (1.0 if delta[i] > 0 else -1.0)
+        rows.append(x)
+    return torch.stack(rows)
+
+
+def test_the_head_screen_bounds_every_logit(vnni):
+    """upper >= every token's exact8 logit, and each row's largest lower <= its maximum, on random
+    rows with outlier channels and on rows that drive the screen's weight error to its bound (a
+    bound of 0.9x the proved one fails there)."""
+    ext = exact4.extension()
+    w_VK = _q8_head(203, 96, seed=5)  # a vocabulary that fills no whole group of 16 (nor of 8)
+    q, d = exact4.encode8(w_VK)
+    p, screen = exact4.pack8(q, d), ext.screen8_pack(q, d)
+    torch.manual_seed(6)
+    x = torch.randn(24, 96)
+    x[:, 7] *= 40  # an outlier channel, as final hidden states have
+    x = torch.cat([x, _adversarial_rows(w_VK, screen, range(0, 203, 7)), torch.zeros(1, 96)])
+    ok, upper_MV, lower_M = ext.screen8(x, *screen)
+    f_MV = exact4.mm8(x, p, 203)
+    assert ok and upper_MV.shape == f_MV.shape
+    assert (upper_MV >= f_MV).all(), float((upper_MV - f_MV).min())
+    assert (lower_M <= f_MV.max(1).values).all()
+    x[3, 5] = float("nan")
+    assert not ext.screen8(x, *screen)[0]
+
+
+def test_greedy_rows_through_the_screen_keep_the_heads_argmax_and_bits(vnni):
+    """argmax_logits: every row's argmax (ties by the first index) is the exact8 head's, every finite
+    entry is that head's logit bit for bit, over 2..64 rows of random, near-tied and one-hot rows
+    (where the screen's own order of the tokens is often wrong); one row: the head; more than 64: None
+    (as ``logits`` past its rows: the caller runs the fp32 head)."""
+    from lp.model.head import argmax_rows
+
+    w_VK = _q8_head(517, 64, seed=7)
+    w_VK[300] = w_VK[17]  # two tokens with the same weights: every row ties them
+    # tokens 0..31 lead input 0 (q = 127, their block scales rising with the token) but hold a larger
+    # block scale in their second block, falling with the token: the screen's one scale a token
+    # rounds input 0 coarsely, and its order of them there is the reverse of the true one
+    ladder = torch.tensor([float(torch.tensor(0.004 + 1e-5 * v).half()) for v in range(32)])
+    w_VK[:32, :32] *= 0
+    w_VK[:32, 0] = 127 * ladder
+    w_VK[:32, 32:] = torch.round(torch.randn(32, 32, generator=torch.Generator().manual_seed(9)) * 40).clamp(-127, 127)
+    w_VK[:32, 32] = 127
+    w_VK[:32, 32:] *= (0.05 - 1e-3 * torch.arange(32.0)).half().float()[:, None]
+    D_V = exact4.extension().screen8_pack(*exact4.encode8(w_VK))[1]
+    true, seen = int(w_VK[:, 0].argmax()), int((D_V * torch.round(w_VK[:, 0] / D_V)).argmax())
+    assert true // 8 == seen // 8 != 0 and true != seen  # move the true first into group 0, alone with it
+    w_VK[[0, true]] = w_VK[[true, 0]]
+    q, d = exact4.encode8(w_VK)
+    h8 = exact4.Head8(exact4.pack8(q, d), 517, q, d)
+    torch.manual_seed(8)
+    eye = torch.eye(64) * 2.5  # one-hot rows: the logits are one input's weights, many close
+    x = torch.cat([torch.randn(40, 64), eye, -eye, torch.randn(8, 64) * 1e-30])
+    screened = 0
+    for m0, m in [(0, 2), (2, 5), (7, 8), (15, 16), (31, 33), (40, 2), (64, 64), (128, 8), (136, 1)]:
+        rows = x[m0 : m0 + m].contiguous()
+        full, got = exact4.mm8(rows, h8.p, 517), h8.argmax_logits(rows)
+        assert argmax_rows(got) == argmax_rows(full), (m0, m)
+        keep = torch.isfinite(got)
+        assert torch.equal(got[keep], full[keep]) and keep.any(1).all()
+        screened += 2 <= m <= 64
+    assert h8.screened == screened
+    assert h8.argmax_logits(x[:65]) is None and h8.screened == screened  # the caller's fp32 head
+    assert argmax_rows(h8.argmax_logits(torch.zeros(2, 64))) == [0, 0]  # all tie: the first index

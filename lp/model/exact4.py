@@ -314,6 +314,9 @@ def convert_norms(model: nn.Module) -> int:
 
 # more rows: the packed fp32 head (oneDNN's GEMM), whose blocking wins once the step is compute-bound
 HEAD8_MAX_ROWS = 16
+# argmax-only rows through Head8's screen, from 2 rows (at one row it measured the same as the exact8
+# head: both stream the head's bytes) to 64 (bench/results/step_cost/head_screen)
+SCREEN_ROWS = (2, 64)
 
 
 def encode8(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -338,11 +341,23 @@ def _encode8_packed(w_NK: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tenso
 class Head8:
     """The LM head's weight as exact 8-bit blocks (``encode8``), packed (``pack8``): ``logits(x)`` =
     x @ W.T in float32 for up to ``HEAD8_MAX_ROWS`` rows, else None (the caller runs the packed fp32
-    head)."""
+    head). ``argmax_logits(x)``, for rows that feed only a greedy argmax (``kernels.ARGMAX_ONLY``):
+    the screen below, where this build has AVX-512 VNNI.
 
-    def __init__(self, p: torch.Tensor, vocab: int):
+    The screen (``lp_exact4.screen8``, its proof atop the C++ code): an integer pass (int8 weights,
+    each row's x as a 16-bit integer in two bytes) bounds every token's float32 logit f_v within
+    [lower_v, upper_v]; a token whose upper is below the row's largest lower cannot be (or tie) the
+    row's argmax. The kept tokens' groups of 8 run through ``mm8``, the very kernel ``logits`` runs
+    (a output's bits do not depend on the tiling), every other entry is -inf: the row's argmax, ties
+    by the first index, is ``logits(x)``'s bit for bit, and every finite entry is its logit. On
+    SmolLM2 chat rows 1-66 tokens are kept (median 3)."""
+
+    def __init__(self, p: torch.Tensor, vocab: int, q: torch.Tensor | None = None, d: torch.Tensor | None = None):
         self.p, self.vocab = p, vocab
         self.calls = 0  # forwards it answered (tests read it)
+        self.screened = 0  # of them, through the screen
+        ext = extension()
+        self.screen = ext.screen8_pack(q, d) if q is not None and ext.vnni() else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
         x_MK = x.reshape(-1, x.shape[-1])
@@ -350,6 +365,20 @@ class Head8:
             return None
         self.calls += 1
         return mm8(x_MK, self.p, self.vocab).reshape(*x.shape[:-1], self.vocab)
+
+    def argmax_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``logits(x)`` where only each row's argmax is read: -inf for every token the screen
+        proves below the row's maximum, the exact logit elsewhere (``SCREEN_ROWS`` rows)."""
+        x_MK = x.reshape(-1, x.shape[-1])
+        M = x_MK.shape[0]
+        if self.screen is None or not SCREEN_ROWS[0] <= M <= SCREEN_ROWS[1] or x_MK.dtype != torch.float32:
+            return self.logits(x)
+        ok, y_MV = extension().screen8_logits(x_MK, *self.screen, self.p, self.vocab)
+        if not ok:  # a row that is not finite: the plain head says what it says
+            return self.logits(x)
+        self.calls += 1
+        self.screened += 1
+        return y_MV.reshape(*x.shape[:-1], self.vocab)
 
 
 def head8(model: nn.Module) -> Head8 | None:
@@ -369,7 +398,7 @@ def head8(model: nn.Module) -> Head8 | None:
         if found is None:
             log.info("model.quant=exact4: the LM head is not 8-bit blocks; it stays float32")
             return None
-        h8 = Head8(found[1], head.weight.shape[0])
+        h8 = Head8(found[1], head.weight.shape[0], *found[0])
         model._lp_head8 = h8
         log.info("model.quant=exact4: the LM head runs on its exact 8-bit blocks (up to %d rows)", HEAD8_MAX_ROWS)
     key = head.packed_key

@@ -321,7 +321,8 @@ def packed_matmul(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 
 def _packed(x: torch.Tensor, key: int) -> torch.Tensor:
     if HEAD8_ON.on and key in HEAD8:  # the head's exact 8-bit blocks (lp.model.exact4.head8): read at run time, never traced
-        y = HEAD8[key]().logits(x)
+        h8 = HEAD8[key]()
+        y = h8.argmax_logits(x) if ARGMAX_ONLY.on else h8.logits(x)
         if y is not None:
             return y
     if ARGMAX_ONLY.on and key in SCREENS:  # read at run time, never traced: no guard, no graph

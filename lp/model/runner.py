@@ -446,8 +446,8 @@ class ModelRunner:
         swap = any(v != impl for v in saved)
         small = self.uses_small_rows(rows)
         packed = self.linears == "packed"
-        screen = argmax_only and self.head_screen is not None
         head8 = self.head8 is not None
+        screen = argmax_only and (self.head_screen is not None or head8)
         if swap:
             for c in self._configs:
                 c._attn_implementation_internal = impl

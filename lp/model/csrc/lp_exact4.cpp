@@ -22,6 +22,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <mutex>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -579,6 +581,273 @@ torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<do
 }
 #endif
 
+// ---------------------------------------------------------------------------
+// The greedy head's screen (lp.model.exact4.Head8.argmax_logits): an integer pass over the LM head that
+// bounds every token's float32 logit, so that only the tokens that can be a row's argmax need the
+// exact8 kernel. Weights: each token's exact row w_v re-quantized to int8 with one scale D_v = max|w_v|
+// / 127 (r_v = round(w_v / D_v); werr_v >= max_i |w_vi - D_v r_vi|, wabs_v >= sum_i |w_vi|, both rounded
+// up), stored as r + 128 (unsigned) in groups of 16 tokens x 4 inputs, the layout of AVX-512 VNNI's
+// vpdpbusd (16 tokens' dot products in the 16 lanes of one register). Activations: each row's x as
+// sx k with k = round(x / sx) integer, |k| <= 32639 (sx = max|x| / 32639), written k = 256 h + l, h and
+// l signed bytes. The integer sums are exact (|sum| < 2^24: exact in float32 too); the screen value
+// s_v = fl(fl(fl(256 H + L) D_v) sx) carries three roundings. With x~ = sx k, w~ = D_v r_v:
+//   |x . w_v - x~ . w~_v| <= |x - x~| . |w_v| + |x~| . |w_v - w~_v| <= 1.01 sx / 2 wabs_v + (|x|_1 + 1.01 K sx / 2) werr_v
+//   |s_v - x~ . w~_v| <= 3.01 u (max|x| + sx) (wabs_v + K werr_v)   (u = 2^-24)
+//   |f_v - x . w_v| <= 1.01 K u max|x| wabs_v   (f_v: the exact8 kernel's float32 logit, any summation order)
+// so f_v lies within e_v = 1.02 (a wabs_v + b werr_v) of s_v, a and b the row's coefficients below
+// (the 2% covers their own float32 rounding). upper = s + e; lower = s - e, and each row's largest
+// lower: a token whose upper is below that cannot be (or tie) the row's argmax.
+namespace {
+
+constexpr int kScreenTokens = 16;
+constexpr double kScreenMax = 32639.0;  // |k|: h = (k + 128) >> 8 stays in -127..127
+
+float round_up(double v) {
+  float f = static_cast<float>(v);
+  if (static_cast<double>(f) < v) f = std::nextafter(f, INFINITY);
+  return f;
+}
+
+struct ScreenRow {
+  float sx, a, b;
+  int32_t h_sum, l_sum;
+};
+
+#if defined(__AVX512VNNI__)
+// acc += the 16 dot products of w's unsigned bytes (4 a lane) with the 4 signed bytes at p, broadcast.
+// In assembly: GCC's intrinsic copies the accumulator around every instruction (2 moves each).
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+#endif
+
+template <int MT>
+void screen_tile(const uint8_t* wg, const int8_t* h, const int8_t* l, const ScreenRow* rows, const float* D,
+                 const float* wabs, const float* werr, float* upper, float* lower_max, int64_t K, int64_t V,
+                 int64_t v0, int64_t m0) {
+#if defined(__AVX512VNNI__)
+  // named accumulators, not arrays: GCC keeps an array of them in memory, storing it every step
+  __m512i a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7;
+  a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = _mm512_setzero_si512();
+  const int8_t* hr = h + m0 * K;
+  const int8_t* lr = l + m0 * K;
+  for (int64_t k4 = 0; k4 < K / 4; ++k4) {
+    _mm_prefetch(reinterpret_cast<const char*>(wg) + k4 * 64 + kPrefetch, _MM_HINT_T0);
+    const __m512i wv = _mm512_loadu_si512(wg + k4 * 64);
+    const int64_t at = k4 * 4;
+#define LP_ROW(i)                                           \
+  if constexpr (MT > i) {                                   \
+    a##i = dpbusd_bcast(a##i, wv, hr + i * K + at);         \
+    b##i = dpbusd_bcast(b##i, wv, lr + i * K + at);         \
+  }
+    LP_ROW(0) LP_ROW(1) LP_ROW(2) LP_ROW(3) LP_ROW(4) LP_ROW(5) LP_ROW(6) LP_ROW(7)
+#undef LP_ROW
+  }
+  const __m512i ah[8] = {a0, a1, a2, a3, a4, a5, a6, a7}, al[8] = {b0, b1, b2, b3, b4, b5, b6, b7};
+  const int64_t n = std::min<int64_t>(kScreenTokens, V - v0);
+  const __mmask16 live = n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+  const __m512 Dv = _mm512_maskz_loadu_ps(live, D + v0), av = _mm512_maskz_loadu_ps(live, wabs + v0),
+               ev = _mm512_maskz_loadu_ps(live, werr + v0);
+  for (int i = 0; i < MT; ++i) {
+    const ScreenRow& r = rows[m0 + i];
+    const __m512i H = _mm512_sub_epi32(ah[i], _mm512_set1_epi32(128 * r.h_sum));
+    const __m512i L = _mm512_sub_epi32(al[i], _mm512_set1_epi32(128 * r.l_sum));
+    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(H), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(L));
+    const __m512 s = _mm512_mul_ps(_mm512_mul_ps(t, Dv), _mm512_set1_ps(r.sx));
+    const __m512 e = _mm512_mul_ps(_mm512_set1_ps(1.02f),
+                                   _mm512_fmadd_ps(_mm512_set1_ps(r.a), av, _mm512_mul_ps(_mm512_set1_ps(r.b), ev)));
+    _mm512_mask_storeu_ps(upper + (m0 + i) * V + v0, live, _mm512_add_ps(s, e));
+    const float lo = _mm512_mask_reduce_max_ps(live, _mm512_sub_ps(s, e));
+    lower_max[m0 + i] = std::max(lower_max[m0 + i], lo);
+  }
+#else
+  for (int i = 0; i < MT; ++i) {
+    const ScreenRow& r = rows[m0 + i];
+    for (int j = 0; j < kScreenTokens && v0 + j < V; ++j) {
+      int32_t H = 0, L = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t w = static_cast<int32_t>(wg[(k / 4) * 64 + j * 4 + k % 4]);
+        H += w * h[(m0 + i) * K + k];
+        L += w * l[(m0 + i) * K + k];
+      }
+      H -= 128 * r.h_sum;
+      L -= 128 * r.l_sum;
+      const float t = std::fma(static_cast<float>(H), 256.0f, static_cast<float>(L));
+      const float s = (t * D[v0 + j]) * r.sx;
+      const float e = 1.02f * std::fma(r.a, wabs[v0 + j], r.b * werr[v0 + j]);
+      upper[(m0 + i) * V + v0 + j] = s + e;
+      lower_max[m0 + i] = std::max(lower_max[m0 + i], s - e);
+    }
+  }
+#endif
+}
+
+}  // namespace
+
+bool exact8_vnni() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The screen's weights from the head's exact 8-bit blocks (q [V, K] int8, d [V, K / 32] float32):
+// (w [ceil(V / 16), K / 4, 16, 4] uint8 = r + 128, D, wabs, werr [V] float32), as described above.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> exact8_screen_pack(const at::Tensor& q, const at::Tensor& d) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous() && d.dim() == 2 &&
+                  d.scalar_type() == torch::kFloat32 && d.is_contiguous() && q.size(1) % kBlock == 0 &&
+                  d.size(0) == q.size(0) && d.size(1) == q.size(1) / kBlock,
+              "exact8_screen_pack: q [V, K] int8 and d [V, K / 32] float32, contiguous");
+  const int64_t V = q.size(0), K = q.size(1), G = (V + kScreenTokens - 1) / kScreenTokens;
+  at::Tensor w = torch::full({G, K / 4, kScreenTokens, 4}, 128, torch::kUInt8);
+  at::Tensor D = torch::empty({V}, torch::kFloat32), wabs = torch::empty({V}, torch::kFloat32),
+             werr = torch::empty({V}, torch::kFloat32);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  uint8_t* wp = w.data_ptr<uint8_t>();
+  float *Dp = D.data_ptr<float>(), *ap = wabs.data_ptr<float>(), *ep = werr.data_ptr<float>();
+  at::parallel_for(0, V, 256, [&](int64_t v0, int64_t v1) {
+    std::vector<float> wf(K);
+    for (int64_t v = v0; v < v1; ++v) {
+      float amax = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        wf[k] = static_cast<float>(qp[v * K + k]) * dp[v * (K / kBlock) + k / kBlock];  // exact
+        amax = std::max(amax, std::fabs(wf[k]));
+      }
+      const float Dv = amax / 127.0f, safe = Dv > 0.0f ? Dv : 1.0f;
+      double sum = 0.0, err = 0.0;
+      uint8_t* wg = wp + (v / kScreenTokens) * (K / 4) * 64 + (v % kScreenTokens) * 4;
+      for (int64_t k = 0; k < K; ++k) {
+        const float r = std::min(127.0f, std::max(-127.0f, std::nearbyint(wf[k] / safe)));
+        wg[(k / 4) * 64 + k % 4] = static_cast<uint8_t>(static_cast<int>(r) + 128);
+        err = std::max(err, std::fabs(static_cast<double>(wf[k]) - static_cast<double>(r) * Dv));  // exact in double
+        sum += std::fabs(static_cast<double>(wf[k]));
+      }
+      Dp[v] = Dv;
+      ap[v] = round_up(sum * (1.0 + 1e-12));
+      ep[v] = round_up(err);
+    }
+  });
+  return {w, D, wabs, werr};
+}
+
+// (ok, upper [M, V], lower_max [M]) of the screen over x [M, K] float32; ok false (and nothing
+// computed) where a row of x is not finite.
+std::tuple<bool, at::Tensor, at::Tensor> exact8_screen(torch::Tensor x, const at::Tensor& w, const at::Tensor& D,
+                                                      const at::Tensor& wabs, const at::Tensor& werr) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "exact8_screen: x must be [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), V = D.size(0);
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) * 4 == K &&
+                  w.size(0) == (V + kScreenTokens - 1) / kScreenTokens && wabs.numel() == V && werr.numel() == V,
+              "exact8_screen: the screen (exact8_screen_pack) does not match x");
+  x = x.contiguous();
+  const float* xp = x.data_ptr<float>();
+  std::vector<int8_t> h(M * K), l(M * K);
+  std::vector<ScreenRow> rows(M);
+  const double u = std::ldexp(1.0, -24);
+  for (int64_t m = 0; m < M; ++m) {
+    double xmax = 0.0, l1 = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double v = xp[m * K + k];
+      if (!std::isfinite(v)) return {false, at::Tensor(), at::Tensor()};
+      xmax = std::max(xmax, std::fabs(v));
+      l1 += std::fabs(v);
+    }
+    float sx = static_cast<float>(xmax / kScreenMax);
+    if (!(sx > 0.0f) || !std::isnormal(sx)) sx = 1.0f;  // x ~ 0: every k is 0, |x - x~| <= sx / 2
+    int32_t hs = 0, ls = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double kk = std::min(kScreenMax, std::max(-kScreenMax, std::nearbyint(xp[m * K + k] / static_cast<double>(sx))));
+      const int32_t ki = static_cast<int32_t>(kk), hi = static_cast<int32_t>(std::floor((ki + 128) / 256.0));
+      h[m * K + k] = static_cast<int8_t>(hi);
+      l[m * K + k] = static_cast<int8_t>(ki - 256 * hi);
+      hs += hi;
+      ls += ki - 256 * hi;
+    }
+    const double sxd = sx, grow = 3.01 * u * (xmax + sxd);
+    rows[m] = {sx, round_up(1.01 * sxd / 2 + 1.01 * K * u * xmax + grow),
+               round_up((l1 * (1.0 + 1e-12) + 1.01 * K * sxd / 2 + K * grow)), hs, ls};
+  }
+  at::Tensor upper = torch::empty({M, V}, torch::kFloat32);
+  at::Tensor lower = torch::full({M}, -INFINITY, torch::kFloat32);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float *Dp = D.data_ptr<float>(), *ap = wabs.data_ptr<float>(), *ep = werr.data_ptr<float>();
+  float* up = upper.data_ptr<float>();
+  float* lowp = lower.data_ptr<float>();
+  std::mutex merge;
+  at::parallel_for(0, w.size(0), 16, [&](int64_t g0, int64_t g1) {
+    std::vector<float> mine(M, -INFINITY);
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* wg = wp + g * (K / 4) * 64;
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t v0 = g * kScreenTokens;
+        switch (std::min<int64_t>(8, M - m0)) {
+#define LP_SCREEN(n) \
+  case n: screen_tile<n>(wg, h.data(), l.data(), rows.data(), Dp, ap, ep, up, mine.data(), K, V, v0, m0); break;
+          LP_SCREEN(1) LP_SCREEN(2) LP_SCREEN(3) LP_SCREEN(4) LP_SCREEN(5) LP_SCREEN(6) LP_SCREEN(7)
+          default: screen_tile<8>(wg, h.data(), l.data(), rows.data(), Dp, ap, ep, up, mine.data(), K, V, v0, m0);
+#undef LP_SCREEN
+        }
+      }
+    }
+    std::lock_guard<std::mutex> lock(merge);
+    for (int64_t m = 0; m < M; ++m) lowp[m] = std::max(lowp[m], mine[m]);
+  });
+  return {true, upper, lower};
+}
+
+// The greedy head through the screen, in one call: the screen's bounds over x [M, K], then the exact8
+// kernel (the packed head p, as exact8_mm runs it: the same bits) over every group of 8 tokens that
+// holds a token some row keeps (upper >= the row's largest lower), -inf everywhere else.
+// (ok, logits [M, vocab]); ok false (nothing computed) where a row of x is not finite.
+std::tuple<bool, at::Tensor> exact8_screen_logits(torch::Tensor x, const at::Tensor& w, const at::Tensor& D,
+                                                 const at::Tensor& wabs, const at::Tensor& werr, const at::Tensor& p,
+                                                 int64_t vocab) {
+  auto [ok, upper, lower] = exact8_screen(x, w, D, wabs, werr);
+  if (!ok) return {false, at::Tensor()};
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), V = D.size(0);
+  TORCH_CHECK(V == vocab && p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() &&
+                  p.size(0) == (vocab + kGroup - 1) / kGroup && p.size(1) == K / kBlock && p.size(2) == Weights8::kBytes,
+              "exact8_screen_logits: p is not the packed head (pack8) of this screen");
+  const float* up = upper.data_ptr<float>();
+  const float* lowp = lower.data_ptr<float>();
+  std::vector<int64_t> groups;
+  for (int64_t g = 0; g < p.size(0); ++g) {
+    bool keep = false;
+    for (int64_t m = 0; m < M && !keep; ++m)
+      for (int64_t v = g * kGroup; v < std::min<int64_t>(V, (g + 1) * kGroup); ++v)
+        if (up[m * V + v] >= lowp[m]) { keep = true; break; }
+    if (keep) groups.push_back(g);
+  }
+  at::Tensor y = torch::full({M, vocab}, -INFINITY, torch::kFloat32);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t group_bytes = p.size(1) * Weights8::kBytes;
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 4, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = groups[i];
+      const uint8_t* group = pp + g * group_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+        switch (std::min(kRowTile, M - m0)) {
+          case 1: group_tile<Weights8, 1>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
+          case 2: group_tile<Weights8, 2>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
+          case 3: group_tile<Weights8, 3>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
+          case 4: group_tile<Weights8, 4>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
+          case 5: group_tile<Weights8, 5>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
+          case 6: group_tile<Weights8, 6>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
+          case 7: group_tile<Weights8, 7>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
+          default: group_tile<Weights8, 8>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
+        }
+      }
+    }
+  });
+  return {true, y};
+}
+
 bool exact4_avx512() {
 #if defined(__AVX512F__)
   return true;
@@ -632,6 +901,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
+  m.def("screen8_pack", &exact8_screen_pack, "the greedy head screen's int8 weights from exact 8-bit blocks");
+  m.def("screen8", &exact8_screen, "(ok, upper [M, V], lower_max [M]): the greedy head screen's bounds");
+  m.def("screen8_logits", &exact8_screen_logits, "(ok, logits [M, vocab]): the greedy head through the screen, -inf where proved below the maximum");
+  m.def("vnni", &exact8_vnni, "whether this build runs the screen on AVX-512 VNNI");
   m.def("set_tile", [](int kind, int rows, int outputs) {
     TORCH_CHECK(kind >= 0 && kind < 2 && rows >= 1 && rows <= kRowTile &&
                     (outputs == 1 || outputs == 2 || outputs == 4 || outputs == 8),
