@@ -314,9 +314,9 @@ def convert_norms(model: nn.Module) -> int:
 
 # more rows: the packed fp32 head (oneDNN's GEMM), whose blocking wins once the step is compute-bound
 HEAD8_MAX_ROWS = 16
-# argmax-only rows through Head8's screen, from 2 rows (at one row it measured the same as the exact8
-# head: both stream the head's bytes) to 64 (bench/results/step_cost/head_screen)
-SCREEN_ROWS = (2, 64)
+# argmax-only rows through Head8's screen (bench/results/step_cost/head: at one row 1.3-1.4 ms against
+# 1.6-1.7 for exact8, 8 rows 1.8-2.0 against 3.7-4.2, 64 rows 13-15 against 18-20 for the fp32 head)
+SCREEN_ROWS = (1, 64)
 
 
 def encode8(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
