@@ -80,10 +80,11 @@ def main(argv=None) -> int:
                 for k, fn in kernels.items():
                     flush.sum()
                     t = time.perf_counter()
-                    fn(x_MD)
-                    times[k].append(1e3 * (time.perf_counter() - t))
+                    out = fn(x_MD)
+                    times[k].append(1e3 * (time.perf_counter() - t) if out is not None else None)
             rows.append({"threads": threads, "rows": m,
-                         **{k: {"min_ms": min(v), "median_ms": statistics.median(v)} for k, v in times.items()}})
+                         **{k: {"min_ms": min(v), "median_ms": statistics.median(v)} if None not in v else None  # declined: more rows
+                            for k, v in times.items()}})
             print(rows[-1], flush=True)
     result = {"command": command("bench.head_kernels", argv),
               "commit": commit(), "cpu": cpu_name(), "load_average_at_start": load, "bytes": nbytes,
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
           "| threads | rows | fp32 | screen (bf16 + kept fp32) | exact8 | exact8_screen |", "|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['threads']} | {r['rows']} | " + " | ".join(
-            f"{r[k]['min_ms']:.2f} / {r[k]['median_ms']:.2f}" for k in kernels) + " |")
+            f"{r[k]['min_ms']:.2f} / {r[k]['median_ms']:.2f}" if r[k] else "declines (rows)" for k in kernels) + " |")
     write(a.out, "head", result, md)
     return 0
 
