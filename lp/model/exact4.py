@@ -314,8 +314,8 @@ def convert_norms(model: nn.Module) -> int:
 
 # more rows: the packed fp32 head (oneDNN's GEMM), whose blocking wins once the step is compute-bound
 HEAD8_MAX_ROWS = 16
-# argmax-only rows through Head8's screen (bench/results/step_cost/head: at one row 1.3-1.4 ms against
-# 1.6-1.7 for exact8, 8 rows 1.8-2.0 against 3.7-4.2, 64 rows 13-15 against 18-20 for the fp32 head)
+# argmax-only rows through Head8's screen (bench/results/step_cost/head, min ms: one row 1.05 against 1.12
+# for exact8, 8 rows 1.93 against 3.98, 64 rows 12.6 against 18.2 for the fp32 head)
 SCREEN_ROWS = (1, 64)
 
 
