@@ -591,7 +591,7 @@ def test_report_readme_builds_the_table_from_bench_results(tmp_path):
     assert n_tables >= 4  # lp's defaults vs vLLM and llama.cpp, vLLM (spr_native + sweep), transformers (concurrency)
     assert "| chat | 1 | 32.1 | 55.8 | 23.7 | 1.36x | 2.35x |" in block  # vs_vllm_spr_native, by hand
     # defaults_vs_peers (lp / vLLM / llama-server): medians of 87.976, 91.471; 20.976, 26.27; 69.127, 74.902, by hand
-    assert "| chat | 1 | 83.5 | 22.3 | 85.4 | 3.74x | 0.98x |" in block
+    assert "| chat | 1 | 110.3 | 24.1 | 88.4 | 4.57x | 1.25x |" in block
     assert "lp vs vLLM" in block and "lp vs transformers" in block and "lp vs llama.cpp" in block
     assert "No run of lp against" not in block
     # llama.cpp's texts are not compared (Q8_1 activations): counted apart, not as 192 of 288 equal
