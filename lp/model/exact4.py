@@ -400,7 +400,9 @@ def head8(model: nn.Module) -> Head8 | None:
             return None
         h8 = Head8(found[1], head.weight.shape[0], *found[0])
         model._lp_head8 = h8
-        log.info("model.quant=exact4: the LM head runs on its exact 8-bit blocks (up to %d rows)", HEAD8_MAX_ROWS)
+        log.info("model.quant=exact4: the LM head runs on its exact 8-bit blocks (up to %d rows)%s", HEAD8_MAX_ROWS,
+                 "; greedy rows through its int8 screen (%d-%d rows)" % SCREEN_ROWS if h8.screen is not None else
+                 "; no int8 screen (this build lacks AVX-512 VNNI)")
     key = head.packed_key
     kernels.HEAD8[key] = weakref.ref(h8, lambda _, key=key: kernels.HEAD8.pop(key, None))
     return h8
