@@ -434,3 +434,42 @@ def test_greedy_rows_through_the_screen_keep_the_heads_argmax_and_bits(vnni):
     assert h8.screened == screened
     assert h8.argmax_logits(x[:65]) is None and h8.screened == screened  # the caller's fp32 head
     assert argmax_rows(h8.argmax_logits(torch.zeros(2, 64))) == [0, 0]  # all tie: the first index
+
+
+def test_the_head_screen_runs_without_the_gil(vnni):
+    """screen8_logits releases the GIL (as torch.ops calls do): the server's HTTP thread runs
+    while a step's head does. A Python thread stamps the time as it counts; with the switch
+    interval at 0.5 ms, some stamps fall well inside one ~10 ms call (a call that kept the GIL
+    leaves none there)."""
+    import sys
+    import threading
+    import time
+
+    ext = exact4.extension()
+    w_VK = _q8_head(32768, 576, seed=11)
+    q, d = exact4.encode8(w_VK)
+    screen, p = ext.screen8_pack(q, d), exact4.pack8(q, d)
+    x = torch.randn(64, 576)
+    stamps, stop = [], [False]
+
+    def count():
+        while not stop[0]:
+            stamps.append(time.perf_counter())
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        inside = 0
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ext.screen8_logits(x, *screen, p, 32768)
+            t1 = time.perf_counter()
+            assert t1 - t0 > 4e-3, t1 - t0  # long enough to tell
+            inside += sum(t0 + 2e-3 < s < t1 - 1e-3 for s in stamps[-200000:])
+    finally:
+        stop[0] = True
+        counter.join()
+        sys.setswitchinterval(interval)
+    assert inside > 0

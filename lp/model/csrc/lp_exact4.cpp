@@ -902,8 +902,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
   m.def("screen8_pack", &exact8_screen_pack, "the greedy head screen's int8 weights from exact 8-bit blocks");
-  m.def("screen8", &exact8_screen, "(ok, upper [M, V], lower_max [M]): the greedy head screen's bounds");
-  m.def("screen8_logits", &exact8_screen_logits, "(ok, logits [M, vocab]): the greedy head through the screen, -inf where proved below the maximum");
+  m.def("screen8", &exact8_screen, py::call_guard<py::gil_scoped_release>(),
+        "(ok, upper [M, V], lower_max [M]): the greedy head screen's bounds");
+  // without the GIL, as torch.ops calls run: the server's HTTP thread works while the head does
+  m.def("screen8_logits", &exact8_screen_logits, py::call_guard<py::gil_scoped_release>(),
+        "(ok, logits [M, vocab]): the greedy head through the screen, -inf where proved below the maximum");
   m.def("vnni", &exact8_vnni, "whether this build runs the screen on AVX-512 VNNI");
   m.def("set_tile", [](int kind, int rows, int outputs) {
     TORCH_CHECK(kind >= 0 && kind < 2 && rows >= 1 && rows <= kRowTile &&
