@@ -348,7 +348,7 @@ class Head8:
     each row's x as a 16-bit integer in two bytes) bounds every token's float32 logit f_v within
     [lower_v, upper_v]; a token whose upper is below the row's largest lower cannot be (or tie) the
     row's argmax. The kept tokens' groups of 8 run through ``mm8``, the very kernel ``logits`` runs
-    (a output's bits do not depend on the tiling), every other entry is -inf: the row's argmax, ties
+    (an output's bits do not depend on the tiling), every other entry is -inf: the row's argmax, ties
     by the first index, is ``logits(x)``'s bit for bit, and every finite entry is its logit. On
     SmolLM2 chat rows 1-66 tokens are kept (median 3)."""
 

@@ -193,6 +193,26 @@ void group_tile(const float* x, const uint8_t* group, float* y, int64_t K, int64
   }
 }
 
+// every row of x [M, K] over one group (outputs n0..n0 + 7 of y [M, N]), in row tiles of up to kRowTile
+// (the group's chunks prefetched on the first tile only)
+template <class W>
+void group_all_rows(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, int64_t M, int64_t n0,
+                    bool prefetch) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+    const bool first = prefetch && m0 == 0;
+    switch (std::min(kRowTile, M - m0)) {
+      case 1: group_tile<W, 1>(x, group, y, K, N, m0, n0, first); break;
+      case 2: group_tile<W, 2>(x, group, y, K, N, m0, n0, first); break;
+      case 3: group_tile<W, 3>(x, group, y, K, N, m0, n0, first); break;
+      case 4: group_tile<W, 4>(x, group, y, K, N, m0, n0, first); break;
+      case 5: group_tile<W, 5>(x, group, y, K, N, m0, n0, first); break;
+      case 6: group_tile<W, 6>(x, group, y, K, N, m0, n0, first); break;
+      case 7: group_tile<W, 7>(x, group, y, K, N, m0, n0, first); break;
+      default: group_tile<W, 8>(x, group, y, K, N, m0, n0, first); break;
+    }
+  }
+}
+
 template <class W>
 torch::Tensor packed_mm(const char* name, torch::Tensor x, const torch::Tensor& p, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, name, ": x must be [M, K] float32");
@@ -210,20 +230,7 @@ torch::Tensor packed_mm(const char* name, torch::Tensor x, const torch::Tensor& 
   const bool prefetch = g_prefetch.load(std::memory_order_relaxed);
   at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* group = pp + g * group_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-        const bool first = prefetch && m0 == 0;
-        switch (std::min(kRowTile, M - m0)) {
-          case 1: group_tile<W, 1>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 2: group_tile<W, 2>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 3: group_tile<W, 3>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 4: group_tile<W, 4>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 5: group_tile<W, 5>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 6: group_tile<W, 6>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          case 7: group_tile<W, 7>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-          default: group_tile<W, 8>(xp, group, yp, K, N, m0, g * kGroup, first); break;
-        }
-      }
+      group_all_rows<W>(xp, pp + g * group_bytes, yp, K, N, M, g * kGroup, prefetch);
     }
   });
   return y;
@@ -814,14 +821,16 @@ std::tuple<bool, at::Tensor> exact8_screen_logits(torch::Tensor x, const at::Ten
               "exact8_screen_logits: p is not the packed head (pack8) of this screen");
   const float* up = upper.data_ptr<float>();
   const float* lowp = lower.data_ptr<float>();
+  std::vector<uint8_t> keep(p.size(0), 0);  // a group some row keeps a token of (M x V compares: both threads)
+  at::parallel_for(0, p.size(0), 256, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m = 0; m < M && !keep[g]; ++m)
+        for (int64_t v = g * kGroup; v < std::min<int64_t>(V, (g + 1) * kGroup); ++v)
+          if (up[m * V + v] >= lowp[m]) { keep[g] = 1; break; }
+  });
   std::vector<int64_t> groups;
-  for (int64_t g = 0; g < p.size(0); ++g) {
-    bool keep = false;
-    for (int64_t m = 0; m < M && !keep; ++m)
-      for (int64_t v = g * kGroup; v < std::min<int64_t>(V, (g + 1) * kGroup); ++v)
-        if (up[m * V + v] >= lowp[m]) { keep = true; break; }
-    if (keep) groups.push_back(g);
-  }
+  for (int64_t g = 0; g < p.size(0); ++g)
+    if (keep[g]) groups.push_back(g);
   at::Tensor y = torch::full({M, vocab}, -INFINITY, torch::kFloat32);
   const float* xp = x.data_ptr<float>();
   const uint8_t* pp = p.data_ptr<uint8_t>();
@@ -830,19 +839,7 @@ std::tuple<bool, at::Tensor> exact8_screen_logits(torch::Tensor x, const at::Ten
   at::parallel_for(0, static_cast<int64_t>(groups.size()), 4, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = groups[i];
-      const uint8_t* group = pp + g * group_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-        switch (std::min(kRowTile, M - m0)) {
-          case 1: group_tile<Weights8, 1>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
-          case 2: group_tile<Weights8, 2>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
-          case 3: group_tile<Weights8, 3>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
-          case 4: group_tile<Weights8, 4>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
-          case 5: group_tile<Weights8, 5>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
-          case 6: group_tile<Weights8, 6>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
-          case 7: group_tile<Weights8, 7>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
-          default: group_tile<Weights8, 8>(xp, group, yp, K, vocab, m0, g * kGroup, false); break;
-        }
-      }
+      group_all_rows<Weights8>(xp, pp + g * group_bytes, yp, K, vocab, M, g * kGroup, false);
     }
   });
   return {true, y};
@@ -902,9 +899,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
   m.def("screen8_pack", &exact8_screen_pack, "the greedy head screen's int8 weights from exact 8-bit blocks");
+  // the screen's two calls run without the GIL, as torch.ops calls do: the server's HTTP thread works meanwhile
   m.def("screen8", &exact8_screen, py::call_guard<py::gil_scoped_release>(),
         "(ok, upper [M, V], lower_max [M]): the greedy head screen's bounds");
-  // without the GIL, as torch.ops calls run: the server's HTTP thread works while the head does
   m.def("screen8_logits", &exact8_screen_logits, py::call_guard<py::gil_scoped_release>(),
         "(ok, logits [M, vocab]): the greedy head through the screen, -inf where proved below the maximum");
   m.def("vnni", &exact8_vnni, "whether this build runs the screen on AVX-512 VNNI");
