@@ -165,7 +165,7 @@ def _batch_engine(cfg: ServeConfig, runner, group, batch_cost=None):
     from lp.engine.batch import BatchEngine
 
     s = cfg.server
-    return BatchEngine(runner, kv_tokens(cfg, runner, group), max_batch=s.max_batch,
+    return BatchEngine(runner, kv_tokens(cfg, runner, group), block_size=s.kv_block, max_batch=s.max_batch,
                        max_prefill_tokens=s.max_prefill_tokens, draft_store=_draft_store(cfg), group=group,
                        prefix_cache=s.prefix_cache, batch_cost=batch_cost)
 
@@ -239,7 +239,8 @@ def _serve_http(cfg: ServeConfig, runner, tokenizer, eos, group, model, memory=N
     try:  # continuous batching (lp.engine.batch), under LP too: every rank holds the same batch
         engine = BatchedEngine(runner, tokenizer, eos, s.max_queue, s.max_batch, kv_tokens(cfg, runner, group),
                                s.max_prefill_tokens, metrics, draft_store=_draft_store(cfg), group=group,
-                               heartbeat_s=heartbeat, prefix_cache=s.prefix_cache, batch_cost=batch_cost)
+                               heartbeat_s=heartbeat, prefix_cache=s.prefix_cache, batch_cost=batch_cost,
+                               kv_block=s.kv_block)
         # the first request would otherwise pay the pool's allocation and the step's first-call
         # costs: one throwaway step now, on this thread (BatchedEngine.run's)
         with phase(f"warming the batched step (the K/V pool: {engine.batch.cache.kv_tokens} slots)") \

@@ -1,7 +1,7 @@
 """lp.serve's prefix cache under eviction, and the cache and speculative-decoding counters
 of /metrics, through the real ``openai`` client on SmolLM2.
 
-A server whose pool (``server.kv_tokens=512``: 32 blocks of 16) caches about two of these
+A server whose pool (``server.kv_tokens=512``: 64 blocks of 8) caches about two of these
 chats at once serves multi-turn chats over three different system prompts, one after the
 other and coming back to the first: cached blocks are evicted (``lp_prefix_cache_evicted_blocks``
 moves) while later turns still hit (``cached_tokens`` > 0). Every answer equals a cold

@@ -324,7 +324,7 @@ def _digest(parent: bytes, ids: Sequence[int]) -> bytes:
 class PagedCache(Cache):
     """``kv_tokens`` slots per layer in ``block_size`` blocks (see module doc)."""
 
-    def __init__(self, kv_tokens: int, block_size: int = 16, prefix_cache: bool = False):
+    def __init__(self, kv_tokens: int, block_size: int = 8, prefix_cache: bool = False):
         if kv_tokens < block_size:
             raise ValueError(f"server.kv_tokens must be at least the block size {block_size}, got {kv_tokens}")
         self.blocks = BlockTable(kv_tokens // block_size, block_size, prefix_cache)

@@ -47,8 +47,10 @@ log = logging.getLogger("lp.serve")
 class BatchedEngine:
     def __init__(self, runner, tokenizer, eos: list[int], max_queue: int, max_batch: int, kv_tokens: int,
                  max_prefill_tokens: int | None, metrics=None, on_fatal=None, draft_store=None, tq_curve=None,
-                 group=None, heartbeat_s: float = 5.0, prefix_cache: bool = False, batch_cost=None):
-        self.batch = BatchEngine(runner, kv_tokens, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
+                 group=None, heartbeat_s: float = 5.0, prefix_cache: bool = False, batch_cost=None,
+                 kv_block: int = 8):
+        self.batch = BatchEngine(runner, kv_tokens, block_size=kv_block, max_batch=max_batch,
+                                 max_prefill_tokens=max_prefill_tokens,
                                  tq_curve=tq_curve, draft_store=draft_store, group=group, prefix_cache=prefix_cache,
                                  batch_cost=batch_cost)
         self.group = group
