@@ -96,15 +96,18 @@ def test_template_prefix_reused_whole_by_default_blocks(servers, smollm2):
         assert w.choices[0].message.content == c.choices[0].message.content
         got.append(w.usage.prompt_tokens_details.cached_tokens if w.usage.prompt_tokens_details else 0)
     assert got[1] == common // 8 * 8, (got, common)
-    with pytest.raises(ValueError, match="server.kv_block"):
-        ServerConfig(kv_block=0).validate()
-    with pytest.raises(ValueError, match="server.kv_tokens"):
-        ServerConfig(kv_block=64, kv_tokens=32).validate()
 
 
 def test_prefix_cache_config_checked_on_by_default_and_allowed_under_lp():
     with pytest.raises(ValueError, match="server.prefix_cache"):
         ServerConfig(prefix_cache="yes").validate()
+    with pytest.raises(ValueError, match="server.kv_block"):
+        ServerConfig(kv_block=0).validate()
+    with pytest.raises(ValueError, match="server.kv_tokens"):
+        ServerConfig(kv_block=64, kv_tokens=32).validate()
+    from lp.model.paged import BLOCK_SIZE
+
+    assert ServerConfig().kv_block == BLOCK_SIZE  # the server's default block is the engine's
     assert ServerConfig().prefix_cache is True
     for par in (ParallelConfig(workers=2), ParallelConfig(tp=2), ParallelConfig(workers=2, tp=2)):
         ServeConfig(server=ServerConfig(prefix_cache=True), parallel=par).validate()

@@ -90,7 +90,7 @@ from lp.drafts.select import BatchCost, TreeRequest, select_tree, select_trees
 from lp.lookahead.layout import build_tree_layout
 from lp.model.head import argmax_rows
 from lp.model.runner import ATTN_IMPLS, ModelRunner
-from lp.model.paged import PagedCache, SeqView, blocks_for
+from lp.model.paged import BLOCK_SIZE, PagedCache, SeqView, blocks_for
 from lp.lookahead.processors import row_extras
 
 
@@ -161,7 +161,7 @@ class BatchEngine:
     group every rank holds the same block tables, rank 0's hits ride with its admissions:
     ``cached_rows`` / ``step(admit, cached)``)."""
 
-    def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = 8, max_batch: int = 8,
+    def __init__(self, runner: ModelRunner, kv_tokens: int, block_size: int = BLOCK_SIZE, max_batch: int = 8,
                  max_prefill_tokens: int | None = None, tq_curve=None, draft_store=None, draft_policy: str = "budget",
                  static_batch: int = 4, group=None, prefix_cache: bool = False, batch_cost: BatchCost | None = None):
         if runner._static is not None:

@@ -61,6 +61,10 @@ import torch
 from transformers.cache_utils import Cache
 
 
+# slots a block holds unless told otherwise (lp.serve: server.kv_block, whose default is this one)
+BLOCK_SIZE = 8
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
@@ -324,7 +328,7 @@ def _digest(parent: bytes, ids: Sequence[int]) -> bytes:
 class PagedCache(Cache):
     """``kv_tokens`` slots per layer in ``block_size`` blocks (see module doc)."""
 
-    def __init__(self, kv_tokens: int, block_size: int = 8, prefix_cache: bool = False):
+    def __init__(self, kv_tokens: int, block_size: int = BLOCK_SIZE, prefix_cache: bool = False):
         if kv_tokens < block_size:
             raise ValueError(f"server.kv_tokens must be at least the block size {block_size}, got {kv_tokens}")
         self.blocks = BlockTable(kv_tokens // block_size, block_size, prefix_cache)

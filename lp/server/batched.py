@@ -37,6 +37,7 @@ import threading
 import time
 
 from lp.engine.batch import BatchEngine
+from lp.model.paged import BLOCK_SIZE
 from lp.parallel.dist import RequestChannel, WorkerFailure
 from lp.server.engine import Outcome, QueueFull, Unavailable, pack_step, unpack_step
 from lp.server.protocol import ApiError
@@ -48,7 +49,7 @@ class BatchedEngine:
     def __init__(self, runner, tokenizer, eos: list[int], max_queue: int, max_batch: int, kv_tokens: int,
                  max_prefill_tokens: int | None, metrics=None, on_fatal=None, draft_store=None, tq_curve=None,
                  group=None, heartbeat_s: float = 5.0, prefix_cache: bool = False, batch_cost=None,
-                 kv_block: int = 8):
+                 kv_block: int = BLOCK_SIZE):
         self.batch = BatchEngine(runner, kv_tokens, block_size=kv_block, max_batch=max_batch,
                                  max_prefill_tokens=max_prefill_tokens,
                                  tq_curve=tq_curve, draft_store=draft_store, group=group, prefix_cache=prefix_cache,

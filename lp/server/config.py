@@ -49,7 +49,7 @@ class ServerConfig:
     # slots a K/V block holds: the pool's unit and the granularity of prefix reuse (a prompt
     # reuses whole blocks only). 8 rather than vLLM's 16: SmolLM2's chat template opens every
     # conversation with the same 24 tokens (its default system prompt), of which blocks of 16
-    # reuse 16 and blocks of 8 all 24 (docs/performance.md)
+    # reuse 16 and blocks of 8 all 24 (docs/serving.md, prefix caching)
     kv_block: int = 8
     # automatic prefix caching: a request reuses the K/V blocks of the longest block-aligned
     # prefix of its prompt that an earlier request committed (a chat's system prompt and
