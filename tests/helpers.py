@@ -266,45 +266,41 @@ def fit_verdict(rows: list[dict], alpha: float = 1e-3) -> tuple[bool, str]:
     return ok, report
 
 
-# Planted verifier bugs for the negative controls: the same signature as lp.lookahead.sampling.verify_node.
+# Planted sampling bugs for the negative controls: the signature of LookaheadDecoder._draw
+# (self, run, probs_V, position, kids), planted with ``plant_draw``.
 
 
-def kept_mass_verify_node(probs_V, candidates, gen):
-    """BUG: a rejected candidate keeps its mass (the residual is not zeroed at it), so the
-    residual sample can return a token the verifier just rejected."""
-    residual = probs_V.detach().to("cpu", torch.float64)
-    for token in dict.fromkeys(candidates):
-        u = torch.rand((), generator=gen, dtype=torch.float64).item()
-        if u < residual[token].item():
+def step_keyed_draw(self, run, probs_V, position, kids):
+    """BUG: randomness keyed by (seed, step, depth), as lp drew before issue 51: each token is still
+    an exact sample, but the text depends on the step boundaries, so on the drafts."""
+    from lp.lookahead.sampling import sample_at
+
+    return sample_at(probs_V, self.cfg.seed, run.step * 1_009 + position - len(run.out))
+
+
+def probability_accept_draw(self, run, probs_V, position, kids):
+    """BUG: a draft accepted with its probability (u < p(draft), u the position's own uniform)
+    instead of by equality with the position's token; the position's token otherwise."""
+    from lp.lookahead.sampling import sample_at, uniform
+
+    u = uniform(self.cfg.seed, position)
+    for token in dict.fromkeys(kids):
+        if u < float(probs_V[token]):
             return token
-    return int(torch.multinomial(residual, 1, generator=gen).item())
+    return sample_at(probs_V, self.cfg.seed, position)
 
 
-def no_renorm_verify_node(probs_V, candidates, gen):
-    """BUG: a rejected candidate's mass is zeroed but the residual is not renormalized, so
-    every later candidate is accepted with its unconditional probability (too rarely: by the
-    factor prod(1 - p) of the candidates rejected before it); the final residual sample
-    (torch.multinomial normalizes) takes what they lose."""
-    residual = probs_V.detach().to("cpu", torch.float64)
-    for token in dict.fromkeys(candidates):
-        u = torch.rand((), generator=gen, dtype=torch.float64).item()
-        if u < residual[token].item():
-            return token
-        residual[token] = 0.0
-    return int(torch.multinomial(residual, 1, generator=gen).item())
+def other_seed_draw(self, run, probs_V, position, kids):
+    """BUG (planted on one LP rank): that worker samples with another seed."""
+    from lp.lookahead.sampling import sample_at
+
+    return sample_at(probs_V, self.cfg.seed + 1, position)
 
 
-def plant_verifier(fake, setattr=setattr) -> None:
-    """Swap lp.lookahead.sampling.verify_node for ``fake`` in every lp module that imported it
-    (``setattr``: pytest's ``monkeypatch.setattr`` in a test, to undo it afterwards)."""
-    import sys
-
-    import lp.lookahead.sampling
-
-    original = lp.lookahead.sampling.verify_node
-    for name, mod in list(sys.modules.items()):
-        if (name == "lp" or name.startswith("lp.")) and getattr(mod, "verify_node", None) is original:
-            setattr(mod, "verify_node", fake)
+def plant_draw(fake, setattr=setattr) -> None:
+    """Swap LookaheadDecoder._draw (every sampled node's token, one sequence, batched and LP) for
+    ``fake`` (``setattr``: pytest's ``monkeypatch.setattr`` in a test, to undo it afterwards)."""
+    setattr(LookaheadDecoder, "_draw", fake)
 
 
 def finish_worker(group, result, out_path: str) -> None:

@@ -3,9 +3,10 @@
 Runs every job of SPEC (prompt ids + decoding config) with ``LookaheadDecoder`` on the
 torchrun worker group (spec "tp": LP workers x tp processes, lp.parallel.tp shards each replica; or one
 process when started without torchrun) and writes, from rank 0, one result per job: output ids,
-steps, rows per rank. ``planted_bug``: the name of a wrong verifier in tests.helpers swapped in
-on every rank (a negative control). ``kill_rank_at_step: [R, S]``: rank R SIGKILLs itself after
-its step S (a dead worker for the survivors to detect). ``tokenizer: true``: every rank loads the
+steps, rows per rank. ``planted_bug``: the name of a wrong sampled draw in tests.helpers swapped in
+on every rank, or on ``planted_rank`` alone (a negative control). ``kill_rank_at_step: [R, S]``: rank R SIGKILLs itself after
+its step S (a dead worker for the survivors to detect); ``kill_rank_in_forward: [R, F]``: inside
+its F-th forward, at its last decoder layer (a tensor-parallel peer dying mid-forward). ``tokenizer: true``: every rank loads the
 model's tokenizer and passes it to ``generate`` (structured output: decoding.json_schema / grammar). ``load: "whole"``: every rank loads
 the whole replica and shards it in memory (the default reads only its shards). The first
 result carries ``memory``: per global rank, peak RSS before and after loading, the dtypes and
@@ -50,12 +51,13 @@ def main() -> None:
         check_divergence=spec.get("check_divergence", True),
         tp=spec.get("tp", 1),
     )
-    if spec.get("planted_bug"):  # a negative control: a wrong verifier on every rank
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    group = init_worker_group(parallel, torch.device("cpu"))
+    planted_rank = spec.get("planted_rank")  # None: every rank
+    if spec.get("planted_bug") and (planted_rank is None or (group.rank if group else 0) == planted_rank):
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a negative control: a wrong draw
         from tests import helpers
 
-        helpers.plant_verifier(getattr(helpers, spec["planted_bug"]))
-    group = init_worker_group(parallel, torch.device("cpu"))
+        helpers.plant_draw(getattr(helpers, spec["planted_bug"]))
     path = spec.get("model_path") or resolve_model_path("smollm2", None)
     rss_before = peak_rss_mb()
     if spec.get("load") == "whole":  # every rank loads the whole replica, then shards it in memory
@@ -70,6 +72,16 @@ def main() -> None:
               "modules": dict(Counter(type(m).__name__ for m in model.modules())), "weight_bytes": held_bytes(model)}
     runner = ModelRunner(model, compile=spec.get("compile", "auto"))
     kill = spec.get("kill_rank_at_step")
+    in_forward = spec.get("kill_rank_in_forward")
+    if in_forward and group is not None and group.rank == in_forward[0]:
+        calls = [0]
+
+        def die_inside(module, args):  # the last decoder layer, between the forward's collectives
+            calls[0] += 1
+            if calls[0] == in_forward[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        model.model.layers[-1].register_forward_pre_hook(die_inside)
 
     def on_step(step, rec):
         if kill and group is not None and group.rank == kill[0] and step == kill[1]:

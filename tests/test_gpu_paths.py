@@ -10,7 +10,8 @@
   never builds lp's C++ attention (``lp.model.attention.register(device)``);
 * NCCL's watchdog timeout is longer than ``parallel.timeout_s`` (lp's own bound), gloo's equal to it,
   and an NCCL collective whose peer is dead ends in lp's own WorkerFailure within that bound (a
-  bounded wait on the async collective), with the message gloo's failure gives (fake collectives).
+  bounded wait on the async collective), with the message gloo's failure gives (fake collectives);
+  so does a tensor-parallel forward whose peer died (lp.parallel.tp's fence after the forward).
 """
 
 from __future__ import annotations
@@ -235,3 +236,34 @@ def test_nccl_dead_rank_ends_in_lps_own_message_within_timeout_s(monkeypatch, ou
             assert str(gloo_failure.value).split(" (")[0] == str(nccl_failure.value).split(" (")[0] == f"{what} failed"
         else:
             assert "no answer within parallel.timeout_s=7 s" in str(nccl_failure.value)
+
+
+@pytest.mark.parametrize("outcome", ["raise", False])
+def test_nccl_tensor_parallel_forward_with_a_dead_peer_ends_in_lps_message(monkeypatch, outcome):
+    """A TP forward's all-reduces on NCCL with a dead peer return at once; the fence after the
+    forward waits at most parallel.timeout_s and raises lp's message, the words gloo's failure
+    inside the forward gives."""
+    from lp.parallel import tp
+
+    group = WorkerGroup(1, 2, 1, CPU, ParallelConfig(timeout_s=7), backend="nccl")
+    group.started = True
+
+    def forward():  # a row-parallel layer's all-reduce, as the model's forward calls it
+        y = torch.ones(2)
+        lp_dist.dist.all_reduce(y)
+        return y
+
+    works, sync = _dead_peer_collectives(monkeypatch, outcome)
+    with pytest.raises(WorkerFailure, match="^tensor-parallel forward failed \\(") as nccl_failure:
+        tp._collective_failures(forward, tp._fence(group, None, CPU))()
+    assert len(sync) == 1 and [w.timeouts for w in works] == [[datetime.timedelta(seconds=7)]]
+    if outcome is False:
+        assert "no answer within parallel.timeout_s=7 s" in str(nccl_failure.value)
+    gloo = WorkerGroup(1, 2, 1, CPU, ParallelConfig(timeout_s=7), backend="gloo")
+    assert tp._fence(gloo, None, CPU) is None  # gloo raises inside the forward, in time
+    _dead_peer_collectives(monkeypatch, "gloo")
+    with pytest.raises(WorkerFailure) as gloo_failure:
+        tp._collective_failures(forward, tp._fence(gloo, None, CPU))()
+    assert str(gloo_failure.value).split(" (")[0] == str(nccl_failure.value).split(" (")[0]
+    works, sync = _dead_peer_collectives(monkeypatch, True)  # every peer answers: the output comes back
+    assert torch.equal(tp._collective_failures(forward, tp._fence(group, None, CPU))(), torch.ones(2))

@@ -179,10 +179,11 @@ def sampling_spec(path: Path, prompt: list[int], draws: int, **extra) -> dict:
 
 
 def test_lp_sampling_same_draws_and_exact_distribution(tmp_path):
-    """Same seeds: 1, 2 and 3 workers draw the very same tokens (randomness keyed by
-    seed, step and depth; fp32, where a tie between sampled outcomes does not happen); the
-    2-worker draws fit the exact conditional distributions (tests.helpers), and a planted
-    verifier bug on every rank is rejected by the same test."""
+    """Same seeds: 1, 2 and 3 workers draw the very same tokens (randomness keyed by seed and
+    output position; fp32, where every row's logits are a one-row step's), which are also lp's
+    plain seeded decoding (mode=ar, one process); the 2-worker draws fit the exact conditional
+    distributions (tests.helpers); a draft accepted by probability on every rank is rejected by
+    the same test, and one worker sampling with another seed changes the tokens."""
     from transformers import AutoModelForCausalLM
 
     from tests.helpers import conditional_fit, exact_next_probs, fit_verdict
@@ -199,6 +200,11 @@ def test_lp_sampling_same_draws_and_exact_distribution(tmp_path):
         differ = [(s, a["output_ids"], b["output_ids"]) for s, (a, b) in enumerate(zip(runs[1], runs[nproc]))
                   if a["output_ids"] != b["output_ids"]]
         assert not differ, (nproc, len(differ), differ[:5])
+    plain = {**spec, "jobs": [{**j, "decoding": {**SAMPLING, "seed": j["decoding"]["seed"], "mode": "ar"}}
+                              for j in spec["jobs"][:100]]}
+    proc, ar = torchrun(1, plain, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["output_ids"] for r in ar] == [r["output_ids"] for r in runs[2][:100]]
     multi_token_steps = sum(sum(r["accept_hist"][2:]) for r in runs[2])
     assert multi_token_steps > draws // 5, multi_token_steps  # the verifier really ran
 
@@ -208,10 +214,14 @@ def test_lp_sampling_same_draws_and_exact_distribution(tmp_path):
     ok, report = fit_verdict(conditional_fit([r["output_ids"] for r in runs[2]], exact))
     assert ok, report
 
-    proc, bad = torchrun(2, sampling_spec(path, prompt, 400, planted_bug="kept_mass_verify_node"), tmp_path)
+    proc, bad = torchrun(2, sampling_spec(path, prompt, 400, planted_bug="probability_accept_draw"), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ok, report = fit_verdict(conditional_fit([r["output_ids"] for r in bad], exact))
     assert not ok, f"LP 2 workers: the planted verifier bug went unnoticed: {report}"
+    proc, other = torchrun(2, sampling_spec(path, prompt, 100, planted_bug="other_seed_draw", planted_rank=1), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["output_ids"] for r in other] != [r["output_ids"] for r in runs[1][:100]], \
+        "a worker sampling with another seed went unnoticed"
 
 
 # ---------------------------------------------------------------------------

@@ -1,53 +1,35 @@
-"""Sampling verification on the logits' device (issue 37): ``lp.lookahead.sampling.verify_node``
-and the decoders' sampled verification around it never move a vocabulary-sized row to the host;
-only token ids and single numbers come back (on CUDA: no V floats copied to the host per node).
+"""Sampling on the logits' device (issue 37): ``lp.lookahead.sampling.sample_at`` and the decoders'
+sampled verification around it never move a vocabulary-sized row to the host; only token ids
+come back (on CUDA: no V floats copied to the host per node).
 
 Contract checked on the CPU with a device-agnostic assertion: no call asks for a vocabulary-sized
 tensor on the CPU (``Tensor.to(<cpu>)``, ``.cpu()``, ``.tolist()``, ``.numpy()``, or an
-``aten._to_copy`` naming the CPU device), during ``verify_node`` and during sampled lookahead
-decoding (one sequence and the batched engine); and on the CPU the seeded draws are those of the
-host-copy verifier lp ran before (the same tokens for the same (seed, step, depth)).
+``aten._to_copy`` naming the CPU device), during ``sample_at`` and during sampled lookahead
+decoding (one sequence and the batched engine); and the draws are the host-side inverse CDF's
+(numpy over the same probabilities, the same uniform per (seed, position)).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import pytest
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import lp.engine.decoder
 from lp.config import DecodingConfig
 from lp.engine.batch import BatchEngine
 from lp.engine.decoder import LookaheadDecoder
-from lp.lookahead import sampling
-from lp.lookahead.sampling import node_generator, verify_node, warp
+from lp.lookahead.sampling import sample_at, uniform, warp
 from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT
 
 V = 1000  # a vocabulary no other tensor of the tiny model's steps has as many elements as
 
 
-def _host_verify_node(probs_V: torch.Tensor, candidates: Sequence[int], gen: torch.Generator) -> int:
-    """lp's verifier before issue 37 (the whole row copied to the host as float64), verbatim."""
-    residual = probs_V.detach().to("cpu", torch.float64)
-    tested: set[int] = set()
-    for token in candidates:
-        if token in tested:
-            continue
-        tested.add(token)
-        u = torch.rand((), generator=gen, dtype=torch.float64).item()
-        p = residual[token].item()
-        if u < p:
-            return token
-        residual[token] = 0.0
-        total = residual.sum()
-        if total <= 0:
-            residual[token] = 1.0
-            return token
-        residual /= total
-    return int(torch.multinomial(residual, 1, generator=gen).item())
+def _host_sample(probs_V: torch.Tensor, seed: int, position: int) -> int:
+    """The inverse CDF on the host, in numpy: the first token whose float64 cumulative probability
+    exceeds u(seed, position) times the total."""
+    cdf = np.cumsum(probs_V.detach().to("cpu", torch.float64).numpy())
+    return int(np.searchsorted(cdf, uniform(seed, position) * cdf[-1], side="right"))
 
 
 class _HostCopies(TorchDispatchMode):
@@ -85,34 +67,28 @@ def _row(seed: int) -> torch.Tensor:
     return warp(logits, 0.9, 0, 1.0)
 
 
-def test_verify_node_draws_on_the_rows_device_and_equals_the_host_verifier(monkeypatch):
-    """Accepted candidates, rejected ones, repeated ones, the residual's draw: the same token as
-    the host-copy verifier for every (row, candidates, seed), and no vocabulary row to the host."""
+def test_sample_at_draws_on_the_rows_device_and_equals_the_host_inverse_cdf(monkeypatch):
     rows = [_row(s) for s in range(4)]
-    top = [r.topk(4).indices.tolist() for r in rows]
-    cases = [(r, cands) for r, t in zip(rows, top) for cands in ([], t[:1], t[:3], [t[1], t[1], t[0]], [5, 6])]
-    expected = [_host_verify_node(r, c, node_generator(7, i, d)) for r, c in cases for i in range(20)
-                for d in range(2)]
+    keys = [(seed, pos) for seed in (7, -3) for pos in range(40)]
+    expected = [_host_sample(r, seed, pos) for r in rows for seed, pos in keys]
     copies = _HostCopies(monkeypatch)
     with copies:
-        got = [verify_node(r, c, node_generator(7, i, d)) for r, c in cases for i in range(20) for d in range(2)]
+        got = [sample_at(r, seed, pos) for r in rows for seed, pos in keys]
     assert copies.seen == []
     assert got == expected
-    assert len(set(got)) > 10  # rejections and the residual's draws, not one token
-    gen = node_generator(7, 0, 0)
-    assert sampling.device_generator(gen, torch.device("cpu")) is gen  # the CPU's draws: gen's own
+    assert len(set(got)) > 10  # draws over the vocabulary, not one token
 
 
 def test_sampled_decoding_reads_no_vocabulary_row_on_the_host(tiny_factory, monkeypatch):
     model = tiny_factory("llama", vocab=V)
     runner = ModelRunner(model)
-    real, nodes = lp.engine.decoder.verify_node, []
+    real, nodes = LookaheadDecoder._draw, []
 
-    def counted(probs_V, candidates, gen):
-        nodes.append(len(candidates))
-        return real(probs_V, candidates, gen)
+    def counted(self, run, probs_V, position, kids):
+        nodes.append(len(kids))
+        return real(self, run, probs_V, position, kids)
 
-    monkeypatch.setattr(lp.engine.decoder, "verify_node", counted)
+    monkeypatch.setattr(LookaheadDecoder, "_draw", counted)
     cfg = dict(max_new_tokens=10, W=3, N=3, G=3, do_sample=True, temperature=0.8, top_k=50, top_p=0.95)
     prompts = [REPETITIVE_PROMPT, [3, 4, 5, 6, 7, 8, 3, 4, 5, 6]]
     copies = _HostCopies(monkeypatch)
@@ -127,4 +103,4 @@ def test_sampled_decoding_reads_no_vocabulary_row_on_the_host(tiny_factory, monk
     assert copies.seen == []
     assert len(alone) == 10 and all(len(o) == 10 for o in outs.values())
     assert outs[ids[0]] == alone  # the same seeded draws in the batch as alone
-    assert any(nodes), "verify_node tested candidates"
+    assert any(nodes), "drafts were tested"

@@ -1,28 +1,24 @@
 """Sampled lookahead decoding draws every token with exactly its target probability.
 
 A tiny random model with a 12-token vocabulary and a prompt built from its own greedy
-continuation (the pool and the suffix drafts then propose likely tokens, so the exact
-verifier accepts and rejects candidates often). The exact distribution of the first 3 new
-tokens is enumerated by plain forwards (one batched forward per prefix length,
-transformers' own warpers; tests.helpers.exact_next_probs). Draws of LookaheadDecoder
-(seed=i for draw i) are tested per prefix: the next token's counts against the exact
-conditional distribution, every prefix that enough draws share, Bonferroni over all of
-them (tests.helpers.conditional_fit). A verifier bug shows in the conditionals at the
-nodes where candidates were tested, which a joint or marginal test blurs.
+continuation (the pool and the suffix drafts then propose likely tokens, so drafts are accepted
+and rejected often). The exact distribution of the first 3 new tokens is enumerated by plain
+forwards (one batched forward per prefix length, transformers' own warpers;
+tests.helpers.exact_next_probs). Draws of LookaheadDecoder (seed=i for draw i) are tested per
+prefix: the next token's counts against the exact conditional distribution, every prefix that
+enough draws share, Bonferroni over all of them (tests.helpers.conditional_fit). A verifier bug
+shows in the conditionals at the nodes where drafts were tested, which a joint or marginal test
+blurs.
 
-Every configuration also runs with a planted lp-side bug (the verifier keeps a rejected
-candidate's mass) and the same test must reject it: the test has power
-where it matters. Every draw is seeded, so the outcome is deterministic.
+Every configuration also runs with a planted bug (a draft accepted by its probability instead of
+by equality with the position's draw, tests.helpers.probability_accept_draw) and the same test
+must reject it: the test has power where it matters. Every draw is seeded, so the outcome is
+deterministic.
 
-A verifier that does not renormalize after a rejection is nearly invisible in those four
-cases: at their root the only candidate tested after a rejection has probability 0.002-0.02
-(the bug's error there is a total variation of ~0.001-0.006), and what evidence there is sits
-one token deeper (prefix (3,), total variation ~0.07), where that bug, planted in
-lp.lookahead.sampling, is rejected in one case narrowly (p = 5e-5 against a threshold of
-1.1e-4) and passes the other three. A fifth case uses a prompt whose first step tests four
-root candidates, the likely ones after a rejected one; there the real verifier passes and
-the bug is rejected at p ~ 1e-20 (planted through tests.helpers.no_renorm_verify_node, next
-to the kept-mass bug).
+Position-keyed draws (issue 51) also make the text a function of (prompt, seed, weights): seeded
+lookahead, with the window, suffix drafts or padded draft trees, equals lp's plain seeded decoding
+(``mode=ar``) token for token, and the planted bugs (the draw keyed by the step, a draft accepted
+by probability) each break that equality.
 """
 
 from __future__ import annotations
@@ -38,9 +34,9 @@ from tests.helpers import (
     conditional_fit,
     exact_next_probs,
     fit_verdict,
-    kept_mass_verify_node,
-    no_renorm_verify_node,
-    plant_verifier,
+    plant_draw,
+    probability_accept_draw,
+    step_keyed_draw,
 )
 
 VOCAB = SMALL_VOCAB  # the conftest small_vocab model's
@@ -87,7 +83,7 @@ def test_sampled_lookahead_has_exact_conditionals(small_vocab, case, monkeypatch
     assert ok, f"{case}: {report}"
 
     # negative control: the same draws with a planted verifier bug are rejected
-    plant_verifier(kept_mass_verify_node, monkeypatch.setattr)
+    plant_draw(probability_accept_draw, monkeypatch.setattr)
     bad, _ = lookahead_draws(runner, prompt, BUG_DRAWS, shape, curve, **kw)
     ok, report = fit_verdict(conditional_fit(bad, exact))
     assert not ok, f"{case}: the planted verifier bug went unnoticed: {report}"
@@ -101,44 +97,31 @@ def test_sampled_lookahead_seed_determinism(small_vocab):
     assert len({tuple(r) for r in a}) > 1, "different seeds should give different draws"
 
 
-# A prompt (found by a search over random prompts of the 12-token model) whose first step
-# tests four distinct root candidates, in this order, with these target probabilities
-# (temperature 1): 11 (0.032), 10 (0.595), 4 (0.188), 9 (0.024). The exact verifier emits 4
-# with probability 0.188; one that skips renormalizing after the rejections of 11 and 10 emits
-# it with 0.968 * 0.405 * 0.188 = 0.074, and the residual sample gets 0.31 instead of 0.16:
-# a total variation of 0.15 in the root's conditional, which every draw shares.
-REJECTION_PROMPT = [9, 4, 5, 8, 9, 10, 8, 9, 11, 5, 5, 4, 1, 2, 10, 2, 3, 7, 4, 4, 5, 11, 1, 9, 9]
-ROOT_CANDIDATES = [11, 10, 4, 9]
-RENORM_BUG_DRAWS = 300  # rejected at p ~ 1e-20 already at this size
+PLAIN_PROMPTS = [[1, 2, 3, 4, 5], [9, 4, 5, 8, 9, 10, 8, 9, 11, 5, 5, 4, 1, 2, 10]]
+EQUAL_SHAPES = {"pool": (POOL, None), "tree": (TREE, None), "tree-padded": (dict(TREE, draft_budget="auto"), PADDED)}
 
 
-def test_sampled_lookahead_renormalizes_after_rejection(small_vocab, monkeypatch):
-    """The case that separates a verifier without renormalization after a rejection: the real
-    verifier's conditionals fit, the no-renormalization and kept-mass bugs are rejected."""
-    import lp.lookahead.sampling
+def _seeded_runs(runner, prompt, shape, curve, seeds, **kw):
+    return [LookaheadDecoder(runner, DecodingConfig(max_new_tokens=24, do_sample=True, seed=s, **shape, **kw),
+                             tq_curve=curve).generate(list(prompt)) for s in seeds]
 
-    model, runner, _ = small_vocab
-    kw = dict(temperature=1.0)
-    exact = exact_next_probs(model, REJECTION_PROMPT, NEW, **kw)
-    # the case exercises what it is for: the first step's root tests these candidates in this
-    # order (the draws run the real verifier through this recorder)
-    real, roots = lp.lookahead.sampling.verify_node, []
 
-    def recording_verify_node(probs_V, candidates, gen):
-        roots.append(list(dict.fromkeys(candidates)))
-        return real(probs_V, candidates, gen)
-
-    plant_verifier(recording_verify_node, monkeypatch.setattr)
-    draws, hist = lookahead_draws(runner, REJECTION_PROMPT, DRAWS, TREE, **kw)
-    assert roots[0] == ROOT_CANDIDATES, roots[0]
-    p_root = exact[()]
-    assert p_root[10] > 0.5 and p_root[4] > 0.15, p_root  # likely tokens tested after a rejection
-    assert hist[2] + hist[3] > 0.15 * DRAWS, dict(hist)
-    ok, report = fit_verdict(conditional_fit(draws, exact))
-    assert ok, f"real verifier: {report}"
-
-    for bug in (no_renorm_verify_node, kept_mass_verify_node):
-        plant_verifier(bug, monkeypatch.setattr)
-        bad, _ = lookahead_draws(runner, REJECTION_PROMPT, RENORM_BUG_DRAWS, TREE, **kw)
-        ok, report = fit_verdict(conditional_fit(bad, exact))
-        assert not ok, f"the planted {bug.__name__} went unnoticed: {report}"
+@pytest.mark.parametrize("shape", list(EQUAL_SHAPES))
+def test_seeded_lookahead_equals_plain_seeded_decoding(small_vocab, shape, monkeypatch):
+    """Token for token lp's one-token seeded decoding (mode=ar), whatever the drafts; the draw keyed
+    by the step and a draft accepted by probability each break it."""
+    _, runner, prompt = small_vocab
+    lay, curve = EQUAL_SHAPES[shape]
+    seeds = range(6)
+    for p in [prompt, *PLAIN_PROMPTS]:
+        for kw in (dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_p=0.9)):
+            plain = [r.output_ids for r in _seeded_runs(runner, p, dict(mode="ar"), None, seeds, **kw)]
+            runs = _seeded_runs(runner, p, lay, curve, seeds, **kw)
+            assert [r.output_ids for r in runs] == plain, (shape, p, kw)
+            assert sum(sum(r.stats.accept_hist[2:]) for r in runs) > 0  # drafts were accepted
+    for bug in (step_keyed_draw, probability_accept_draw):
+        with monkeypatch.context() as m:
+            plant_draw(bug, m.setattr)
+            bad = [r.output_ids for r in _seeded_runs(runner, prompt, lay, curve, seeds, temperature=1.0)]
+        plain = [r.output_ids for r in _seeded_runs(runner, prompt, dict(mode="ar"), None, seeds, temperature=1.0)]
+        assert bad != plain, f"the planted {bug.__name__} went unnoticed"

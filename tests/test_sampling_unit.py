@@ -1,4 +1,5 @@
-"""lp.lookahead.sampling: exactness of the point-mass verifier and equality of the warpers with transformers'."""
+"""lp.lookahead.sampling: the position-keyed draw (an exact sample, a function of seed and
+position alone) and equality of the warpers with transformers'."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from lp.lookahead.sampling import node_generator, verify_node, warp
+from lp.lookahead.sampling import sample_at, uniform, warp
 
 A, B, C, D = 0, 1, 2, 3
 P_LIST = [0.2, 0.3, 0.1, 0.4]
@@ -15,60 +16,67 @@ P_FROZEN = torch.tensor(P_LIST, dtype=torch.float32)
 DRAWS = 20000
 
 
-def _draw_counts(probs, candidates, draws=DRAWS, seed=0):
+def _counts(draw, probs, draws=DRAWS):
     counts = np.zeros(len(probs), dtype=np.int64)
     for i in range(draws):
-        counts[verify_node(probs, candidates, node_generator(seed, i, 0))] += 1
+        counts[draw(probs, i)] += 1
     return counts
 
 
-@pytest.mark.parametrize("candidates", [[A, A, B], [], [D], [C, B, A, D], [C, C, C]])
-def test_verify_node_matches_target_distribution(candidates):
-    counts = _draw_counts(P_FROZEN, candidates)
-    expected = np.array(P_LIST) * DRAWS
-    chi2, p = stats.chisquare(counts, expected)
-    assert p > 1e-3, (candidates, counts.tolist(), expected.tolist(), chi2)
+@pytest.mark.parametrize("seed", [0, 7, -(2**63), 2**63 - 1])
+def test_sample_at_matches_target_distribution_over_positions(seed):
+    """One seed, positions 0..DRAWS-1: the tokens are draws of the target distribution."""
+    counts = _counts(lambda p, i: sample_at(p, seed, i), P_FROZEN)
+    _, p = stats.chisquare(counts, np.array(P_LIST) * DRAWS)
+    assert p > 1e-3, (seed, counts.tolist())
+
+
+def test_sample_at_matches_target_distribution_over_seeds():
+    """One position, seeds 0..DRAWS-1 (what a fixed position sees across requests)."""
+    probs = torch.tensor([0.05, 0.0, 0.6, 0.35])
+    counts = _counts(lambda p, i: sample_at(p, i, 3), probs)
+    assert counts[1] == 0
+    _, p = stats.chisquare(counts[[0, 2, 3]], np.array([0.05, 0.6, 0.35]) * DRAWS)
+    assert p > 1e-3, counts.tolist()
 
 
 def test_chisquare_detects_a_wrong_sampler():
-    # power check for the test above: accepting the first proposal outright is visibly wrong
-    counts = np.zeros(4, dtype=np.int64)
-    for i in range(DRAWS):
-        gen = node_generator(1, i, 0)
-        if torch.rand((), generator=gen).item() < 0.5:
-            counts[A] += 1
-        else:
-            counts[int(torch.multinomial(P_FROZEN, 1, generator=gen))] += 1
+    # power check for the tests above: a draft accepted by its probability (u < p(draft)) instead
+    # of by equality with the position's token, the inverse CDF otherwise, is visibly wrong
+    def by_probability(p, i):
+        return D if uniform(1, i) < p[D] else sample_at(p, 1, i)
+
+    counts = _counts(by_probability, P_FROZEN)
     _, p = stats.chisquare(counts, np.array(P_LIST) * DRAWS)
     assert p < 1e-6
 
 
-def test_verify_node_does_not_modify_probs():
+def test_uniform_is_keyed_by_seed_and_position_alone():
+    us = [uniform(5, i) for i in range(1000)]
+    assert us == [uniform(5, i) for i in range(1000)]  # no state
+    assert all(0.0 <= u < 1.0 for u in us) and len(set(us)) == 1000
+    assert us != [uniform(6, i) for i in range(1000)]
+    assert uniform(-1, 0) == uniform(2**64 - 1, 0)  # int64 seeds by their two's complement bits
+    _, p = stats.kstest(us, "uniform")
+    assert p > 1e-3
+
+
+def test_sample_at_is_the_inverse_cdf_and_keeps_probs():
     probs = P_FROZEN.clone()
-    verify_node(probs, [A, B], node_generator(0, 0, 0))
+    for i in range(200):
+        u = uniform(9, i)
+        expect = int(np.searchsorted(np.cumsum(P_LIST), u * sum(P_LIST), side="right"))
+        assert sample_at(probs, 9, i) == expect
     assert torch.equal(probs, P_FROZEN)
 
 
-def test_verify_node_point_masses():
+def test_sample_at_point_masses_and_zero_mass():
     onehot = torch.tensor([0.0, 1.0, 0.0, 0.0])
-    for i in range(50):
-        assert verify_node(onehot, [A, C], node_generator(0, i, 0)) == B
-        assert verify_node(onehot, [B], node_generator(0, i, 0)) == B
-        assert verify_node(onehot, [], node_generator(0, i, 0)) == B
-    # a zero-probability candidate is never returned
-    sparse = torch.tensor([0.5, 0.0, 0.5, 0.0])
-    for i in range(200):
-        assert verify_node(sparse, [B, D], node_generator(3, i, 1)) in (A, C)
-
-
-def test_node_generator_is_keyed():
-    def first(seed, step, depth):
-        return torch.rand(4, generator=node_generator(seed, step, depth)).tolist()
-
-    assert first(0, 1, 2) == first(0, 1, 2)
-    assert first(0, 1, 2) != first(0, 1, 3)
-    assert first(0, 1, 2) != first(0, 2, 2)
-    assert first(0, 1, 2) != first(1, 1, 2)
+    assert {sample_at(onehot, 0, i) for i in range(50)} == {B}
+    sparse = torch.tensor([0.5, 0.0, 0.5, 0.0])  # a zero-mass token is never returned, the last one neither
+    assert {sample_at(sparse, 3, i) for i in range(200)} == {A, C}
+    half = torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float16)
+    assert sample_at(half, 1, 1) == C
 
 
 def _hf_probs(logits, temperature, top_k, top_p):

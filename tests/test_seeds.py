@@ -1,7 +1,10 @@
 """Sampling seeds: request validation (``prepare``, no server), then lp.serve through the real
 ``openai`` client, in one process and on 2 LP (gloo) workers (the slow tests).
 
-Contract checked: a sampled request without ``seed`` draws a fresh seed (rank 0 draws it at
+Contract checked: a seeded request with the server's default lookahead (suffix drafts that learn
+from every answer, so the same request meets other drafts each time) returns the same text sent
+three times, while 7 other clients keep the server busy, on 2 LP workers, and equal to lp's
+plain seeded decoding of the same prompt (``mode=ar``, offline, token for token); a sampled request without ``seed`` draws a fresh seed (rank 0 draws it at
 admission; under LP it rides with the request to every rank), so identical unseeded requests
 answer differently, and the seed drawn is reported as ``lookahead.seed`` (sending it back
 reproduces the answer); a request with ``seed`` is reproducible, and its tokens on 2 LP workers
@@ -25,7 +28,11 @@ M = 16  # new tokens per sampled request
 PROMPT = "Write one sentence about anything you like."
 SHAPE = {"W": 4, "N": 4, "G": 4}  # explicit: both servers decode the same lookahead shape
 INT64_MAX = 2**63 - 1
-ARGS = ["server.max_n=2", "server.kv_tokens=4096", "server.max_batch=2"]
+ARGS = ["server.max_n=2", "server.kv_tokens=8192", "server.max_batch=8"]
+REPRO = dict(max_tokens=40, temperature=0.9, top_p=0.9, seed=1234)  # the must-show's request (issue 51)
+REPRO_PROMPT = "Tell me a short story about a robot who learns to paint."
+BUSY = ["Name three rivers.", "Write a haiku about rain.", "What is 17 * 23?", "Describe a cat.",
+        "List four fruits.", "Explain photosynthesis briefly.", "Give me a riddle."]
 
 
 # ---------------------------------------------------------------------------
@@ -151,3 +158,53 @@ def test_n_choices_wrap_their_seeds_within_int64(which, request):
     assert seeds[1] == (seeds[0] + 1 + 2**63) % 2**64 - 2**63, seeds
     assert server.client().models.list().data[0].id == "smollm2"  # still serving
     assert chat(server, seed=3)[2] == 3
+
+
+def repro(server) -> tuple[str, list[int]]:
+    r = server.client().chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": REPRO_PROMPT}],
+        extra_body={"lookahead": {"return_token_ids": True}}, **REPRO)
+    return r.choices[0].message.content, r.model_extra["lookahead"]["output_ids"]
+
+
+def busy_repro(server) -> tuple[str, list[int]]:
+    """The seeded request while 7 other clients (sampled, unseeded, and greedy) share the batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def other(i: int):
+        return server.client().chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": BUSY[i]}], max_tokens=48,
+            temperature=0.8 if i % 2 else 0.0)
+
+    with ThreadPoolExecutor(8) as pool:
+        others = [pool.submit(other, i) for i in range(7)]
+        mine = pool.submit(repro, server)
+        assert all(f.result().choices[0].message.content for f in others)
+        return mine.result()
+
+
+@pytest.fixture(scope="module")
+def plain_repro(smollm2):
+    """lp's plain seeded decoding (mode=ar, one process, offline) of the must-show's request."""
+    from lp.engine.decoder import LookaheadDecoder
+    from lp.model.runner import ModelRunner
+
+    model, tok = smollm2
+    ids = tok.apply_chat_template([{"role": "user", "content": REPRO_PROMPT}], add_generation_prompt=True,
+                                  tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    cfg = DecodingConfig(mode="ar", do_sample=True, max_new_tokens=REPRO["max_tokens"], seed=REPRO["seed"],
+                         temperature=REPRO["temperature"], top_p=REPRO["top_p"])
+    out = LookaheadDecoder(ModelRunner(model), cfg).generate(ids, eos_token_ids=[tok.eos_token_id]).output_ids
+    return [t for t in out if t != tok.eos_token_id]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["one", "lp2"])
+def test_seeded_request_repeats_under_default_drafts_and_load_and_equals_plain_decoding(which, request,
+                                                                                         plain_repro):
+    server = request.getfixturevalue(which)
+    answers = [repro(server) for _ in range(3)]  # the suffix index learns from each answer in turn
+    answers.append(busy_repro(server))
+    assert all(a == answers[0] for a in answers), answers
+    assert [t for t in answers[0][1] if t != 2] == plain_repro, (answers[0][1], plain_repro)  # 2: SmolLM2's eos

@@ -582,9 +582,7 @@ def test_lp_structured_and_tool_calls_equal_one_process(one, lp2):
     request channel, and masks its own rows): a json_schema answer (greedy with the default drafts,
     the grammar's forced ones among them; sampled with a seed) and a tool_choice "required" call equal
     the one-process server's token for token; the forced drafts were accepted under LP."""
-    import jsonschema
-
-    from tests.test_structured_serve import ASK, PROMPTS, SCHEMAS, TOOLS
+    from tests.test_structured_serve import ASK, DIGITS, PROMPTS, SCHEMAS, TOOLS, assert_same_structured_answer
 
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMAS["person"], "strict": True}}
     person = [{"role": "user", "content": PROMPTS["person"]}]
@@ -592,7 +590,7 @@ def test_lp_structured_and_tool_calls_equal_one_process(one, lp2):
     cases = [
         # digits where the free model writes words: a rank verifying its rows without the grammar errs here
         dict(messages=[{"role": "user", "content": CHAT[0]}], temperature=0, extra_body={
-            "structured_outputs": {"regex": "[0-9]{4}( [0-9]{4}){5}"}, **pool}),
+            "structured_outputs": {"regex": DIGITS}, **pool}),
         dict(messages=person, response_format=rf, temperature=0, extra_body={"lookahead": {"return_token_ids": True}}),
         dict(messages=person, response_format=rf, temperature=0.8, top_p=0.95, seed=3, extra_body=pool),
         dict(messages=[{"role": "user", "content": ASK}], tools=TOOLS, tool_choice="required", temperature=0,
@@ -600,20 +598,8 @@ def test_lp_structured_and_tool_calls_equal_one_process(one, lp2):
     ]
     for kw in cases:
         a, b = (s.client().chat.completions.create(model="smollm2", max_tokens=48, **kw) for s in (one, lp2))
-        la_a, la_b = a.model_extra["lookahead"], b.model_extra["lookahead"]
+        la_a, la_b = assert_same_structured_answer(kw, a, b)
         assert (la_a["workers"], la_b["workers"]) == (1, 2)
-        assert la_b["output_ids"] == la_a["output_ids"], (a.choices[0].message, b.choices[0].message)
-        ca, cb = a.choices[0], b.choices[0]
-        assert (cb.message.content, cb.finish_reason) == (ca.message.content, ca.finish_reason)
-        calls = [[(c.function.name, c.function.arguments) for c in ch.message.tool_calls or []] for ch in (ca, cb)]
-        assert calls[0] == calls[1]
-        if "tools" in kw:
-            assert cb.finish_reason == "tool_calls" and calls[1][0][0] == "get_weather", cb
-        elif "structured_outputs" in kw["extra_body"]:
-            assert re.fullmatch("[0-9]{4}( [0-9]{4}){5}", cb.message.content), cb
-        else:
-            assert cb.finish_reason == "stop", cb
-            jsonschema.validate(json.loads(cb.message.content), SCHEMAS["person"])
         if kw.get("response_format") and kw["temperature"] == 0 and "W" not in kw["extra_body"]["lookahead"]:
             assert la_b["forced_tokens"] > 0, la_b  # the grammar's forced drafts (suffix mode), verified under LP
 

@@ -17,9 +17,7 @@ One TP server per module.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
 import sys
 
@@ -91,9 +89,7 @@ def _create(server, **kw):
 def test_tp_structured_and_tool_calls_equal_one_process(one, tp2):
     """Every TP rank holds the request's grammar (the request channel) and masks the same rows; rank 0's
     verdict rules, so a rank without it breaks the mesh's lockstep (its forced drafts, its masked rows)."""
-    import jsonschema
-
-    from tests.test_structured_serve import ASK, PROMPTS, SCHEMAS, TOOLS
+    from tests.test_structured_serve import ASK, DIGITS, PROMPTS, SCHEMAS, TOOLS, assert_same_structured_answer
 
     health = httpx.get(tp2.url + "/health", timeout=10).json()
     assert (health["workers"], health["memory"]["tp"]) == (1, 2), health
@@ -102,7 +98,7 @@ def test_tp_structured_and_tool_calls_equal_one_process(one, tp2):
     ids = {"lookahead": {"return_token_ids": True}}
     cases = [
         dict(messages=[{"role": "user", "content": CHAT[0]}], temperature=0, extra_body={
-            "structured_outputs": {"regex": "[0-9]{4}( [0-9]{4}){5}"},
+            "structured_outputs": {"regex": DIGITS},
             "lookahead": dict(SAMPLED_SHAPE, return_token_ids=True)}),
         dict(messages=person, response_format=rf, temperature=0, extra_body=ids),
         dict(messages=[{"role": "user", "content": ASK}], tools=TOOLS, tool_choice="required", temperature=0,
@@ -110,19 +106,8 @@ def test_tp_structured_and_tool_calls_equal_one_process(one, tp2):
     ]
     for kw in cases:
         a, b = (_create(s, max_tokens=48, **kw) for s in (one, tp2))
-        la_a, la_b = a.model_extra["lookahead"], b.model_extra["lookahead"]
-        assert la_b["output_ids"] == la_a["output_ids"], (a.choices[0].message, b.choices[0].message)
-        ca, cb = a.choices[0], b.choices[0]
-        assert (cb.message.content, cb.finish_reason) == (ca.message.content, ca.finish_reason)
-        calls = [[(c.function.name, c.function.arguments) for c in ch.message.tool_calls or []] for ch in (ca, cb)]
-        assert calls[0] == calls[1]
-        if "tools" in kw:
-            assert cb.finish_reason == "tool_calls" and calls[1][0][0] == "get_weather", cb
-        elif "structured_outputs" in kw["extra_body"]:
-            assert re.fullmatch("[0-9]{4}( [0-9]{4}){5}", cb.message.content), cb
-        else:
-            assert cb.finish_reason == "stop", cb
-            jsonschema.validate(json.loads(cb.message.content), SCHEMAS["person"])
+        _, la_b = assert_same_structured_answer(kw, a, b)
+        if "response_format" in kw:
             assert la_b["forced_tokens"] > 0, la_b  # the grammar's forced drafts, verified on the mesh
 
 

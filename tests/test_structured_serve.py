@@ -148,6 +148,30 @@ TOOLS = [WEATHER, FLIGHTS]
 ASK = "What is the weather in Paris right now, in celsius?"
 
 
+DIGITS = "[0-9]{4}( [0-9]{4}){5}"  # the regex case of the LP and TP server tests
+
+
+def assert_same_structured_answer(kw: dict, a, b) -> tuple[dict, dict]:
+    """The one-process server's answer ``a`` and another layout's ``b`` (LP workers, a TP mesh) to the
+    chat request ``kw``: the same token ids, text, finish reason and tool calls, and ``b`` valid
+    for what ``kw`` asked (a get_weather call, the DIGITS regex, or the person schema, ended by
+    "stop"). Returns both ``lookahead`` objects."""
+    la_a, la_b = a.model_extra["lookahead"], b.model_extra["lookahead"]
+    assert la_b["output_ids"] == la_a["output_ids"], (a.choices[0].message, b.choices[0].message)
+    ca, cb = a.choices[0], b.choices[0]
+    assert (cb.message.content, cb.finish_reason) == (ca.message.content, ca.finish_reason)
+    calls = [[(c.function.name, c.function.arguments) for c in ch.message.tool_calls or []] for ch in (ca, cb)]
+    assert calls[0] == calls[1]
+    if "tools" in kw:
+        assert cb.finish_reason == "tool_calls" and calls[1][0][0] == "get_weather", cb
+    elif "structured_outputs" in kw.get("extra_body", {}):
+        assert re.fullmatch(DIGITS, cb.message.content), cb
+    else:
+        assert cb.finish_reason == "stop", cb
+        jsonschema.validate(json.loads(cb.message.content), SCHEMAS["person"])
+    return la_a, la_b
+
+
 def params_of(name):
     return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
 

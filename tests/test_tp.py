@@ -263,6 +263,21 @@ def test_killed_rank_ends_every_rank_within_timeout(tiny_dir, tmp_path):
         proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_rank_killed_mid_forward_ends_the_job_within_timeout_with_lps_message(tiny_dir, tmp_path):
+    """1 LP worker x TP 2 on gloo: tp rank 1 dies inside a forward (its last decoder layer, after
+    the earlier layers' all-reduces): rank 0, blocked in that layer's all-reduce, ends within
+    parallel.timeout_s with lp's "tensor-parallel forward failed" (the NCCL path: test_gpu_paths)."""
+    spec = {"model_path": str(tiny_dir), "tp": 2, "timeout_s": 10, "kill_rank_in_forward": [1, 6],
+            "jobs": [{"prompt_ids": REPETITIVE_PROMPT, "decoding": {"W": 4, "N": 3, "G": 4, "max_new_tokens": 200}}]}
+    t = time.monotonic()
+    proc, results = run_worker(2, spec, tmp_path, timeout=300, monitor_s=5)
+    elapsed = time.monotonic() - t
+    assert proc.returncode != 0 and results == []
+    assert elapsed < 90, elapsed
+    assert "tensor-parallel forward failed" in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def q4_dir(tmp_path_factory):
     """The tiny random Llama (untied head) with every linear but the head rounded to exact

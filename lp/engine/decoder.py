@@ -55,7 +55,7 @@ from lp.model.head import argmax_rows
 from lp.model.runner import ModelRunner
 from lp.lookahead.pool import ContextIndex, NGramPool
 from lp.lookahead.processors import RowProcessor, row_extras, wants_processing
-from lp.lookahead.sampling import node_generator, verify_node, warp
+from lp.lookahead.sampling import sample_at, warp
 from lp.lookahead.shard import Shard, column_rows, plan_tree_shards
 from lp.drafts.suffix import DraftStore, SuffixIndex
 from lp.lookahead.tree import merge_trie
@@ -650,6 +650,13 @@ class LookaheadDecoder:
             return 0
         return (run.pool.fingerprint() ^ run.window.fingerprint() ^ hash(tuple(run.out))) & 0x7FFFFFFFFFFF
 
+    def _draw(self, run: _Run, probs_V: torch.Tensor, position: int, kids) -> int:
+        """The sampled token at output ``position`` (lp.lookahead.sampling.sample_at): a function of
+        the seed, the position and the target distribution alone. ``kids``, the drafts tested at
+        this node, never enter the draw (one is accepted iff it equals the token, by the walk):
+        they are passed so that a test can plant a verifier that lets them in."""
+        return sample_at(probs_V, self.cfg.seed, position)
+
     def _verify_sampled(self, run: _Run, prop: _Proposal, layout, logits_KV, row_of):
         cfg = self.cfg
         sk = layout.skeleton
@@ -660,16 +667,15 @@ class LookaheadDecoder:
         def probs(row: int) -> torch.Tensor:
             return warp(logits_KV[row_of[row]], cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
 
-        root_children = children(candidates, range(len(candidates)), 0)
-        root = verify_node(probs(sk.num_pending - 1), root_children, node_generator(cfg.seed, run.step, 0))
+        first = len(run.out)  # the output position the root row predicts
+        root = self._draw(run, probs(sk.num_pending - 1), first, children(candidates, range(len(candidates)), 0))
 
         cand_rows = layout.cand_rows
 
         def outcome_of(local_c: int, depth: int) -> int:
             c = mine.candidates[local_c]
             kids = children(candidates, sharing_prefix(candidates, c, depth), depth)
-            row = cand_rows[local_c][depth - 1]
-            return verify_node(probs(row), kids, node_generator(cfg.seed, run.step, depth))
+            return self._draw(run, probs(cand_rows[local_c][depth - 1]), first + depth, kids)
 
         if self.group is None:
             return walk(candidates, root, lambda depth, c: outcome_of(c, depth)), z_local

@@ -1,27 +1,34 @@
-"""Sampling: logits warpers and the exact multi-candidate verifier (seeds/000 §0x05B).
+"""Sampling: logits warpers and the position-keyed draw (seeds/000 §0x05B, issue 51).
 
 Contract: the warpers reproduce transformers' TemperatureLogitsWarper ->
 TopKLogitsWarper -> TopPLogitsWarper -> MinPLogitsWarper chain, so "the target distribution" means
 the same thing here and in ``generate(do_sample=True)``.
 
-``verify_node`` tests each *distinct* candidate token as a point mass, in order:
-accept token c with probability residual(c); on rejection zero c's mass and
-renormalize; if every candidate is rejected, sample the residual. Every token
-then comes out with exactly its target probability, whatever the candidate list,
-as long as the list was fixed before the draw and the draw uses fresh randomness.
+``sample_at(probs_V, seed, position)`` is the sampled token at output position ``position``
+(0 for the first new token): the inverse CDF of the target distribution ``probs_V`` at one
+uniform ``uniform(seed, position)``, a counter-based hash (SplitMix64) of the seed and the
+position alone. A draft token is accepted exactly when it equals that token (the verification
+walk is greedy's, with ``sample_at`` in place of the argmax). Hence:
 
-Randomness is keyed by (seed, step, depth): each node on the walk gets its own
-generator. Workers of Lookahead Parallelism therefore reach the same decision
-without exchanging random state, and one process and K workers sample the same
-tokens for the same seed.
+* every token has exactly its target probability: u(seed, i) is independent of everything that
+  chose the drafts at position i (they are functions of the prompt and of u at earlier
+  positions), so the draw at i is an inverse-CDF sample whatever was proposed;
+* a point-mass draft is accepted with its target probability, as the paper's walk accepts it;
+* the text is a function of (prompt, seed, weights) alone: the same under any drafts, window,
+  step boundaries, LP workers, batch, prefix cache or restart, and equal to lp's plain seeded
+  decoding (``decoding.mode=ar``) token for token, wherever the rows' logits are bit for bit a
+  one-row step's (lp's exact kernels; see docs/architecture.md).
+
+The uniform is pure Python (no generator state, no device): every worker and device computes
+the same u. The cumulative sum runs in float64 on the probabilities' device; on the CPU it is a
+sequential sum. A CUDA cumsum may round differently, so a CUDA run and a CPU run of the same
+seed can pick different tokens where u falls within rounding of a boundary (both exact samples);
+runs on one device type agree. Only the token id leaves the device (no vocabulary row).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-
 
 def warp(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """Float32 logits [..., V] -> sampling probabilities [..., V]."""
@@ -46,44 +53,35 @@ def warp(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float, m
     return torch.softmax(scores, dim=-1)
 
 
-def node_generator(seed: int, step: int, depth: int) -> torch.Generator:
-    gen = torch.Generator()
-    gen.manual_seed((seed * 1_000_003 + step * 1_009 + depth) & 0x7FFF_FFFF_FFFF_FFFF)
-    return gen
+_M64 = (1 << 64) - 1
 
 
-def verify_node(probs_V: torch.Tensor, candidates: Sequence[int], gen: torch.Generator) -> int:
-    """Exact sample at one position given point-mass proposals ``candidates``.
-
-    Runs on ``probs_V``'s device: the vocabulary row never leaves it (on CUDA only one number a
-    tested candidate, the residual's sum and the drawn token id come back, not V floats a node).
-    The acceptance draws ``u`` come from ``gen`` (a CPU generator) everywhere; the final draw from
-    the residual takes ``gen`` on the CPU (the same draws as ever) and, on another device, a
-    generator there seeded with ``gen``'s key (``device_generator``)."""
-    residual = probs_V.detach().to(torch.float64, copy=True)
-    tested: set[int] = set()
-    for token in candidates:
-        if token in tested:
-            continue
-        tested.add(token)
-        u = torch.rand((), generator=gen, dtype=torch.float64).item()
-        p = residual[token].item()
-        if u < p:
-            return token
-        residual[token] = 0.0
-        total = residual.sum()
-        if total <= 0:  # only reachable through rounding: p was ~1 and still rejected
-            residual[token] = 1.0
-            return token
-        residual /= total
-    return int(torch.multinomial(residual, 1, generator=device_generator(gen, residual.device)).item())
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
 
 
-def device_generator(gen: torch.Generator, device: torch.device) -> torch.Generator:
-    """``gen`` itself on its own device (the CPU); elsewhere a generator on ``device`` seeded with
-    ``gen``'s key: the same (seed, step, depth) gives the same draw on every worker of that device
-    type, and a CPU run's draws stay those of ``gen`` (a device's stream differs from the CPU's,
-    as its softmax's rounding does: both exact samples of the target)."""
-    if device.type == gen.device.type:
-        return gen
-    return torch.Generator(device=device).manual_seed(gen.initial_seed())
+def uniform(seed: int, position: int) -> float:
+    """u(seed, position) in [0, 1), 53 random bits, a function of its two integers alone
+    (any int64 seed; the position a non-negative int).
+
+    >>> uniform(1234, 0) == uniform(1234, 0), uniform(1234, 0) != uniform(1234, 1)
+    (True, True)
+    """
+    assert position >= 0, position
+    z = _splitmix64(_splitmix64(seed & _M64) ^ position)
+    return (z >> 11) * 2.0**-53
+
+
+def sample_at(probs_V: torch.Tensor, seed: int, position: int) -> int:
+    """The token at output position ``position`` under ``seed``: the first token whose
+    cumulative probability exceeds u(seed, position) times the total (a zero-probability token
+    is never chosen: the cumulative sum does not rise there). ``probs_V`` is not modified."""
+    cdf_V = probs_V.detach().to(torch.float64).cumsum(-1)
+    x = cdf_V[-1:] * uniform(seed, position)
+    token = int(torch.searchsorted(cdf_V, x, right=True).item())
+    if token >= cdf_V.shape[-1]:  # u * total rounded up to the total: the last token that has mass
+        token = int(torch.nonzero(probs_V > 0)[-1].item())
+    return token

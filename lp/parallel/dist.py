@@ -41,8 +41,8 @@ greedy   [hits, winner, emitted[0..E-1], z[0..C-1], state_hash]
 sampled  [root, outcome[0..M-1], z[0..C-1], state_hash]
          root: the rank's outcome at the ordinary row; outcome[n]: the outcome at
          node n of the rank's own draft trie (its subtrees of the step's trie, in
-         lp.lookahead.tree order; the exact verifier at that node, with randomness keyed by
-         (seed, step, depth), lp.lookahead.sampling); M = the most draft rows a step may
+         lp.lookahead.tree order; the token sampled at that node, keyed by the seed and the
+         node's output position, lp.lookahead.sampling.sample_at); M = the most draft rows a step may
          verify. All ranks walk the whole trie with rank 0's root and each node's
          outcome from the rank that owns it, so all reach the same decision.
 

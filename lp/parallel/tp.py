@@ -101,15 +101,16 @@ def _expand(model, plan: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def apply_tp(model, tp_mesh) -> None:
+def apply_tp(model, tp_mesh, group=None) -> None:
     """Shard ``model`` in place over ``tp_mesh`` (every rank holds the full weights on entry;
     ``load_sharded`` is the way that never holds them). A quantized model is refused: shards are
-    quantized after sharding (``quantize_shards``)."""
+    quantized after sharding (``quantize_shards``). ``group``: the lp.parallel.dist.WorkerGroup,
+    whose bound the forward's collectives get (``_finish``)."""
     if getattr(model, "_lp_quant", None):
         raise ValueError(f"this model is already quantized ({model._lp_quant}): parallel.tp > 1 quantizes each "
                          "rank's shards after sharding (load it with lp.parallel.tp.load_for / load_sharded)")
     _shard_modules(model, tp_mesh)
-    _finish(model, tp_mesh)
+    _finish(model, tp_mesh, group)
 
 
 def _shard_modules(model, tp_mesh) -> None:
@@ -128,15 +129,16 @@ def _shard_modules(model, tp_mesh) -> None:
         apply_tensor_parallelism(model, tp_mesh, expanded)
 
 
-def _finish(model, tp_mesh) -> None:
+def _finish(model, tp_mesh, group=None) -> None:
     # read by lp.model.calibrate, which never imports torch.distributed: the degree (a TP step
     # is not a one-device step) and the agreement its tp ranks reach before timing forwards
     model._lp_tp = tp_mesh.size()
-    model._lp_tp_all = functools.partial(_all_true, tp_mesh.get_group(), next(model.parameters()).device)
-    model.forward = _collective_failures(model.forward)
+    device = next(model.parameters()).device
+    model._lp_tp_all = functools.partial(_all_true, tp_mesh.get_group(), device)
+    model.forward = _collective_failures(model.forward, _fence(group, tp_mesh.get_group(), device))
 
 
-def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True, quant: str = "none"):
+def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True, quant: str = "none", group=None):
     """(model, tokenizer or None) holding only this rank's shards, read from the checkpoint.
 
     The model is built with its parameters on the meta device (accelerate's
@@ -189,7 +191,7 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True,
         else:
             log.info("model.dtype=auto -> float32: its linears are exact 4-bit blocks (model.quant=auto runs them)")
     quantize_shards(model, quant, dev, tp_mesh)
-    _finish(model, tp_mesh)
+    _finish(model, tp_mesh, group)
     model._lp_sharded_load = True
     return model, (load_tokenizer(path) if tokenizer else None)
 
@@ -465,7 +467,7 @@ def load_for(path, dtype: str, device: str, quant: str, group, tokenizer: bool =
     if group is None or group.tp_size == 1:
         return load_model(path, dtype, device, quant, tokenizer)
     check_tp_path(path, group.tp_size, quant)
-    return load_sharded(path, dtype, device, group.tp_mesh, tokenizer, quant)
+    return load_sharded(path, dtype, device, group.tp_mesh, tokenizer, quant, group)
 
 
 def local_shapes(model) -> dict[str, list[int]]:
@@ -475,10 +477,27 @@ def local_shapes(model) -> dict[str, list[int]]:
     return {n: list(p.to_local().shape if isinstance(p, DTensor) else p.shape) for n, p in model.named_parameters()}
 
 
-def _collective_failures(forward):
-    """The instance's forward, with a failed all-reduce inside it (a dead or stuck tp peer:
-    gloo/NCCL raise after parallel.timeout_s) raised as lp.parallel.dist.WorkerFailure, which the
-    entry points report with this rank and exit on."""
+def _fence(group, pg, device):
+    """NCCL only (a WorkerGroup whose ``wait_s`` is set): one bounded all-reduce of one number after
+    each forward. NCCL enqueues the forward's all-reduces and all-gathers and returns, so a dead or
+    stuck peer would leave the host blocked in its next device read until NCCL's watchdog aborts
+    the process; the fence queues behind them and the host waits for it at most
+    ``parallel.timeout_s`` (lp.parallel.dist.bounded), so every collective of the forward is
+    bounded. gloo raises in the call within the process group's timeout: None (no fence)."""
+    if group is None or group.wait_s is None:
+        return None
+    import torch.distributed as dist
+
+    one = torch.zeros(1, device=device)
+    return lambda: group.collective("tensor-parallel forward", dist.all_reduce, one, group=pg)
+
+
+def _collective_failures(forward, fence=None):
+    """The instance's forward, with a failed collective inside it (a dead or stuck tp peer: gloo
+    raises after parallel.timeout_s; NCCL's are bounded by ``fence``) raised as
+    lp.parallel.dist.WorkerFailure ("tensor-parallel forward failed (...)"), which the entry points
+    report with this rank and exit on. A compiled step (``model.compile=on``) runs the class's
+    forward, not this wrapper: under NCCL its collectives are bounded by the next step's exchange."""
     import functools
 
     import torch.distributed as dist
@@ -488,7 +507,12 @@ def _collective_failures(forward):
     @functools.wraps(forward)
     def tp_forward(*args, **kwargs):
         try:
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+            if fence is not None:
+                fence()
+            return out
+        except WorkerFailure:
+            raise
         except (dist.DistError, RuntimeError) as e:
             text = str(e)
             if isinstance(e, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "Connection", "Timed out")):
@@ -525,5 +549,5 @@ def check_tp_path(path, tp: int, quant: str = "none") -> None:
 def shard_for(model, group):
     """Shard ``model`` over ``group``'s tp ranks (lp.parallel.dist.WorkerGroup); unchanged without TP."""
     if group is not None and group.tp_size > 1:
-        apply_tp(model, group.tp_mesh)
+        apply_tp(model, group.tp_mesh, group)
     return model
