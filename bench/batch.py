@@ -99,10 +99,10 @@ def main() -> None:
         n = len(r.output_ids)
         one[name] = max(one.get(name, 0.0), n / dt)
 
-    load = os.getloadavg()
+    loadavg = os.getloadavg()
     res = {
         "prompts": len(ps), "tokens": args.tokens, "threads": args.threads, "machine": platform.processor(),
-        "loadavg": load,
+        "loadavg": loadavg,
         "sequential": {"new_tokens": n_seq, "wall_s": round(t_seq, 2), "tok_s": round(n_seq / t_seq, 2),
                        "steps": sum(r.stats.steps for r in seq)},
         "batch": {"new_tokens": n_bat, "wall_s": round(t_bat, 2), "tok_s": round(n_bat / t_bat, 2),

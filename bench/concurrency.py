@@ -61,8 +61,6 @@ from pathlib import Path
 
 from bench.serve_load import ServerProcess, free_port, machine, pct
 
-SERVERS = ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "lp_nocal", "lp_exact4", "transformers_cb",
-           "transformers", "vllm", "vllm_ngram", "llamacpp", "llamacpp_ngram")
 WORKLOADS = ("chat", "code")
 ROOT = Path(__file__).resolve().parent.parent
 # vllm_ngram: vLLM 0.32's n-gram drafter (prompt lookup): up to 5 tokens proposed from the

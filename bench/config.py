@@ -25,6 +25,9 @@ IN_PROCESS_DECODING = {
     "lp_window": ({"window_policy": "with_candidates"}, {}),
     "lp_torch_matmul": ({}, {"small_rows": "off"}),
 }
+# the servers bench.concurrency starts (concurrency.servers)
+SERVERS = ("lp", "lp_max_batch1", "lp_plain", "lp_ar", "lp_compiled", "lp_nocal", "lp_exact4", "transformers_cb",
+           "transformers", "vllm", "vllm_ngram", "llamacpp", "llamacpp_ngram")
 MULTI_WORKER = ("lp", "tp", "pp", "lp_tp")  # run under torchrun when workers > 1
 # lp_tp: the hybrid rows of the (lp, tp) mesh: for K processes every split lp x tp = K with
 # tp > 1 dividing the model's heads (lp x1 is the plain lp row); each LP worker's W and G are
@@ -133,8 +136,6 @@ class ConcurrencyConfig:
     llamacpp_model: str | None = None
 
     def validate(self) -> ConcurrencyConfig:
-        from bench.concurrency import SERVERS
-
         if not self.servers or any(s not in SERVERS for s in self.servers):
             raise ValueError(f"concurrency.servers must be a non-empty subset of {list(SERVERS)}, got {self.servers!r}")
         if not self.clients or any(not _is_int(c) or not 1 <= c <= 64 for c in self.clients):

@@ -48,3 +48,14 @@ def write(out: str | Path, name: str, result: dict, md: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
     (out / f"{name}.md").write_text("\n".join(md) + "\n")
+
+
+def write_json(out: Path, name: str, data: dict) -> None:
+    tmp = out / f".{name}.json.tmp"
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(out / f"{name}.json")
+
+
+def progress(out: Path, name: str, data: dict) -> None:
+    """A section's rows so far (status ``partial``): what its time-out leaves behind."""
+    write_json(out, name, {"status": "partial", "seconds": None, **data})

@@ -29,7 +29,7 @@ def default_model_kernels():
     ``Exact4Linear`` modules after ``model.quant=exact4``'s conversion, its head's packed exact
     8-bit blocks, the vocabulary size); a ValueError if the head is not 8-bit blocks."""
     from lp.config import ModelConfig
-    from lp.model import exact4
+    from lp.kernels import exact4
     from lp.model.loader import load_model, resolve_model_path
     from lp.model.quant import quantize
 
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/step_cost/exact4_bandwidth")
     a = ap.parse_args(argv)
-    from lp.model import exact4
+    from lp.kernels import exact4
 
     torch.set_num_threads(a.threads)
     name, linears, head_p, vocab = default_model_kernels()

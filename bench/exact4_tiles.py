@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     if any(not 1 <= m <= 8 for m in a.rows):
         raise ValueError(f"--rows: each row count must be in 1..8 (one tile), got {a.rows}")
     from bench.exact4_bandwidth import default_model_kernels
-    from lp.model import exact4
+    from lp.kernels import exact4
 
     torch.set_num_threads(a.threads)
     name, linears, head_p, vocab = default_model_kernels()

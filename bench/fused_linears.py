@@ -1,7 +1,7 @@
 """Fused q/k/v and gate/up packed linears against separate ones: ``python -m bench.fused_linears``.
 
 Contract: loads the model twice (default SmolLM2-135M-Instruct, fp32), packs one copy with
-lp.model.kernels' FUSED groups (what lp runs) and one with none (every linear its own packed
+lp.kernels.linears' FUSED groups (what lp runs) and one with none (every linear its own packed
 weight), and times one eager packed forward of Q rows after a 128-token prefix for both
 (``lp.model.calibrate.measure``) in ``--rounds`` rounds that alternate the two; checks that
 both copies give the same greedy tokens on the same rows. Writes ``fused_linears.json`` and
@@ -24,16 +24,16 @@ QS = (1, 2, 4, 8, 16, 32, 64, 96)
 
 
 def _runner(path, fused: bool):
-    from lp.model import kernels
+    from lp.kernels import linears
     from lp.model.loader import load_model, resolve_model_path
     from lp.model.runner import ModelRunner
 
     model, _ = load_model(resolve_model_path("smollm2", path), dtype="float32", tokenizer=False)
-    groups, kernels.FUSED = kernels.FUSED, kernels.FUSED if fused else ()
+    groups, linears.FUSED = linears.FUSED, linears.FUSED if fused else ()
     try:
         return ModelRunner(model, small_rows="off", linears="packed")
     finally:
-        kernels.FUSED = groups
+        linears.FUSED = groups
 
 
 def _greedy(runner, rows: list[int]) -> list[int]:

@@ -38,6 +38,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.envelope import write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 480
 # (name, time-out in seconds), cheapest first
@@ -70,17 +72,6 @@ def check_budget(sections=SECTIONS, budget: int = BUDGET_S) -> int:
     total = sum(t for _, t in sections)
     assert total <= budget, f"section time-outs add up to {total} s > {budget} s"
     return total
-
-
-def write_json(out: Path, name: str, data: dict) -> None:
-    tmp = out / f".{name}.json.tmp"
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    tmp.replace(out / f"{name}.json")
-
-
-def progress(out: Path, name: str, data: dict) -> None:
-    """A section's rows so far (status ``partial``): what its time-out leaves behind."""
-    write_json(out, name, {"status": "partial", "seconds": None, **data})
 
 
 def run_section(out: Path, name: str, fn, *args) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_check import progress
+from bench.envelope import progress
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = Path(os.environ.get("LP_KIT_STAGE", ROOT / ".gpu_kit_stage"))

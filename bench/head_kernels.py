@@ -6,8 +6,8 @@ Contract: ``python -m bench.head_kernels [--rows 1 2 4 8 12 16 24 32] [--reps 15
 [--out bench/results/step_cost/head]`` times, interleaved in every round, one head forward of M
 rows (the model's own final hidden states, from greedy answers to four chat prompts; a 64 MiB read
 between calls evicts the head from the cache, as a step's decoder layers do) per kernel: ``fp32`` (oneDNN's packed GEMM, what
-``model.head=exact`` runs), ``screen`` (lp.model.head.HeadScreen.logits: the bf16 pass, the
-kept tokens' fp32 logits; ``model.head=screen``) and ``exact8`` (lp.model.exact4's ``mm8`` on the
+``model.head=exact`` runs), ``screen`` (lp.kernels.head.HeadScreen.logits: the bf16 pass, the
+kept tokens' fp32 logits; ``model.head=screen``) and ``exact8`` (lp.kernels.exact4's ``mm8`` on the
 head's 8-bit blocks, what ``model.head=auto`` runs under ``model.quant=exact4`` up to
 ``HEAD8_MAX_ROWS`` rows) and ``exact8_screen`` (``Head8.argmax_logits``: the int8 screen, then
 ``mm8`` on the kept tokens' groups; what greedy steps of ``SCREEN_ROWS`` rows run), and the bytes
@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench/results/step_cost/head")
     a = ap.parse_args(argv)
     from lp.config import ModelConfig
-    from lp.model import exact4
-    from lp.model.head import HeadScreen
+    from lp.kernels import exact4
+    from lp.kernels.head import HeadScreen
     from lp.model.loader import load_model, resolve_model_path
 
     mc = ModelConfig()

@@ -3,7 +3,7 @@
 #
 # Contract: bash bench/startup.sh [LP_CACHE dir] [label] [port]
 #   LP_CACHE dir: where lp keeps its converted GGUF, t(Q) curve and batched-step costs; an empty
-#     folder measures a fresh start (the kernels come from `python -m lp.model.prebuild`, as
+#     folder measures a fresh start (the kernels come from `python -m lp.kernels.prebuild`, as
 #     launch/install.sh builds them), the same folder again a restart. Default: lp's own (~/.cache/lp).
 #   Prints "<label>: first answer after N s"; the server's log goes to /tmp/lp_startup_<label>.log.
 # Polls the request every 0.5 s until it answers; stops the server after. docs/performance.md's

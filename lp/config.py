@@ -161,13 +161,13 @@ class ModelConfig:
     # eager | flex (FlexAttention BlockMask) | flash (cascade: unmasked prefix + tree-masked block)
     attention: str = "auto"
     cuda_graphs: bool = False  # capture the decode forward per row bucket (CUDA only)
-    # small-row matmuls W @ x.T for steps of 2+ rows (lp.model.kernels): auto (CPU: the row counts
+    # small-row matmuls W @ x.T for steps of 2+ rows (lp.kernels.linears): auto (CPU: the row counts
     # the t(Q) calibration measured faster) | on | off (torch's x @ W.T everywhere)
     small_rows: str = "auto"
-    # linear kernels of lp's forwards (lp.model.kernels): auto (CPU: oneDNN-prepacked weights when
+    # linear kernels of lp's forwards (lp.kernels.linears): auto (CPU: oneDNN-prepacked weights when
     # the packed copy fits in half the free memory) | packed | plain (torch's F.linear)
     linears: str = "auto"
-    # the LM head (lp.model.head, lp.model.exact4.head8): auto (under model.quant=exact4 a head whose
+    # the LM head (lp.kernels.head, lp.kernels.exact4.head8): auto (under model.quant=exact4 a head whose
     # weights are exact 8-bit blocks, a GGUF Q8_0's, runs on them, up to 16 rows; else, for greedy
     # steps, a bf16 screen proving each row's argmax, exact fp32 logits for the tokens it keeps, where
     # the bf16 head measures faster) | screen | exact (the fp32 head's 49k logits every row)
@@ -175,7 +175,7 @@ class ModelConfig:
     # lp's packed forward under torch.compile/inductor (lp.model.runner), one sequence's steps and the
     # batched step of lp.serve: auto (eager: every new process would pay the compile) | on | off
     compile: str = "auto"
-    # the decoder stack (lp.model.fused): auto (an exact4 Llama-style model runs its layers as two C++
+    # the decoder stack (lp.kernels.fused): auto (an exact4 Llama-style model runs its layers as two C++
     # calls each, kept where its logits equal transformers' forward bit for bit; elsewhere the model's
     # own modules) | on (the fused stack or an error saying why not) | off (the model's modules)
     fused: str = "auto"
@@ -278,7 +278,7 @@ def hardware_defaults(device_type: str, dtype_name: str, amx: bool) -> dict:
       step, up to 15 drafts per source, a tree of up to 64 rows.
     * CPU in bf16 with AMX: ~32 extra rows cost ~1.4x one row: W=5, N=4 every step.
     * CPU otherwise (fp32, or bf16 without AMX): a step of 2-16 rows costs 0.8-1.5x one row
-      (with lp.model.kernels' small-row matmuls; 1.3-1.8x without), so drafts pay and the window
+      (with lp.kernels.linears' small-row matmuls; 1.3-1.8x without), so drafts pay and the window
       does not: no window (measured on 20 HumanEval prompts: suffix drafts alone 1.99x
       generate, with the W=1, N=5 window riding on draft steps 1.72x), up to 4 drafts per
       source, a tree of up to 24 rows.

@@ -361,7 +361,7 @@ def test_compiled_batched_step_equals_generate(tiny_factory):
         assert outs[ids[name]] == hf_greedy(model, prompts[name], cfgs[name].max_new_tokens), name
     stats = torch._dynamo.utils.counters["stats"]
     assert stats["calls_captured"] > 0, "the batched step never ran compiled"
-    assert runner.head_screen.calls > calls, "the compiled head never ran the greedy screen (lp.model.head)"
+    assert runner.head_screen.calls > calls, "the compiled head never ran the greedy screen (lp.kernels.head)"
     assert stats["unique_graphs"] <= 2, dict(stats)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     graphs = stats["unique_graphs"]

@@ -1,4 +1,4 @@
-"""The cascade's prefill in pieces (issue 37): ``model.attention=flash`` (lp.model.attention's
+"""The cascade's prefill in pieces (issue 37): ``model.attention=flash`` (lp.kernels.attention's
 cascade) computes its fp32 local block over at most ``LP_CASCADE_CHUNK_ROWS`` query rows at once, so a
 long prompt's prefill never materializes [H, Q, Q] scores; each piece attends the whole prefix and
 local block with its own rows of the tree mask.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lp.model import attention
+from lp.kernels import attention
 from lp.model.runner import ModelRunner
 from tests.helpers import hf_greedy, lookahead
 

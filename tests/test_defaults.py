@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from lp.config import DecodingConfig, GenerateConfig, ModelConfig
-from lp.model import exact4, loader
+from lp.model import loader
+from lp.kernels import exact4
 from lp.model.loader import load_model, resolve_model_path
 from lp.model.quant import quantize
 from tests.helpers import hf_greedy, make_tiny_model

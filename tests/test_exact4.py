@@ -1,4 +1,4 @@
-"""model.quant=exact4 (lp.model.exact4): linears whose float32 weights are exact 4-bit blocks run
+"""model.quant=exact4 (lp.kernels.exact4): linears whose float32 weights are exact 4-bit blocks run
 lp's kernel on those blocks. Tiny models whose weights are rounded to 4-bit blocks the way a GGUF
 Q4_1 file's dequantization leaves them: every weight reproduced bit for bit, rows independent,
 fused q/k/v equal to separate, logits equal to the dense model's up to summation order, and
@@ -15,7 +15,7 @@ from torch import nn
 
 from lp.config import DecodingConfig
 from lp.engine.decoder import LookaheadDecoder
-from lp.model import exact4
+from lp.kernels import exact4
 from lp.model.quant import quantize
 from lp.model.runner import ModelRunner
 from tests.helpers import BATCH_PROMPTS, REPETITIVE_PROMPT, batch_outputs, hf_greedy
@@ -401,7 +401,7 @@ def test_greedy_rows_through_the_screen_keep_the_heads_argmax_and_bits(vnni):
     entry is that head's logit bit for bit, over random, near-tied and one-hot rows
     (where the screen's own order of the tokens is often wrong), 1 to 64 rows; more than 64: None
     (as ``logits`` past its rows: the caller runs the fp32 head)."""
-    from lp.model.head import argmax_rows
+    from lp.kernels.head import argmax_rows
 
     w_VK = _q8_head(517, 64, seed=7)
     w_VK[300] = w_VK[17]  # two tokens with the same weights: every row ties them

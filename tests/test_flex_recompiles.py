@@ -1,5 +1,5 @@
 """Compiled flex attention without recompiles (issue 37): the path ``model.attention=flex`` takes on
-CUDA (``lp.model.attention.compiled_flex``: flex_attention under torch.compile, dynamic shapes), run
+CUDA (``lp.kernels.attention.compiled_flex``: flex_attention under torch.compile, dynamic shapes), run
 here on the CPU with the aot_eager backend (inductor's CPU flex template does not build with dynamic
 shapes on torch 2.13; the guards that decide a recompile are dynamo's, the same for every backend).
 
@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 from lp.config import DecodingConfig
 from lp.engine.batch import BatchEngine
-from lp.model import attention
+from lp.kernels import attention
 from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, lookahead
 

@@ -1,4 +1,4 @@
-"""model.fused (lp.model.fused): an exact4 Llama's decoder stack in two C++ calls a layer. It is
+"""model.fused (lp.kernels.fused): an exact4 Llama's decoder stack in two C++ calls a layer. It is
 kept only where it equals the model's own forward bit for bit, and decoding on it equals
 transformers generate on the converted model: one sequence with drafts and a window, and a
 batch of sequences on the paged cache."""
@@ -13,8 +13,9 @@ import torch
 
 from lp.config import DecodingConfig, ModelConfig
 from lp.engine.decoder import LookaheadDecoder
-from lp.model import fused as fused_stack
+from lp.kernels import fused as fused_stack
 from lp.model.quant import quantize
+from lp.model.kv import PackedCache
 from lp.model.runner import ModelRunner
 from tests.helpers import BATCH_PROMPTS, REPETITIVE_PROMPT, batch_outputs, hf_greedy
 from tests.test_exact4 import to_q4_blocks
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reaso
 @pytest.fixture(scope="module")
 def q4_llama(tiny_factory):
     """A tiny Llama (head size 32, as the fused rotation needs) whose linears are 4-bit blocks, converted."""
-    from lp.model import exact4
+    from lp.kernels import exact4
 
     if not exact4.extension().avx512():
         pytest.skip("fused layers run on the AVX-512 exact4 build")
@@ -71,19 +72,19 @@ def test_a_stack_that_differs_is_refused(q4_llama):
     runner = ModelRunner(model)
     stack, why = fused_stack.build(model)
     assert stack is not None and why == ""
-    assert fused_stack.agrees(model, stack, runner._check_run)
+    assert fused_stack.agrees(model, stack, runner._check_run, lambda: PackedCache(16))
     layer = stack.layers[-1]
     layer.eps2 *= 4
-    assert not fused_stack.agrees(model, stack, runner._check_run)
+    assert not fused_stack.agrees(model, stack, runner._check_run, lambda: PackedCache(16))
     layer.eps2 /= 4
     ones = torch.ones_like(model.model.rotary_emb(torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))[0])
     rotary = model.model.rotary_emb
     stack.base = type("Base", (), {"embed_tokens": model.model.embed_tokens, "norm": model.model.norm,
                                    "rotary_emb": staticmethod(lambda h, pos: (ones.expand(1, pos.shape[1], -1),
                                                                               0 * ones.expand(1, pos.shape[1], -1)))})()
-    assert not fused_stack.agrees(model, stack, runner._check_run)
+    assert not fused_stack.agrees(model, stack, runner._check_run, lambda: PackedCache(16))
     stack.base = model.model
-    assert rotary is model.model.rotary_emb and fused_stack.agrees(model, stack, runner._check_run)
+    assert rotary is model.model.rotary_emb and fused_stack.agrees(model, stack, runner._check_run, lambda: PackedCache(16))
     assert ModelRunner(model, fused="off").fused is None
 
 

@@ -6,8 +6,8 @@
   outputs equal transformers' greedy ``generate``;
 * on that CUDA path (flex, compiled) a batched step of several sequences is one flex kernel call per
   decoder layer for the whole batch;
-* ``python -m lp.model.prebuild`` builds lp's CPU kernels for a CPU target only, and a model on CUDA
-  never builds lp's C++ attention (``lp.model.attention.register(device)``);
+* ``python -m lp.kernels.prebuild`` builds lp's CPU kernels for a CPU target only, and a model on CUDA
+  never builds lp's C++ attention (``lp.kernels.attention.register(device)``);
 * NCCL's watchdog timeout is longer than ``parallel.timeout_s`` (lp's own bound), gloo's equal to it,
   and an NCCL collective whose peer is dead ends in lp's own WorkerFailure within that bound (a
   bounded wait on the async collective), with the message gloo's failure gives (fake collectives);
@@ -23,7 +23,7 @@ import torch
 
 from lp.config import DecodingConfig
 from lp.engine.batch import BatchEngine
-from lp.model import attention, prebuild
+from lp.kernels import attention, prebuild
 from lp.model.runner import ModelRunner, resolve_attention
 from lp.config import ParallelConfig
 from lp.parallel import dist as lp_dist
@@ -144,7 +144,7 @@ def test_prebuild_builds_cpu_kernels_for_a_cpu_target_only(monkeypatch, capsys):
     with pytest.raises(ValueError, match="--target must be one of auto, cpu, cuda"):
         prebuild.cpu_kernels_wanted("gpu", cuda=True, x86_cpu_torch=True)
     # main on a CUDA machine: no build is even attempted
-    from lp.model import exact4
+    from lp.kernels import exact4
 
     def boom():
         raise AssertionError("a CPU kernel was built for a GPU target")

@@ -19,7 +19,7 @@ import torch
 from lp.config import DecodingConfig
 from lp.engine.batch import BatchEngine
 from lp.engine.decoder import LookaheadDecoder
-from lp.model import attention
+from lp.kernels import attention
 from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 

@@ -1,4 +1,4 @@
-"""The LM head's greedy screen (lp.model.head): its argmax is the fp32 head's on rows whose
+"""The LM head's greedy screen (lp.kernels.head): its argmax is the fp32 head's on rows whose
 top logits nearly tie (where a bf16 head alone picks another token), it answers only steps
 whose logits feed an argmax, and decoding through it equals generate."""
 
@@ -10,8 +10,8 @@ import torch
 from lp.config import DecodingConfig
 from lp.engine.batch import BatchEngine
 from lp.engine.decoder import LookaheadDecoder
-from lp.model import head as head_mod
-from lp.model.head import HeadScreen, argmax_rows
+from lp.kernels import head as head_mod
+from lp.kernels.head import HeadScreen, argmax_rows
 from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 
@@ -34,7 +34,7 @@ def _near_tie_head(v=4096, d=64, groups=64, seed=0, noise=3e-2):
 
 def _screened(screen, x_MD, w_VD, rows=8):
     """Argmaxes of ``x_MD`` through the screen, ``rows`` at a time, the fp32 head's where it
-    answers None (what lp.model.kernels does); and how many of them the screen answered
+    answers None (what lp.kernels.linears does); and how many of them the screen answered
     where bf16 alone picks another token."""
     got, hard = [], 0
     for x_RD in x_MD.split(rows):

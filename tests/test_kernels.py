@@ -1,4 +1,4 @@
-"""Small-row matmuls (lp.model.kernels): the swap keeps the model's own forward bit for bit, the
+"""Small-row matmuls (lp.kernels.linears): the swap keeps the model's own forward bit for bit, the
 switched forward equals F.linear to rounding, and decoding through it equals generate."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 
 from lp.config import DecodingConfig, ModelConfig
 from lp.engine.decoder import LookaheadDecoder
-from lp.model.kernels import SmallRowsLinear, install
+from lp.kernels.linears import SmallRowsLinear, install
 from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy, make_tiny_model
 
@@ -188,7 +188,7 @@ def _ops_run(runner, rows: int) -> set[str]:
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])
 def test_packed_linear_equals_f_linear_and_the_model_keeps_its_own(rows):
-    from lp.model.kernels import pack
+    from lp.kernels.linears import pack
 
     layer, switch, x, ref = _swapped_layer(rows)
     assert pack(layer) == 1 and layer.packed_weight.layout == torch._mkldnn
@@ -271,7 +271,7 @@ def test_compiled_step_decodes_exactly_like_generate(tiny_factory):
 def _aliasing_guards(runner) -> list[str]:
     """The compiled forward's guards that dynamo evaluates in Python (LAMBDA_GUARD) on the
     layers' shared switch, fused group or packed weight: one object reached from many modules
-    is an aliasing guard per module, ~1 us each on every call (lp.model.kernels keys them)."""
+    is an aliasing guard per module, ~1 us each on every call (lp.kernels.linears keys them)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     lines = [line for entry in _debug_get_cache_entry_list(runner._traced.__func__.__code__)
@@ -318,10 +318,10 @@ def test_kernel_builds_are_kept_per_cpu(monkeypatch, tmp_path):
     a home shared by machines of other CPUs never loads a build made for another CPU."""
     from torch.utils import cpp_extension
 
-    from lp.model import kernels
+    from lp.kernels import build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    real = kernels.cpu_identity()
+    real = build.cpu_identity()
     flags = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
              if line.startswith(("flags", "Features"))] if Path("/proc/cpuinfo").is_file() else []
     assert not flags or flags[0] in real  # this CPU's feature flags are part of its key
@@ -330,14 +330,14 @@ def test_kernel_builds_are_kept_per_cpu(monkeypatch, tmp_path):
     cpus = {"a": "Xeon X\nfpu sse avx2", "b": "Xeon X\nfpu sse avx2 avx512f", "a again": "Xeon X\nfpu sse avx2"}
     dirs = {}
     for name, cpu in cpus.items():
-        monkeypatch.setattr(kernels, "cpu_identity", lambda cpu=cpu: cpu)
-        dirs[name] = kernels.build_extension("lp_attention", "a test")
+        monkeypatch.setattr(build, "cpu_identity", lambda cpu=cpu: cpu)
+        dirs[name] = build.build_extension("lp_attention", "a test")
     assert dirs["a"] != dirs["b"] and dirs["a"] == dirs["a again"]  # another flag: another build
     assert all(kw["extra_cflags"] == ["-O3", "-march=native", "-fopenmp"] for kw in seen)
     for d in dirs.values():
         assert d.startswith(str(tmp_path)) and d.endswith("/lp_attention") and Path(d).is_dir()
-    monkeypatch.setattr(kernels.torch, "__version__", "0.0.0")  # another torch: another build
-    assert kernels.build_extension("lp_attention", "a test") not in dirs.values()
+    monkeypatch.setattr(build.torch, "__version__", "0.0.0")  # another torch: another build
+    assert build.build_extension("lp_attention", "a test") not in dirs.values()
 
 
 def test_a_load_killed_midway_does_not_hang_later_loads(tmp_path):
@@ -350,12 +350,12 @@ def test_a_load_killed_midway_does_not_hang_later_loads(tmp_path):
     import subprocess
     import sys
 
-    from lp.model import kernels
+    from lp.kernels import build
 
-    folder = kernels.build_directory("lp_attention")
+    folder = build.build_directory("lp_attention")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "lock").touch()  # what a process killed inside cpp_extension.load leaves
-    load = "from lp.model import kernels; kernels.build_extension('lp_attention', 'a test'); print('loaded')"
+    load = "from lp.kernels import build; build.build_extension('lp_attention', 'a test'); print('loaded')"
     try:
         out = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
@@ -364,17 +364,17 @@ def test_a_load_killed_midway_does_not_hang_later_loads(tmp_path):
         (folder / "lock").unlink(missing_ok=True)
     assert out.returncode == 0 and "loaded" in out.stdout, out.stderr[-2000:]
 
-    hold = ("import sys, time; from pathlib import Path; from lp.model import kernels\n"
-            "with kernels._build_lock(Path(sys.argv[1]), 'a test'):\n print('held', flush=True); time.sleep(600)")
+    hold = ("import sys, time; from pathlib import Path; from lp.kernels import build\n"
+            "with build._build_lock(Path(sys.argv[1]), 'a test'):\n print('held', flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ValueError, match="another process has been building the kernel in"):
-            with kernels._build_lock(tmp_path, "a test", wait_s=0.5):
+            with build._build_lock(tmp_path, "a test", wait_s=0.5):
                 pass
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
-        with kernels._build_lock(tmp_path, "a test", wait_s=10):  # the OS dropped the dead holder's flock
+        with build._build_lock(tmp_path, "a test", wait_s=10):  # the OS dropped the dead holder's flock
             pass
     finally:
         holder.kill()

@@ -2,7 +2,7 @@
 
 Layers, lowest first (``lp/<folder>/__init__.py`` states each one's contract)::
 
-    config < lookahead < grammar < drafts < model < parallel < engine < server < entry points
+    config < lookahead < grammar < drafts < kernels < model < parallel < engine < server < entry points
 
 ``lp.config`` is a leaf every layer may read; the entry points are ``lp/__init__`` (the public
 API), ``lp.cli``, ``lp.command`` (the ``lp`` script), ``lp.generate`` and ``lp.serve``. A module
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "lp"
-LAYERS = ["config", "lookahead", "grammar", "drafts", "model", "parallel", "engine", "server", "entry"]
+LAYERS = ["config", "lookahead", "grammar", "drafts", "kernels", "model", "parallel", "engine", "server", "entry"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 
@@ -45,15 +45,15 @@ def layer(mod: str) -> str:
     return parts[1]
 
 
-def imports(path: Path, known: set[str]) -> list[tuple[str, int]]:
-    """Every lp module this file imports (module level or inside functions), with its line."""
+def imports(path: Path, known: set[str], package: str = "lp") -> list[tuple[str, int]]:
+    """Every ``package`` module this file imports (module level or inside functions), with its line."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "lp"]
+            out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == package]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and node.module.split(".")[0] == "lp":
-            for a in node.names:  # ``from lp.model import kernels`` imports the submodule
+                and node.module.split(".")[0] == package:
+            for a in node.names:  # ``from lp.kernels import linears`` imports the submodule
                 sub = f"{node.module}.{a.name}"
                 out.append((sub if sub in known else node.module, node.lineno))
     return out
@@ -71,7 +71,7 @@ def third_party(path: Path) -> set[str]:
 
 def graph(root: Path = ROOT) -> dict[str, set[str]]:
     mods = modules(root)
-    return {m: {t for t, _ in imports(p, set(mods)) if t != m} for m, p in mods.items()}
+    return {m: {t for t, _ in imports(p, set(mods), root.name) if t != m} for m, p in mods.items()}
 
 
 def upward_imports(root: Path = ROOT) -> list[str]:
@@ -154,6 +154,7 @@ def test_no_circle_between_modules_or_folders():
     ("lookahead", ("transformers", "torch.distributed")),
     ("grammar", ("transformers", "torch.distributed")),
     ("drafts", ("transformers", "torch.distributed", "torch")),
+    ("kernels", ("torch.distributed",)),
     ("model", ("torch.distributed",)),
     ("engine", ("torch.distributed", "transformers")),
     ("server", ("torch.distributed",)),
@@ -163,6 +164,12 @@ def test_layer_keeps_its_libraries_out(folder, forbidden):
         used = third_party(p)
         hits = sorted(u for u in used for f in forbidden if u == f or u.startswith(f + "."))
         assert not hits, f"{p.relative_to(ROOT.parent)} imports {hits}: lp/{folder}/ must not"
+
+
+def test_no_circle_between_bench_modules():
+    """bench/ too: its modules import each other one way (a shared piece lives in a module both use)."""
+    g = graph(ROOT.parent / "bench")
+    assert not circles(g), f"import circles between bench modules: {circles(g)}"
 
 
 def test_the_guard_sees_a_planted_circle_and_an_upward_import(tmp_path):

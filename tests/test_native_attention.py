@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 
-from lp.model import attention
-from lp.model.attention import FIRST, KEYS, MASK, QO, ROWS, SLIDING, SLOTS
+from lp.kernels import attention
+from lp.kernels.attention import FIRST, KEYS, MASK, QO, ROWS, SLIDING, SLOTS
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None or shutil.which("ninja") is None,
                                 reason="the kernel is built with g++ and ninja")

@@ -170,11 +170,11 @@ def test_tiny_qwen2_quantized_is_close_to_fp32(quant):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_rowexact_attention_equals_sdpa_on_float_model(family):
-    """lp_rowexact (lp.model.exact_attention) computes the attention sdpa computes, to float32
+    """lp_rowexact (lp.kernels.exact_attention) computes the attention sdpa computes, to float32
     rounding: a whole-prompt forward through transformers' own masks, and a packed tree step
     after a cached prefix through the runner's mask."""
     from lp.lookahead.layout import build_tree_layout, chain_layout
-    from lp.model import exact_attention
+    from lp.kernels import exact_attention
 
     model = randomize_biases(make_tiny_model(family, seed=4), 0.5, seed=4)
     ref_TV = model(torch.tensor([FP32_PROMPT])).logits[0]

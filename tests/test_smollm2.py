@@ -247,7 +247,7 @@ def test_smollm2_backends_equal_generate(smollm2, backend_runners, attention, W,
 
 
 # ---------------------------------------------------------------------------
-# small-row matmuls (lp.model.kernels): every step of 2+ rows through W @ x.T, the CLI's defaults
+# small-row matmuls (lp.kernels.linears): every step of 2+ rows through W @ x.T, the CLI's defaults
 # (suffix-drafted trees, padded steps on a curve where 2-5 rows are cheaper than 1)
 
 SMALL_CURVE = [(1, 0.056), (2, 0.043), (3, 0.050), (4, 0.048), (5, 0.059), (8, 0.064), (16, 0.079), (32, 0.113)]

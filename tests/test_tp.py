@@ -665,7 +665,7 @@ def _split_blocks_rank(rank: int, world: int, folder: str):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lp.model.exact4 import Exact4Linear
+    from lp.kernels.exact4 import Exact4Linear
     from lp.model.loader import load_model
     from lp.parallel.tp import RowParallel, load_sharded
 

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lp.model.attention import BATCH_SDPA, FIRST, KEYS, MASK, QO, ROWS, SLIDING, SLOTS
+from lp.kernels.attention import BATCH_SDPA, FIRST, KEYS, MASK, QO, ROWS, SLIDING, SLOTS
 from lp.config import DecodingConfig
 from lp.engine.decoder import (
     GenerationResult,
@@ -88,7 +88,7 @@ from lp.engine.decoder import (
 from lp.drafts.budget import GainCalibration
 from lp.drafts.select import BatchCost, TreeRequest, select_tree, select_trees
 from lp.lookahead.layout import build_tree_layout
-from lp.model.head import argmax_rows
+from lp.kernels.head import argmax_rows
 from lp.model.runner import ATTN_IMPLS, ModelRunner
 from lp.model.paged import BLOCK_SIZE, PagedCache, SeqView, blocks_for
 from lp.lookahead.processors import row_extras
@@ -137,7 +137,7 @@ class _Item:
 
 
 def _argmax_only(it: _Item) -> bool:
-    """Whether this item's logits feed only an argmax (lp.model.head): a prefill chunk's are
+    """Whether this item's logits feed only an argmax (lp.kernels.head): a prefill chunk's are
     never read; a greedy row's are unless processors, logprobs or prompt logprobs read them."""
     if it.prompt_rows:
         return False
@@ -168,7 +168,7 @@ class BatchEngine:
             raise ValueError("batched steps need model.attention=sdpa, eager or flex without static shapes / "
                              "CUDA graphs (model.cuda_graphs=false)")
         if runner.attention == "flash":  # the cascade has no batched form (model.attention=auto picks it on CUDA)
-            from lp.model.attention import batch_attention
+            from lp.kernels.attention import batch_attention
 
             runner.attention = batch_attention(runner.attention, runner.device)
             runner.attn_impl = ATTN_IMPLS[runner.attention]
@@ -184,7 +184,7 @@ class BatchEngine:
         self.static_batch = static_batch
         self.runner = runner
         if runner.attention == "sdpa":
-            from lp.model import attention
+            from lp.kernels import attention
 
             attention.register(runner.device)  # lp's C++ attention on a CPU model only
         self.cache = PagedCache(kv_tokens, block_size, prefix_cache)
@@ -528,7 +528,7 @@ class BatchEngine:
             qo += it.layout.num_rows
         if runner.attention == "sdpa":
             # one lp::paged_attention call per layer: each sequence's sdpa over its own keys, read in
-            # place from the paged pool (lp.model.attention); the model's mask argument is a placeholder
+            # place from the paged pool (lp.kernels.attention); the model's mask argument is a placeholder
             mask, extra, impl = self._placeholder, self._sdpa_spans(items, pos), BATCH_SDPA
         else:  # eager and flex: one call over the gathered keys, the mask hiding other sequences
             mask, extra, impl = self._gathered_mask(items, pos), {}, None
@@ -549,7 +549,7 @@ class BatchEngine:
         return out.logits[0, :kept].float()
 
     def _sdpa_spans(self, items: list[_Item], pos: list) -> dict:
-        """The span table, flat masks and flat slots of lp.model.attention.paged_attention: per
+        """The span table, flat masks and flat slots of lp.kernels.attention.paged_attention: per
         sequence its rows, where its keys are in the pool and its (full, sliding) additive masks
         (none where every key is visible: a one-row step). Every tensor holds at least two
         entries (a padding span of 0 rows, zeros), so a compiled step never meets the sizes 0 and

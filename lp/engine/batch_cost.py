@@ -33,7 +33,7 @@ from lp.drafts.select import BatchCost
 from lp.engine.batch import BatchEngine, _Item
 from lp.lookahead.layout import build_tree_layout
 from lp.model import calibrate
-from lp.model.head import argmax_rows
+from lp.kernels.head import argmax_rows
 
 SEQS = 8
 PREFIX = 128

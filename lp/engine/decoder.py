@@ -51,7 +51,7 @@ from lp.parallel.dist import (Frame, greedy_payload, read_greedy, read_logprobs,
                               with_logprobs)
 from lp.drafts.select import FORCED, Scored, observe, predicted_gain, select_tree, suffix_drafts
 from lp.lookahead.layout import build_tree_layout
-from lp.model.head import argmax_rows
+from lp.kernels.head import argmax_rows
 from lp.model.runner import ModelRunner
 from lp.lookahead.pool import ContextIndex, NGramPool
 from lp.lookahead.processors import RowProcessor, row_extras, wants_processing
@@ -692,7 +692,7 @@ class LookaheadDecoder:
 
 
 def argmax_only(cfg: DecodingConfig, run: _Run) -> bool:
-    """Whether a run's step logits feed only their argmax (lp.model.head may screen the LM head):
+    """Whether a run's step logits feed only their argmax (lp.kernels.head may screen the LM head):
     greedy, no processor (logit bias, penalties, grammar), no logprobs."""
     return not cfg.do_sample and run.proc is None and not cfg.logprobs
 

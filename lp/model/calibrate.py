@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lp.model.head import argmax_rows
+from lp.kernels.head import argmax_rows
 
 # every size up to 16 (small sizes are where a BLAS switches kernels), then coarser
 QS = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)
@@ -61,7 +61,7 @@ def _quant_tag(runner) -> str:
 def row_cost_curve(runner, qs=QS, repeats: int = 3, refresh: bool = False, probe: bool = True
                    ) -> list[tuple[int, float]]:
     """The curve (cached); with ``model.small_rows=auto`` it also sets ``runner.small_rows``
-    to the row counts that ran faster with small-row matmuls (lp.model.kernels). ``probe``:
+    to the row counts that ran faster with small-row matmuls (lp.kernels.linears). ``probe``:
     a cached curve whose t(1) is stale against a re-time now is measured again."""
     path = cache_path(runner)
     cached = None

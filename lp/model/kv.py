@@ -5,7 +5,7 @@ buffer each, ``[1, H_kv, capacity, D]``, allocated once on the first write (dtyp
 device from the model's keys). A forward over Q new rows writes them at
 ``[length, length + Q)`` in place and hands attention a *view* of the filled part
 ``[:length + Q]``, so early steps do not pay for the whole buffer. ``dtype`` (default: the
-keys' own) stores K/V wider than the model computes them: float64 for lp.model.exact_attention,
+keys' own) stores K/V wider than the model computes them: float64 for lp.kernels.exact_attention,
 which then reads them without converting the whole prefix at every layer of every step
 (float32 -> float64 is exact, so attention sees the same values). With
 ``full_view=True`` (CUDA graphs) attention gets the whole buffer instead and the

@@ -125,7 +125,7 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if blocks_first else torch_dtype,
                                                  attn_implementation="sdpa")
     if blocks_first:
-        from lp.model import exact4
+        from lp.kernels import exact4
 
         if exact4.has_blocks(model):
             log.info("model.dtype=auto -> float32: its linears are exact 4-bit blocks (model.quant=auto runs them)")

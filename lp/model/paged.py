@@ -20,7 +20,7 @@ step (which sequences, how many new rows each); the model's public forward then 
 ``update(k, v, layer)`` once per layer, which writes the step's rows into their slots
 and returns either (``gather=True``: eager and flex) the K/V of exactly the slots the
 step reads, sequence after sequence -- the caller's mask hides other sequences -- or
-(``gather=False``: lp.model.attention's per-sequence sdpa) the pool itself, no copy: a
+(``gather=False``: lp.kernels.attention's per-sequence sdpa) the pool itself, no copy: a
 contiguous sequence's keys are a slice of it, a fragmented one's are gathered by the
 attention. Attention costs ~ (a sequence's rows) x (its length) summed over sequences,
 never (step rows) x (all slots).
@@ -327,6 +327,10 @@ def _digest(parent: bytes, ids: Sequence[int]) -> bytes:
 
 class PagedCache(Cache):
     """``kv_tokens`` slots per layer in ``block_size`` blocks (see module doc)."""
+
+    # lp.kernels.fused's one-call stack reads the pool in place: ``keys`` / ``values`` (a tensor a
+    # layer), the step's write slots ``_write``, and ``_read`` None when attention reads the pool
+    PAGED_POOL = True
 
     def __init__(self, kv_tokens: int, block_size: int = BLOCK_SIZE, prefix_cache: bool = False):
         if kv_tokens < block_size:

@@ -30,7 +30,7 @@ torchao 0.18; numbers in bench/results/quant/):
   bf16/fp16, so packed rows round like one row up to the GEMM's summation order).
 * ``exact4`` (CPU, float32): not a quantization. The linears whose float32 weights already are
   4-bit blocks (a GGUF Q4_0 / Q4_1 model dequantized: lp's default SmolLM2) run on those blocks
-  with float32 math, every weight reproduced bit for bit (lp.model.exact4); the rest stay.
+  with float32 math, every weight reproduced bit for bit (lp.kernels.exact4); the rest stay.
 * ``int4``: torchao's int4 weight-only with group size 32 — on the CPU the prototype
   ``Int4OpaqueTensor`` (``aten._weight_int4pack_mm_for_cpu``, bf16 activations), on CUDA the
   tinygemm layout (``tile_packed_to_4d``). The model is cast to bf16 first.
@@ -58,8 +58,8 @@ import warnings
 import torch
 from torch import nn
 
-from lp.model.kernels import SharedInputPart, SharedProduct, fuse_siblings  # noqa: F401  (SharedInputPart re-exported)
-from lp.model.kernels import is_linear as _is_linear
+from lp.kernels.linears import SharedInputPart, SharedProduct, fuse_siblings  # noqa: F401  (SharedInputPart re-exported)
+from lp.kernels.linears import is_linear as _is_linear
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def resolve_auto(model, device: torch.device) -> tuple[str, str]:
     dtype = next(model.parameters()).dtype
     if device.type != "cpu" or dtype != torch.float32:
         return "none", f"exact4 runs float32 models on the CPU (this one: {dtype} on {device.type})"
-    from lp.model import exact4
+    from lp.kernels import exact4
 
     if not exact4.has_blocks(model):
         return "none", "no linear of this model holds exact 4-bit blocks"
@@ -184,7 +184,7 @@ class RowInt8Linear(nn.Module):
 
     def shared(self, x: torch.Tensor, part: int) -> torch.Tensor:
         """The fused product for ``x``, computed once for the parts that read the same
-        input tensor one after the other (lp.model.kernels.SharedProduct)."""
+        input tensor one after the other (lp.kernels.linears.SharedProduct)."""
         return self._share.get(x, part, self)
 
     def extra_repr(self) -> str:
@@ -318,11 +318,11 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
         log.info("model.quant=auto -> %s: %s", scheme, why)
         if scheme == "none":
             return scheme
-    if scheme == "exact4":  # lossless: the linears whose float32 weights are 4-bit blocks (lp.model.exact4)
+    if scheme == "exact4":  # lossless: the linears whose float32 weights are 4-bit blocks (lp.kernels.exact4)
         dtype = next(model.parameters()).dtype
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"model.quant=exact4 runs float32 models on the CPU, got {dtype} on {device.type}")
-        from lp.model import exact4
+        from lp.kernels import exact4
 
         n, _ = exact4.convert(model)
         if n == 0:
@@ -339,7 +339,7 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
         n = fuse_siblings(model, lambda parts: RowInt8Linear(*parts)) + _swap_linears(model, RowInt8Linear)
         # sdpa rounds differently for 1 and Q rows, and int8 activations amplify that into
         # different logits: attention whose rows are independent keeps lookahead == generate
-        from lp.model import exact_attention
+        from lp.kernels import exact_attention
 
         exact_attention.register()
         model.set_attn_implementation(exact_attention.ROWEXACT)

@@ -1,7 +1,7 @@
 """The one module that adapts transformers models for packed steps: forward, cache edits.
 
 Contract: ``ModelRunner.forward(layout, cache)`` runs one packed step through the
-model's *public* forward (or, for an exact4 Llama, lp.model.fused's stack, kept only where it
+model's *public* forward (or, for an exact4 Llama, lp.kernels.fused's stack, kept only where it
 equals that forward bit for bit: ``model.fused``) with explicit ``position_ids``, a mask built from the
 layout's parent forest, and a ``lp.model.kv.PackedCache`` (static, in-place); only the
 rows in ``layout.keep`` go through the LM head. It returns float32 logits, one row
@@ -10,12 +10,12 @@ publication. No transformers class is patched.
 
 Attention (``model.attention``): ``sdpa`` and ``eager`` take an additive [1, 1, Q, K+Q]
 mask (a view of a buffer allocated once); ``flex`` a FlexAttention BlockMask;
-``flash`` the cascade kernel of lp.model.attention with only the [Q, Q] local block.
+``flash`` the cascade kernel of lp.kernels.attention with only the [Q, Q] local block.
 Models with sliding-window layers get the window applied in the mask (a dict
 {"full_attention", "sliding_attention"} for models mixing both kinds).
 
 Linears (``model.linears``): ``packed`` runs every plain float linear on its oneDNN-prepacked
-weight (lp.model.kernels.pack), ``plain`` on torch's own; small-row matmuls take over the row
+weight (lp.kernels.linears.pack), ``plain`` on torch's own; small-row matmuls take over the row
 counts the calibration found faster still (``model.small_rows``).
 
 Legend: Q packed rows this step, K cached rows, V vocabulary.
@@ -31,7 +31,7 @@ import types
 
 import torch
 
-from lp.model import kernels
+from lp.kernels import linears
 from lp.model.calibrate import QS as TIMED_ROWS
 from lp.lookahead.layout import Layout
 
@@ -68,8 +68,8 @@ FUSED = ("auto", "on", "off")
 def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> str:
     """``auto``: flash (cascade over flash-attn) or flex on CUDA; on the CPU the kernel the
     model was loaded with (sdpa or eager); ``rowexact`` wherever the model holds it (lp.model.quant's
-    int8 sets it: lp.model.exact_attention)."""
-    from lp.model.attention import flash_attn_available
+    int8 sets it: lp.kernels.exact_attention)."""
+    from lp.kernels.attention import flash_attn_available
 
     if name not in ATTENTION:
         raise ValueError(f"model.attention must be one of {', '.join(ATTENTION)}, got {name!r}")
@@ -83,11 +83,11 @@ def resolve_attention(name: str, device: torch.device, loaded: str = "sdpa") -> 
 
 
 def resolve_linears(name: str, model, device: torch.device, quant: str) -> str:
-    """``auto``: oneDNN-packed linears (lp.model.kernels.pack) on the CPU for an unquantized model
+    """``auto``: oneDNN-packed linears (lp.kernels.linears.pack) on the CPU for an unquantized model
     (or the float linears an exact4 model keeps, its head) whose packed copy fits in half the
     memory available now; ``plain`` otherwise."""
-    if name not in kernels.LINEARS:
-        raise ValueError(f"model.linears must be one of {', '.join(kernels.LINEARS)}, got {name!r}")
+    if name not in linears.LINEARS:
+        raise ValueError(f"model.linears must be one of {', '.join(linears.LINEARS)}, got {name!r}")
     if name == "plain":
         return name
     onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
@@ -98,8 +98,8 @@ def resolve_linears(name: str, model, device: torch.device, quant: str) -> str:
         return name
     if not onednn or quant not in ("none", "exact4"):  # exact4 leaves float linears (the head) to pack
         return "plain"
-    kernels.install(model)  # the swap alone changes nothing: its switch is off outside lp's forwards
-    size = kernels.packed_bytes(model)  # 0 under TP (DTensor shards) or with nothing packable
+    linears.install(model)  # the swap alone changes nothing: its switch is off outside lp's forwards
+    size = linears.packed_bytes(model)  # 0 under TP (DTensor shards) or with nothing packable
     return "packed" if 0 < size < 0.5 * _available_bytes() else "plain"
 
 
@@ -173,11 +173,11 @@ class ModelRunner:
         configs = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
         self._configs = list(configs.values())
         if self.attention in ("flex", "flash"):
-            from lp.model import attention as attention_kernels
+            from lp.kernels import attention as attention_kernels
 
             attention_kernels.register()
         if self.attention == "rowexact":
-            from lp.model import exact_attention
+            from lp.kernels import exact_attention
 
             exact_attention.register()
         if cuda_graphs and self.device.type != "cuda":
@@ -200,9 +200,9 @@ class ModelRunner:
         self._setup_compile(model, compile, cuda_graphs or static_shapes)
         self._setup_fused(model, fused)
 
-    def _setup_linears(self, model, small_rows: str, linears: str, compiled: bool = False) -> None:
-        """The linear kernels of lp's forwards (lp.model.kernels): small-row matmuls, packed weights."""
-        # small-row matmuls (lp.model.kernels): "on" for every step; "auto" for the row
+    def _setup_linears(self, model, small_rows: str, linears_mode: str, compiled: bool = False) -> None:
+        """The linear kernels of lp's forwards (lp.kernels.linears): small-row matmuls, packed weights."""
+        # small-row matmuls (lp.kernels.linears): "on" for every step; "auto" for the row
         # counts in small_rows, those lp.model.calibrate measured faster (CPU only, none until
         # calibrated); see uses_small_rows
         if small_rows not in ("auto", "on", "off"):
@@ -213,22 +213,22 @@ class ModelRunner:
         self.small_rows_mode = "off" if (small_rows == "auto" and off) else small_rows
         self.small_rows: frozenset[int] = frozenset()
         self._switch = None
-        self.linears = resolve_linears(linears, model, self.device, self.quant)
+        self.linears = resolve_linears(linears_mode, model, self.device, self.quant)
         if self.small_rows_mode != "off" or self.linears == "packed":
-            self._switch = kernels.install(model)
-            if self.linears == "packed" and not kernels.pack(model):
+            self._switch = linears.install(model)
+            if self.linears == "packed" and not linears.pack(model):
                 raise ValueError("model.linears=packed found no plain float linear to pack (a quantized model, or "
                                  "tensor-parallel shards): use model.linears=auto or plain")
 
     def _setup_head(self, model, head: str) -> None:
-        """``model.head`` (lp.model.head): the bf16 screen of a packed fp32 head for greedy steps."""
-        from lp.model.head import HEADS, screen_head
+        """``model.head`` (lp.kernels.head): the bf16 screen of a packed fp32 head for greedy steps."""
+        from lp.kernels.head import HEADS, screen_head
 
         if head not in HEADS:
             raise ValueError(f"model.head must be one of {', '.join(HEADS)}, got {head!r}")
         self.head8 = None
         if self.quant == "exact4" and self.linears == "packed" and head == "auto":
-            from lp.model import exact4
+            from lp.kernels import exact4
 
             self.head8 = exact4.head8(model)  # the head's exact 8-bit blocks, where it holds them
         self.head_screen = screen_head(model, head) if self.linears == "packed" and self.head8 is None else None
@@ -252,7 +252,7 @@ class ModelRunner:
     def _compiled_forward(self, **kwargs):
         """The model's forward under torch.compile (inductor), dynamic in the row count and the
         cache length: one graph for every step after a warm-up recompile, the linears opaque
-        packed ops (lp.model.kernels.packed_linear), K/V written in place into the PackedCache."""
+        packed ops (lp.kernels.linears.packed_linear), K/V written in place into the PackedCache."""
         if self._compiled is None:
             log.info("model.compile=on: compiling the packed step with torch.compile (once per process; "
                      "inductor caches its kernels on disk for the next start)")
@@ -261,7 +261,7 @@ class ModelRunner:
         return self._compiled(**kwargs)
 
     def _setup_fused(self, model, fused: str) -> None:
-        """``model.fused``: an exact4 Llama's decoder stack in two C++ calls a layer (lp.model.fused),
+        """``model.fused``: an exact4 Llama's decoder stack in two C++ calls a layer (lp.kernels.fused),
         kept only where its logits and cache equal the model's own forward bit for bit."""
         if fused not in FUSED:
             raise ValueError(f"model.fused must be one of {', '.join(FUSED)}, got {fused!r}")
@@ -273,7 +273,8 @@ class ModelRunner:
                 or self.attention not in ("sdpa", "eager"):
             self.fused_why = "fused steps need an exact4 model on the CPU, eager, with sdpa or eager attention"
         else:
-            from lp.model import fused as fused_stack
+            from lp.kernels import fused as fused_stack
+            from lp.model.kv import PackedCache
 
             stack, self.fused_why = fused_stack.build(model)
             if stack is not None:
@@ -282,7 +283,7 @@ class ModelRunner:
                 seen = model.__dict__.setdefault("_lp_fused_agrees", {})
                 key = (self.attention, type(model.get_output_embeddings()).__name__)
                 if key not in seen:
-                    seen[key] = fused_stack.agrees(model, stack, self._check_run)
+                    seen[key] = fused_stack.agrees(model, stack, self._check_run, lambda: PackedCache(16))
                 if seen[key]:
                     self.fused, self.fused_why = stack, ""
                 else:
@@ -399,7 +400,7 @@ class ModelRunner:
     def forward(self, layout: Layout, cache, argmax_only: bool = False) -> torch.Tensor:
         """Run the packed rows; return logits [len(layout.keep), V] (float32) on the model's device.
         ``argmax_only``: the caller reads only each row's argmax (greedy, no processor, no logprobs):
-        the head's screen (lp.model.head) may answer, its argmax exact, its other values not logits."""
+        the head's screen (lp.kernels.head) may answer, its argmax exact, its other values not logits."""
         if self._static is not None:
             return self._static.forward(layout, cache)
         sk = layout.skeleton
@@ -425,7 +426,7 @@ class ModelRunner:
         return out.logits[0].float()
 
     def uses_small_rows(self, rows: int) -> bool:
-        """Whether a forward of ``rows`` rows runs small-row matmuls (lp.model.kernels)."""
+        """Whether a forward of ``rows`` rows runs small-row matmuls (lp.kernels.linears)."""
         if self._switch is None or rows < 1:
             return False
         if self.small_rows_mode == "on":
@@ -456,16 +457,16 @@ class ModelRunner:
         if packed:
             self._switch.packed = True
         if screen:
-            kernels.ARGMAX_ONLY.on = True
+            linears.ARGMAX_ONLY.on = True
         if head8:
-            kernels.HEAD8_ON.on = True
+            linears.HEAD8_ON.on = True
         try:
             yield
         finally:
             if screen:
-                kernels.ARGMAX_ONLY.on = False
+                linears.ARGMAX_ONLY.on = False
             if head8:
-                kernels.HEAD8_ON.on = False
+                linears.HEAD8_ON.on = False
             if small:
                 self._switch.on = False
             if packed:

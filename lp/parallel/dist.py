@@ -379,7 +379,7 @@ class WorkerGroup:
         return frames[:: self.tp_size], bool(frames[0][-2])  # rank 0 decides cancellation
 
     def share_curve(self, curve, small_rows):
-        """Rank 0's [(Q, seconds)] and its small-row kernel set (lp.model.kernels, a subset of the
+        """Rank 0's [(Q, seconds)] and its small-row kernel set (lp.kernels.linears, a subset of the
         curve's Q) on every rank (one broadcast per generation that calibrates)."""
         from lp.model.calibrate import QS
 

@@ -198,7 +198,7 @@ def weights_bytes(path: Path, config, tp: int, dtype: torch.dtype, device: torch
     """(this rank's weight bytes once loaded, of which replicated, its peak while loading) from
     the safetensors headers, for lp.model.loader.load_model's order of work: the checkpoint
     whole in ``dtype`` on the device, then lp.model.quant.quantize (see the module docstring)."""
-    from lp.model.kernels import FUSED
+    from lp.kernels.linears import FUSED
 
     shapes = _tensor_shapes(path)
     if shapes is None:
@@ -239,7 +239,7 @@ def weights_bytes(path: Path, config, tp: int, dtype: torch.dtype, device: torch
     # the peak: every tensor (and the untied head) in the widest float dtype it passes through
     # (model.dtype as loaded; float32 after the CPU int8's cast), plus one linear's working set
     load_element = 4 if row_int8 else max(element, 2 if quant == "int4" else element)
-    if row_int8:  # q/k/v and gate/up are fused (lp.model.kernels.fuse_siblings), the rest one by one
+    if row_int8:  # q/k/v and gate/up are fused (lp.kernels.linears.fuse_siblings), the rest one by one
         groups = [sum(mats.get(f"{m}.{p}.weight", 0) for p in names) for m, _ in model.named_modules()
                   for names in FUSED]
         work = QUANT_WORK["row_int8"]

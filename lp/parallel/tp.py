@@ -118,11 +118,11 @@ def _shard_modules(model, tp_mesh) -> None:
     are: real weights are sliced, meta ones stay placeholders), its modules get the hooks."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    from lp.model import kernels
+    from lp.kernels import linears
 
     check_tp(model.config, tp_mesh.size())
     # the small-row layers must exist before the TP hooks wrap their forward
-    kernels.install(model)
+    linears.install(model)
     expanded = _expand(model, tp_plan(model))
     assert expanded, "the model's tp_plan matched no module"
     with torch.no_grad():
@@ -184,7 +184,7 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True,
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     assert not meta, f"parameters left unloaded: {meta[:5]}"
     if blocks_first:
-        from lp.model import exact4
+        from lp.kernels import exact4
 
         if _all_true(tp_mesh.get_group(), dev, not exact4.has_blocks(model)):
             model.to(torch_dtype)
@@ -368,7 +368,7 @@ def quantize_shards(model, quant: str, device: torch.device, tp_mesh) -> str:
         for m in rows:
             m.linear = _row_int8(m.linear, tp_mesh.get_group())
     else:
-        from lp.model.exact4 import BLOCK
+        from lp.kernels.exact4 import BLOCK
 
         for m in rows:
             if m.linear.in_features % BLOCK:

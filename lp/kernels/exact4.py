@@ -5,7 +5,7 @@ Contract: ``encode(w_NK)`` returns ``(q, d, c)`` (see ``csrc/lp_exact4.cpp`` for
 every weight of ``w_NK`` [out N, in K] is ``fma(q, d, c)`` of a 4-bit ``q`` and a per-block
 (32 weights along K) pair of float16 values ``d``, ``c`` — checked bit for bit, in float32 and
 through the kernel itself — else None. ``convert(model)`` replaces each group of sibling
-linears (q/k/v, gate/up: ``lp.model.kernels.FUSED``) whose weights all encode by one
+linears (q/k/v, gate/up: ``lp.kernels.linears.FUSED``) whose weights all encode by one
 ``Exact4Linear`` (and each other bias-free float32 linear that encodes by its own), leaves
 the rest (the LM head, any linear that does not encode) as they are, and returns (linears
 converted, linears left). Nothing is approximated: a weight that does not encode stays a
@@ -23,7 +23,7 @@ exact, so the one rounding gives the checkpoint's weight), then the same multipl
 float32 matmul in another order. Each row's output depends on that row only (the same
 operations whatever the row count), so lookahead == ``generate`` on the converted model, and
 the products differ from the dense model's only by summation order, like any change of
-kernel (lp.model.kernels). Measured on a 2-vCPU Sapphire Rapids VM, SmolLM2's 30 layers of
+kernel (lp.kernels.linears). Measured on a 2-vCPU Sapphire Rapids VM, SmolLM2's 30 layers of
 linears, weights streamed from memory, both threads (the kernel's ``at::parallel_for`` is
 OpenMP: built with ``-fopenmp``, else it runs on one thread): 1 row 9.3 ms vs 21.5 dense, 8 rows
 13.8 vs 42.7, 16 rows 23.4 vs 49.0, 64 rows 74 vs 81 (compute-bound past a few rows).
@@ -43,7 +43,8 @@ import logging
 import torch
 from torch import nn
 
-from lp.model.kernels import SharedProduct, build_extension, fuse_siblings, is_linear
+from lp.kernels.build import build_extension
+from lp.kernels.linears import SharedProduct, fuse_siblings, is_linear
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ BLOCK = 32  # weights per (d, c) pair along K: Q4_0 / Q4_1's block
 @functools.lru_cache(maxsize=1)
 def extension():
     """The compiled kernel (``torch.ops.lp_exact4.mm``), built on first use and cached by torch
-    (lp.model.kernels.build_extension); a ValueError naming what is missing when it cannot be built."""
+    (lp.kernels.build.build_extension); a ValueError naming what is missing when it cannot be built."""
     mod = build_extension("lp_exact4", "model.quant=exact4")
     torch.library.register_fake("lp_exact4::mm")(_mm_shape)
     torch.library.register_fake("lp_exact4::mm8")(_mm8_shape)
@@ -183,7 +184,7 @@ def _kernel_reproduces(w_NK: torch.Tensor, p: torch.Tensor) -> bool:
 class Exact4Linear(nn.Module):
     """``y = x @ W.T`` for float32 ``x`` with W held as exact 4-bit blocks (``encode``); built from
     one bias-free linear or from siblings that read the same input (their blocks stacked along
-    N, one kernel call; each sibling becomes a ``lp.model.kernels.SharedInputPart``)."""
+    N, one kernel call; each sibling becomes a ``lp.kernels.linears.SharedInputPart``)."""
 
     def __init__(self, linears: list[nn.Linear], p: torch.Tensor):
         super().__init__()
@@ -217,7 +218,7 @@ class Exact4Linear(nn.Module):
 
     def shared(self, x: torch.Tensor, part: int) -> torch.Tensor:
         """The stacked product for ``x``, computed once for the parts that read it one after the
-        other (lp.model.kernels.SharedProduct)."""
+        other (lp.kernels.linears.SharedProduct)."""
         return self._share.get(x, part, self)
 
     def extra_repr(self) -> str:
@@ -226,7 +227,7 @@ class Exact4Linear(nn.Module):
 
 
 def _plain(m) -> bool:
-    """A bias-free float32 linear: nn.Linear, or lp.model.kernels' swap of one (a runner built on
+    """A bias-free float32 linear: nn.Linear, or lp.kernels.linears' swap of one (a runner built on
     this model before shares its weight)."""
     return is_linear(m) and m.bias is None and m.weight.dtype == torch.float32
 
@@ -341,7 +342,7 @@ def _encode8_packed(w_NK: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tenso
 class Head8:
     """The LM head's weight as exact 8-bit blocks (``encode8``), packed (``pack8``): ``logits(x)`` =
     x @ W.T in float32 for up to ``HEAD8_MAX_ROWS`` rows, else None (the caller runs the packed fp32
-    head). ``argmax_logits(x)``, for rows that feed only a greedy argmax (``kernels.ARGMAX_ONLY``):
+    head). ``argmax_logits(x)``, for rows that feed only a greedy argmax (``linears.ARGMAX_ONLY``):
     the screen below, where this build has AVX-512 VNNI.
 
     The screen (``lp_exact4.screen8``, its proof atop the C++ code): an integer pass (int8 weights,
@@ -382,15 +383,15 @@ class Head8:
 
 
 def head8(model: nn.Module) -> Head8 | None:
-    """The model's packed float32 head (``lp.model.kernels.pack`` first) as exact 8-bit blocks,
-    registered where the packed head's forward finds it (``kernels.HEAD8``), or None where its
+    """The model's packed float32 head (``lp.kernels.linears.pack`` first) as exact 8-bit blocks,
+    registered where the packed head's forward finds it (``linears.HEAD8``), or None where its
     weights are not 8-bit blocks. Kept on the model (``_lp_head8``): built once per model."""
     import weakref
 
-    from lp.model import kernels
+    from lp.kernels import linears
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, kernels.SmallRowsLinear) or head.packed_key < 0 or head.weight.dtype != torch.float32:
+    if not isinstance(head, linears.SmallRowsLinear) or head.packed_key < 0 or head.weight.dtype != torch.float32:
         return None
     h8 = getattr(model, "_lp_head8", None)
     if h8 is None:
@@ -404,5 +405,5 @@ def head8(model: nn.Module) -> Head8 | None:
                  "; greedy rows through its int8 screen (%d-%d rows)" % SCREEN_ROWS if h8.screen is not None else
                  "; no int8 screen (this build lacks AVX-512 VNNI)")
     key = head.packed_key
-    kernels.HEAD8[key] = weakref.ref(h8, lambda _, key=key: kernels.HEAD8.pop(key, None))
+    linears.HEAD8[key] = weakref.ref(h8, lambda _, key=key: linears.HEAD8.pop(key, None))
     return h8

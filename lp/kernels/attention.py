@@ -46,7 +46,7 @@ import warnings
 
 import torch
 
-from lp.model.kernels import build_extension, opaque_op
+from lp.kernels.build import build_extension, opaque_op
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ def native_op():
 
 def native_attends(device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether ``batch_sdpa_forward`` runs lp's C++ op on float32 queries, keys and values of this
-    device, dtype and head size (lp.model.fused's one-call stack asks the same before it calls
+    device, dtype and head size (lp.kernels.fused's one-call stack asks the same before it calls
     the op itself)."""
     return (_NATIVE is not None and torch.device(device).type == "cpu" and dtype == torch.float32
             and head_dim % 16 == 0)

@@ -1,9 +1,9 @@
-"""Build lp's C++ kernels now rather than at a server's first start: ``python -m lp.model.prebuild``
+"""Build lp's C++ kernels now rather than at a server's first start: ``python -m lp.kernels.prebuild``
 (``launch/install.sh`` runs it after installing lp).
 
 Contract: builds ``csrc/lp_exact4.cpp`` (``model.quant=exact4``, what ``model.quant=auto`` picks for
 a model whose linears are exact 4-bit blocks) and ``csrc/lp_attention.cpp`` (the batched step's
-CPU attention) with ``lp.model.kernels.build_extension`` into its per-CPU cache, prints one line a
+CPU attention) with ``lp.kernels.build.build_extension`` into its per-CPU cache, prints one line a
 kernel (built or loaded, seconds, whether the AVX-512 path is in) and exits 0; a kernel that
 cannot be built (no g++ or ninja) is reported and skipped (exit 0: lp then runs its other
 kernels). Only where they run: nothing is built on a machine without an x86 CPU build of torch,
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     if why is not None:
         print(f"[lp] prebuild: nothing built: {why}")
         return 0
-    from lp.model import attention, exact4
+    from lp.kernels import attention, exact4
 
     for name, build in (("lp_exact4", lambda: exact4.extension()),
                         ("lp_attention", lambda: (attention.native_op() or (None,))[0])):

@@ -3,7 +3,7 @@ module tree: the same operations on the same kernels, so the same bits, checked 
 
 Contract: ``build(model)`` returns a ``FusedDecoder`` for a model whose every decoder layer is
 Llama's (``LlamaDecoderLayer``: pre-norm attention and gated-SiLU MLP, rotary embeddings, no
-biases) with its norms ``lp.model.exact4.FusedRMSNorm``, q/k/v one ``Exact4Linear``, gate/up one,
+biases) with its norms ``lp.kernels.exact4.FusedRMSNorm``, q/k/v one ``Exact4Linear``, gate/up one,
 o and down one each (what ``model.quant=exact4`` makes of lp's SmolLM2), on an AVX-512 build,
 with ""; else (None, the reason). Calling it takes the arguments lp's steps give the
 model's public forward (``input_ids``, ``position_ids``, ``attention_mask``, the cache as
@@ -62,8 +62,8 @@ class _Out:
 
 def _fused_parts(parts) -> object | None:
     """The one Exact4Linear behind sibling linears ``parts`` (SharedInputParts 0, 1, ... in order)."""
-    from lp.model.exact4 import Exact4Linear
-    from lp.model.kernels import SharedInputPart
+    from lp.kernels.exact4 import Exact4Linear
+    from lp.kernels.linears import SharedInputPart
 
     if not all(type(p) is SharedInputPart for p in parts):
         return None
@@ -76,8 +76,8 @@ def _fused_parts(parts) -> object | None:
 
 
 def _plan(model) -> tuple[list[_Layer], str]:
-    from lp.model import exact4
-    from lp.model.exact4 import Exact4Linear, FusedRMSNorm
+    from lp.kernels import exact4
+    from lp.kernels.exact4 import Exact4Linear, FusedRMSNorm
 
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -154,10 +154,9 @@ class FusedDecoder:
     def _paged(self, cache, kwargs) -> bool:
         """Whether this step can run as one decoder_paged call: a batched step (lp.engine.batch) on
         the paged pool read in place, lp's C++ paged attention, every layer's pool allocated."""
-        from lp.model import attention
-        from lp.model.paged import PagedCache
+        from lp.kernels import attention
 
-        return (self.whole and self._shape is not None and type(cache) is PagedCache and cache._read is None
+        return (self.whole and self._shape is not None and getattr(cache, "PAGED_POOL", False) and cache._read is None
                 and len(cache.keys) == len(self.layers) and "lp_spans" in kwargs
                 and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
                 and self.config._attn_implementation == attention.BATCH_SDPA
@@ -181,7 +180,7 @@ class FusedDecoder:
         cos, sin = base.rotary_emb(h, position_ids)
         heads, kv_heads = self.heads, self.kv_heads
         if self._paged(cache, kwargs):
-            from lp.model.attention import NATIVE_ROWS
+            from lp.kernels.attention import NATIVE_ROWS
 
             d, inter, scale = self._shape
             h = ops.decoder_paged(h, *self._lists, heads, kv_heads, d, inter, cos, sin, cache.keys, cache.values,
@@ -218,11 +217,11 @@ def build(model) -> tuple[FusedDecoder | None, str]:
 
 
 @torch.inference_mode()
-def agrees(model, fused: FusedDecoder, run) -> bool:
+def agrees(model, fused: FusedDecoder, run, new_cache) -> bool:
     """Whether ``fused`` and the model's own forward give bit-equal logits and cache contents on
     a 7-token prompt, then a 3-row tree step (rows 1 and 2 both children of row 0). ``run(fn,
-    ids, pos, mask, cache)`` calls a forward in the runner's kernel context."""
-    from lp.model.kv import PackedCache
+    ids, pos, mask, cache)`` calls a forward in the runner's kernel context; ``new_cache()`` makes an
+    empty cache of 16 rows (lp.model.kv.PackedCache) for each forward."""
 
     vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -237,7 +236,7 @@ def agrees(model, fused: FusedDecoder, run) -> bool:
     tree[0, 0, 2, 8] = neg
     outs = []
     for fn in (model, fused):
-        cache = PackedCache(16)
+        cache = new_cache()
         a = run(fn, prompt, torch.arange(7)[None], causal, cache)
         b = run(fn, step, torch.tensor([[7, 8, 8]]), tree, cache)
         kv = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]

@@ -29,7 +29,7 @@ packed copy costs the linears' bytes once more (the plain weight stays: the user
 ``generate`` and the tied input embedding read it); a later change of the plain weight is
 not seen by the packed copy (inference only). Siblings that read one input (q/k/v, gate/up:
 ``FUSED``) are packed as one stacked weight and computed by one call (``FusedGroup``). While
-``ARGMAX_ONLY.on``, a packed head with a screen in ``SCREENS`` (lp.model.head) answers
+``ARGMAX_ONLY.on``, a packed head with a screen in ``SCREENS`` (lp.kernels.head) answers
 instead of its fp32 weight: its rows' argmaxes exact, its other values not logits.
 
 One row: MKL's matrix-vector path on the LM head (49,152 x 576) takes 11 ms here, the
@@ -40,15 +40,14 @@ GEMV is as fast). The calibration times Q = 1 both ways like any other Q.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
 import weakref
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lp.kernels.build import opaque_op
 
 
 LINEARS = ("auto", "packed", "plain")
@@ -86,7 +85,7 @@ GROUPS: dict = {}  # fused_key -> weak reference to its FusedGroup (its members 
 
 class ArgmaxOnly:
     """Set (by lp.model.runner) around a forward whose logits only feed an argmax: a packed LM
-    head with a screen (lp.model.head, in ``SCREENS`` by its packed key) then returns logits
+    head with a screen (lp.kernels.head, in ``SCREENS`` by its packed key) then returns logits
     whose argmax is the exact one and whose other values are not logits. Read only at run time
     (``_packed``), never in a traced forward."""
 
@@ -95,8 +94,8 @@ class ArgmaxOnly:
 
 ARGMAX_ONLY = ArgmaxOnly()
 HEAD8_ON = ArgmaxOnly()  # set (by lp.model.runner) around the forwards of a runner whose head runs on HEAD8
-SCREENS: dict = {}  # packed_key -> weak reference to the head's lp.model.head.HeadScreen
-HEAD8: dict = {}  # packed_key -> weak reference to the head's lp.model.exact4.Head8 (exact 8-bit blocks)
+SCREENS: dict = {}  # packed_key -> weak reference to the head's lp.kernels.head.HeadScreen
+HEAD8: dict = {}  # packed_key -> weak reference to the head's lp.kernels.exact4.Head8 (exact 8-bit blocks)
 
 
 class SmallRowsLinear(nn.Linear):
@@ -178,128 +177,6 @@ def install(model: nn.Module) -> SmallRows:
 PACKED: list = []  # weak references: a dropped model frees its packed copy
 
 
-_LIB = torch.library.Library("lp", "FRAGMENT")
-CSRC = Path(__file__).resolve().parent / "csrc"
-
-
-def cpu_identity() -> str:
-    """What a ``-march=native`` build depends on: the first CPU's model name and feature flags in
-    ``/proc/cpuinfo`` (``Features`` on ARM), else ``platform``'s machine and processor."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    fields = {}
-    for line in text.splitlines():
-        if not line.strip():
-            if fields:
-                break  # the first processor's block
-            continue
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    picked = [fields.get(k, "") for k in ("model name", "flags", "Features", "CPU implementer", "CPU part")]
-    if not any(picked):
-        import platform
-
-        picked = [platform.machine(), platform.processor()]
-    return "\n".join(picked)
-
-
-def build_directory(name: str) -> Path:
-    """Where ``build_extension`` builds ``name``: under torch's extension root
-    (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) in a folder keyed by a hash
-    of this CPU (``cpu_identity``: the kernels are built with ``-march=native``), torch's and
-    Python's versions. A home shared by machines of other CPUs gets a build per CPU, never one
-    whose instructions the CPU lacks (SIGILL) or that was built for fewer (the scalar path)."""
-    import hashlib
-    import os
-    import sys
-
-    from torch.utils import cpp_extension
-
-    key = "\n".join([cpu_identity(), torch.__version__, sys.version.split()[0], getattr(sys, "abiflags", "")])
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return Path(root) / f"lp-{hashlib.sha256(key.encode()).hexdigest()[:16]}" / name
-
-
-def build_extension(name: str, what: str):
-    """lp's C++ kernel ``csrc/<name>.cpp`` as a loaded module (its ops under ``torch.ops.<name>``),
-    built on first use with torch's extension loader into ``build_directory(name)`` (one per CPU,
-    torch and Python version; rebuilt there when the source or flags change). ``-fopenmp``:
-    ATen's ``parallel_for`` is inline OpenMP, without the flag it runs on one thread. A
-    ValueError naming ``what`` needs it when it cannot be built."""
-    from torch.utils import cpp_extension
-
-    logging.getLogger(__name__).info("%s: loading the kernel %s.cpp (built on the first load on a machine, ~30 s)",
-                                     what, name)
-    folder = build_directory(name)
-    folder.mkdir(parents=True, exist_ok=True)
-    with _build_lock(folder, what):
-        try:
-            return cpp_extension.load(name=name, sources=[str(CSRC / f"{name}.cpp")],
-                                      extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(folder),
-                                      verbose=False)
-        except Exception as e:  # a compiler or ninja missing: the user's fix, said plainly
-            raise ValueError(f"{what} needs a C++ compiler (g++) and ninja to build its kernel: {e}") from e
-
-
-BUILD_WAIT_S = 900.0  # the longest one process waits for another's build of the same kernel
-
-
-@contextlib.contextmanager
-def _build_lock(folder: Path, what: str, wait_s: float | None = None):
-    """Hold ``folder``'s build lock: an ``fcntl.flock`` on ``folder/lp.flock``, which the OS
-    drops when its holder dies. torch's own loader takes a lock *file* (``folder/lock``, created
-    and removed around every load, even of an up-to-date build) and waits without end while it
-    exists, so a process killed inside ``cpp_extension.load`` (a worker a test or a supervisor
-    kills at start-up) left every later load of that kernel hanging. Under the flock no other
-    lp process is inside the loader, so a ``lock`` file found then is such a leftover and is
-    removed. Waits at most ``wait_s`` (``BUILD_WAIT_S``) for another process's build, then a
-    ValueError naming the folder."""
-    import fcntl
-    import time
-
-    wait_s = BUILD_WAIT_S if wait_s is None else wait_s
-    with open(folder / "lp.flock", "a+") as guard:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ValueError(f"{what}: another process has been building the kernel in {folder} for "
-                                     f"over {wait_s:.0f} s; stop it (or remove {folder}) and start again") from None
-                time.sleep(0.1)
-        try:
-            stale = folder / "lock"
-            if stale.exists():
-                logging.getLogger(__name__).warning("%s: removing %s, left by a process that died while loading "
-                                                    "the kernel", what, stale)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(guard, fcntl.LOCK_UN)
-
-
-def opaque_op(schema: str, fake):
-    """Register the decorated function as ``torch.ops.lp.<name>`` (``schema``), opaque to
-    torch.compile (``fake`` gives its output's shape), and return that op. A compiled graph
-    calls it through the dispatcher straight into Python, where ``torch.library.custom_op``
-    adds its own wrappers (dynamo off and on, alias checks) to every call: a compiled SmolLM2
-    one-row step calls 151 such ops, and their own time fell from 1.9 to 1.0 ms a step
-    (torch.profiler, 63 steps, 2-core EPYC)."""
-    name = schema.split("(")[0]
-
-    def register(fn):
-        _LIB.define(schema)
-        _LIB.impl(name, fn, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"lp::{name}")(fake)
-        return getattr(torch.ops.lp, name).default
-
-    return register
-
-
 def _packed_linear_shape(x, key, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
@@ -320,7 +197,7 @@ def packed_matmul(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 
 
 def _packed(x: torch.Tensor, key: int) -> torch.Tensor:
-    if HEAD8_ON.on and key in HEAD8:  # the head's exact 8-bit blocks (lp.model.exact4.head8): read at run time, never traced
+    if HEAD8_ON.on and key in HEAD8:  # the head's exact 8-bit blocks (lp.kernels.exact4.head8): read at run time, never traced
         h8 = HEAD8[key]()
         y = h8.argmax_logits(x) if ARGMAX_ONLY.on else h8.logits(x)
         if y is not None:
@@ -432,7 +309,7 @@ def pack(model: nn.Module) -> int:
 
 class SharedInputPart(nn.Module):
     """One of several linears that read the same input, fused into one module with ``splits``
-    and ``shared(x, part)`` (lp.model.quant's ``RowInt8Linear``, lp.model.exact4's ``Exact4Linear``):
+    and ``shared(x, part)`` (lp.model.quant's ``RowInt8Linear``, lp.kernels.exact4's ``Exact4Linear``):
     the model calls each part as before (``self.q_proj(x)``, ``self.k_proj(x)``, ...); the
     first computes the fused product, each returns its own columns."""
 
@@ -461,7 +338,7 @@ def fuse_siblings(model: nn.Module, make, accept=is_linear) -> int:
     members all pass ``accept`` and share ``in_features``, replaced by ``make(parts)`` (a module
     with ``splits`` and ``shared``; None: the group stays as it is) registered on the parent as
     ``_lp_q_k_v`` / ``_lp_gate_up``, each member by its ``SharedInputPart``. Returns the linears
-    replaced (lp.model.quant's int8 and lp.model.exact4's exact 4-bit modules)."""
+    replaced (lp.model.quant's int8 and lp.kernels.exact4's exact 4-bit modules)."""
     count = 0
     for parent in list(model.modules()):
         for names in FUSED:

@@ -2,9 +2,9 @@
 and the fp32 logits of those alone (``model.head=auto``).
 
 Contract: ``screen_head(model, mode)`` gives the model's packed fp32 output embedding
-(lp.model.kernels.pack) a ``HeadScreen`` when ``mode`` is ``screen``, or ``auto`` and a
+(lp.kernels.linears.pack) a ``HeadScreen`` when ``mode`` is ``screen``, or ``auto`` and a
 bf16 head measured faster here; it returns the screen or None. While
-``kernels.ARGMAX_ONLY.on`` (lp.model.runner, for a step whose every kept row feeds only a
+``linears.ARGMAX_ONLY.on`` (lp.model.runner, for a step whose every kept row feeds only a
 greedy argmax: no sampling, processors, grammar or logprobs), the head returns, per row,
 an fp32 logit (up to fp32 rounding) of every token that can be the row's maximum and -inf
 elsewhere, and only when it has proved each row's argmax: then that argmax is, token for
@@ -62,7 +62,7 @@ import weakref
 import torch
 from torch import nn
 
-from lp.model import kernels
+from lp.kernels import linears
 
 HEADS = ("auto", "screen", "exact")
 # more rows: the fp32 head. Measured here on SmolLM2 chat rows, head + argmax, fp32 / screen:
@@ -152,11 +152,11 @@ def _block(v: int) -> int | None:
 
 
 def screen_head(model: nn.Module, mode: str) -> HeadScreen | None:
-    """``model.head``: the screen of the model's packed head (``kernels.pack`` first), kept on the
+    """``model.head``: the screen of the model's packed head (``linears.pack`` first), kept on the
     model; ``auto`` only where the bf16 head measures at most 3/4 of the fp32 one (2 rows, the
     compiled one-row step's shape). ``mode`` is one of ``HEADS`` (lp.model.runner checks it)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if (mode == "exact" or not isinstance(head, kernels.SmallRowsLinear) or head.packed_key < 0
+    if (mode == "exact" or not isinstance(head, linears.SmallRowsLinear) or head.packed_key < 0
             or head.weight.dtype != torch.float32):
         return None
     screen = getattr(model, "_lp_head_screen", None)
@@ -164,14 +164,14 @@ def screen_head(model: nn.Module, mode: str) -> HeadScreen | None:
         screen = HeadScreen(head.weight.detach())
         with torch.inference_mode():
             x_2D = torch.randn(2, head.in_features)
-            fp32 = _fastest(lambda: kernels._packed(x_2D, head.packed_key))
+            fp32 = _fastest(lambda: linears._packed(x_2D, head.packed_key))
             bf16 = _fastest(lambda: screen.bf16_logits(x_2D))
         screen.measured = (fp32, bf16)
         model._lp_head_screen = screen
     if mode == "auto" and screen.measured[1] > 0.75 * screen.measured[0]:
         return None
     key = head.packed_key
-    kernels.SCREENS[key] = weakref.ref(screen, lambda _, key=key: kernels.SCREENS.pop(key, None))
+    linears.SCREENS[key] = weakref.ref(screen, lambda _, key=key: linears.SCREENS.pop(key, None))
     return screen
 
 

@@ -1,10 +1,10 @@
-// Paged attention of a batched step, every sequence in one call (lp.model.attention's
+// Paged attention of a batched step, every sequence in one call (lp.kernels.attention's
 // ``paged_attention``): float32 on the CPU. Sequences of at most ``max_rows`` rows (decoding rows,
 // small draft trees) run the loop below, all of them in one parallel region; a longer one (a
 // prefill chunk, a large tree) runs ATen's scaled_dot_product_attention over its keys (a view of
 // the pool, or its slots gathered), as the Python op does.
 //
-// Inputs as lp.model.attention.paged_attention takes them: query [1, H, Q, D] (any strides),
+// Inputs as lp.kernels.attention.paged_attention takes them: query [1, H, Q, D] (any strides),
 // key / value: the whole pool [1, H_kv, P, D] (contiguous), spans [S, 7] int64 (QO, ROWS, FIRST,
 // KEYS, MASK, SLIDING, SLOTS), masks: the flat float32 additive masks, slots: the flat int64 pool
 // slots of fragmented sequences. Output [1, Q, H, D] contiguous.

@@ -4,7 +4,7 @@
 //     float32 (a conversion per block costs more than their bytes); q * d is exact (4 x 11
 //     significant bits), so the one rounding gives the float32 weight the checkpoint holds;
 //   exact8 (GGUF Q8_0, SmolLM2's LM head): w = q * d, q int8, d a float16 value: exact.
-// (lp.model.exact4 checks both bit for bit.) Each row's dot products run the same instructions in
+// (lp.kernels.exact4 checks both bit for bit.) Each row's dot products run the same instructions in
 // the same order whatever the number of rows: a row's output depends on that row only.
 //
 // Encoded layout (lp_exact4.encode / encode8, GGUF's own order): exact4 q [N, K / 2] uint8, per
@@ -275,7 +275,7 @@ at::Tensor exact8_pack(const at::Tensor& q, const at::Tensor& d) {
   return pack<Weights8>(q, d, nullptr);
 }
 
-// The blocks of w [N, K] float32 in one pass (lp.model.exact4.encode's torch-side check, same
+// The blocks of w [N, K] float32 in one pass (lp.kernels.exact4.encode's torch-side check, same
 // arithmetic): per 32 weights c = min, d = float16((max - c) / 15), q = round-half-even((w - c) / d)
 // clamped to 0..15 (d = 0: divided by 1), accepted when c and d are float16 values, every weight
 // finite and q * d + c == w bit for bit (q * d is exact, so the add is the one rounding, as in
@@ -425,7 +425,7 @@ torch::Tensor rms_norm(torch::Tensor x, const torch::Tensor& w, double eps) {
   return y;
 }
 
-// Llama-style decoder layers in two calls per layer (lp.model.fused), each the very operations of the
+// Llama-style decoder layers in two calls per layer (lp.kernels.fused), each the very operations of the
 // transformers module it stands for, on the same kernels, so the same bits:
 //   attn_in:  rms_norm, the fused q/k/v product (exact4), rotary embedding of q and k as torch's
 //             eager `q * cos + rotate_half(q) * sin` (two products and a sum, each rounded: the
@@ -555,9 +555,9 @@ torch::Tensor out_mlp(const torch::Tensor& h, const torch::Tensor& attn, const t
 
 // Every decoder layer of a batched step on the paged pool (lp.model.paged, gather=False) in one
 // call: per layer attn_in, the pool's write (index_copy_ of k and v at the step's slots, as
-// PagedCache.update), lp_attention::paged through the dispatcher (lp.model.attention's
+// PagedCache.update), lp_attention::paged through the dispatcher (lp.kernels.attention's
 // batch_sdpa_forward: the same op, arguments and order), out_mlp. The same operations as the
-// per-layer Python loop of lp.model.fused, without ~4 Python calls a layer.
+// per-layer Python loop of lp.kernels.fused, without ~4 Python calls a layer.
 torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<double> eps1, at::TensorList qkv,
                             at::TensorList o, at::TensorList ln2, at::ArrayRef<double> eps2, at::TensorList gate_up,
                             at::TensorList down, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
@@ -589,7 +589,7 @@ torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<do
 #endif
 
 // ---------------------------------------------------------------------------
-// The greedy head's screen (lp.model.exact4.Head8.argmax_logits): an integer pass over the LM head that
+// The greedy head's screen (lp.kernels.exact4.Head8.argmax_logits): an integer pass over the LM head that
 // bounds every token's float32 logit, so that only the tokens that can be a row's argmax need the
 // exact8 kernel. Weights: each token's exact row w_v re-quantized to int8 with one scale D_v = max|w_v|
 // / 127 (r_v = round(w_v / D_v); werr_v >= max_i |w_vi - D_v r_vi|, wabs_v >= sum_i |w_vi|, both rounded
@@ -865,7 +865,7 @@ int64_t exact4_parallel_width() {
   return width.load();
 }
 
-// the op lp.model.exact4's linears call: torch.ops.lp_exact4.mm, opaque to torch.compile (its fake is
+// the op lp.kernels.exact4's linears call: torch.ops.lp_exact4.mm, opaque to torch.compile (its fake is
 // registered in Python)
 TORCH_LIBRARY(lp_exact4, m) {
   m.def("mm(Tensor x, Tensor p, int n) -> Tensor");
