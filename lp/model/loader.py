@@ -111,12 +111,18 @@ def resolve_model_path(name: str, path: str | None, cache_dir: str | None = None
 
 
 def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str = "none", tokenizer: bool = True):
-    """Load (model, tokenizer or None) from a transformers folder with the sdpa attention;
+    """Load (model, tokenizer or None) from a transformers folder with the sdpa attention (or a
+    GGUF file: lp.model.gguf, float32 for ``dtype=auto``);
     ``quant`` != none quantizes its linears (lp.model.quant; int4 casts the model to bf16;
     ``auto``: exact4 where it changes no weight, none otherwise). ``dtype=auto`` with
     ``quant=auto`` keeps float32 on an AMX CPU when the linears are exact 4-bit blocks."""
     from transformers import AutoModelForCausalLM
 
+    from lp.model.gguf import gguf_file, load_gguf
+
+    file = gguf_file(path)
+    if file is not None:  # a GGUF file, read as stored (lp.model.gguf)
+        return load_gguf(file, dtype, device, quant, tokenizer)
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     # model.dtype=auto with model.quant=auto on an AMX CPU: bf16, unless the linears are exact
