@@ -149,7 +149,7 @@ class DecodingConfig:
 @dataclass
 class ModelConfig:
     name: str = "smollm2"  # the embedded default model; ignored when path is set
-    path: str | None = None  # any local transformers folder
+    path: str | None = None  # any local transformers folder, or a GGUF file (or a folder holding one): lp.model.gguf
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda (LP workers use cuda:LOCAL_RANK)
     cache_dir: str | None = None  # where converted GGUF models live (default ~/.cache/lp)

@@ -2,8 +2,9 @@
 float32 weights transformers' GGUF loader makes, and a GGUF model path loads, runs its Q4_1 blocks
 on exact4 and decodes as transformers ``generate`` does on the same file.
 
-Checked: Q4_0 and Q4_1 blocks of random bytes, widened the kernel's way, equal ``gguf.dequantize``
-bit for bit (a planted block reader that drops Q4_0's offset or swaps the nibbles fails); the
+Checked: Q4_0, Q4_1 and Q4_K blocks of random bytes, widened the kernel's way, equal
+``gguf.dequantize`` bit for bit, and so do Q8_0 and Q5_0's 8-bit blocks, which the exact 8-bit
+kernel runs row by row as it runs them together (planted block readers fail); the
 default model's Q4_1 GGUF, loaded from the file, holds every decoder linear as exact4 blocks and
 gives logits bit-equal to the blocks recovered from the converted float32 folder; with
 ``model.quant=none`` its logits equal ``from_pretrained(gguf_file=...)``'s bit for bit; greedy
@@ -21,35 +22,64 @@ import pytest
 import torch
 
 from lp.kernels.exact4 import widen
-from lp.model.gguf import LAYOUTS, blocks_of, gguf_file
+from lp.model.gguf import KEPT, blocks8_of, blocks_of, blocks_q4k, gguf_file
+
+
+# the float16 fields of each kept format's block (byte offsets), and its scale of values
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q8_0": (0,), "Q5_0": (0,)}
 
 
 def _random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random bytes of a Q4_0 / Q4_1 tensor [n, k] (finite float16 scales)."""
+    """Random bytes of a tensor [n, k] in ``kind`` (finite float16 scales, any quants)."""
+    size, per, _ = KEPT[kind]
     rng = np.random.default_rng(seed)
-    d_off, m_off, q_off, size = LAYOUTS[kind]
-    raw = rng.integers(0, 256, size=(n, k // 32, size), dtype=np.uint8)
-    raw[..., d_off:d_off + 2] = np.float16(rng.normal(0, 0.02, (n, k // 32))).view(np.uint8).reshape(n, k // 32, 2)
-    if m_off is not None:
-        raw[..., m_off:m_off + 2] = np.float16(rng.normal(0, 0.1, (n, k // 32))).view(np.uint8).reshape(n, k // 32, 2)
+    raw = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
+    for off in F16_FIELDS[kind]:
+        raw[..., off:off + 2] = np.float16(rng.normal(0, 0.02, (n, k // per))).view(np.uint8).reshape(n, k // per, 2)
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_file_blocks_widen_to_gguf_dequantize_bit_for_bit(kind):
+def _dequantized(raw: np.ndarray, kind: str, n: int, k: int) -> torch.Tensor:
     from gguf import GGMLQuantizationType, dequantize
 
-    n, k = 48, 256
+    return torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).reshape(n, k))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_file_blocks_widen_to_gguf_dequantize_bit_for_bit(kind):
+    n, k = 48, 512
     raw = _random_blocks(kind, n, k)
-    want = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).reshape(n, k))
-    q, d, c = blocks_of(raw, kind, n, k)
+    want = _dequantized(raw, kind, n, k)
+    q, d, c = blocks_q4k(raw, n, k) if kind == "Q4_K" else blocks_of(raw, kind, n, k)
     assert q.dtype == torch.uint8 and q.shape == (n, k // 2) and d.shape == c.shape == (n, k // 32)
     assert torch.equal(widen(q, d, c), want)
-    # planted readers: Q4_0 without its offset of -8 d, nibbles in the other order
+    # planted readers: Q4_0 without its offset of -8 d, nibbles in the other order, Q4_K's sub-blocks swapped
     if kind == "Q4_0":
         assert not torch.equal(widen(q, d, torch.zeros_like(c)), want)
     swapped = (q >> 4) | ((q & 0xF) << 4)
     assert not torch.equal(widen(swapped, d, c), want)
+    if kind == "Q4_K":
+        assert not torch.equal(widen(q, d.roll(1, dims=1), c.roll(1, dims=1)), want)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_file_8bit_blocks_widen_to_gguf_dequantize_and_run_exactly(kind):
+    from lp.kernels.exact4 import Exact8Linear, widen8
+
+    n, k = 40, 256
+    raw = _random_blocks(kind, n, k, seed=1)
+    want = _dequantized(raw, kind, n, k)
+    q, d = blocks8_of(raw, kind, n, k)
+    assert q.dtype == torch.int8 and torch.equal(widen8(q, d), want)
+    assert not torch.equal(widen8(q.flip(1), d), want)  # a planted reader with the quants reversed
+    lin = torch.nn.Linear(k, n, bias=False, device="meta")
+    lin._lp_blocks8 = (q, d)
+    exact = Exact8Linear.of([lin])  # checks its kernel forms these very weights
+    assert exact is not None
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(exact(x), x @ want.t(), rtol=1e-5, atol=1e-5)
+    for m in range(1, 6):  # each row alone equals the rows together
+        assert torch.equal(exact(x[m - 1:m]), exact(x)[m - 1:m])
 
 
 def test_gguf_path_forms(tmp_path):

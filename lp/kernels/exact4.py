@@ -119,7 +119,8 @@ def has_blocks(model: nn.Module) -> bool:
     before it builds exact4's kernel. Stops at the first linear that does."""
     head = _head(model)
     return any(_plain(m) and m is not head and (getattr(m, "_lp_blocks", None) is not None
-                                                or _blocks(_local(m.weight.detach())) is not None)
+                                                or getattr(m, "_lp_blocks8", None) is not None
+                                                or (not m.weight.is_meta and _blocks(_local(m.weight.detach())) is not None))
                for m in model.modules())
 
 
@@ -213,7 +214,7 @@ class Exact4Linear(nn.Module):
         x_MK = x.reshape(-1, self.in_features)
         if dtype != torch.float32:
             x_MK = x_MK.float()
-        y_MN = mm(x_MK, self.p, self.out_features)
+        y_MN = self.kernel(x_MK, self.p, self.out_features)
         if dtype != torch.float32:
             y_MN = y_MN.to(dtype)
         return y_MN.reshape(*x.shape[:-1], self.out_features)
@@ -223,16 +224,47 @@ class Exact4Linear(nn.Module):
         other (lp.kernels.linears.SharedProduct)."""
         return self._share.get(x, part, self)
 
+    kernel = staticmethod(lambda x_MK, p, n: mm(x_MK, p, n))
+    bits = 4
+
     def extra_repr(self) -> str:
         fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}{fused}, exact 4-bit weights"
+        return (f"in_features={self.in_features}, out_features={self.out_features}{fused}, "
+                f"exact {self.bits}-bit weights")
+
+
+class Exact8Linear(Exact4Linear):
+    """``y = x @ W.T`` for float32 ``x`` with W held as exact 8-bit blocks (``w = q * d``, q int8,
+    one float32 d per 32 weights along K: a GGUF file's Q8_0 or Q5_0 blocks, lp.model.gguf's
+    ``_lp_blocks8``), run by ``mm8`` (the head's kernel); siblings stacked as ``Exact4Linear``'s."""
+
+    kernel = staticmethod(lambda x_MK, p, n: mm8(x_MK, p, n))
+    bits = 8
+
+    @classmethod
+    def of(cls, linears: list[nn.Linear]) -> "Exact8Linear | None":
+        codes = [getattr(lin, "_lp_blocks8", None) for lin in linears]
+        if any(code is None for code in codes):
+            return None
+        q, d = (torch.cat([code[i] for code in codes]) for i in range(2))
+        p = pack8(q, d)
+        idx, unit_RK = _unit_rows(q.shape[1])
+        return cls(linears, p) if torch.equal(mm8(unit_RK, p, q.shape[0]), widen8(q, d)[:, idx].t()) else None
+
+
+def widen8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The float32 weights [N, K] of 8-bit blocks: q * d, exact (8 x 11 significant bits)."""
+    n, k = q.shape
+    return (q.float().reshape(n, k // BLOCK, BLOCK) * d[..., None]).reshape(n, k)
 
 
 def _code(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A linear's blocks: as a GGUF file stores them (``_lp_blocks``, set by lp.model.gguf: its
     weight is never formed), else found in its float32 weight."""
     blocks = getattr(lin, "_lp_blocks", None)
-    return blocks if blocks is not None else _found(lin.weight.detach())
+    if blocks is not None or lin.weight.is_meta:  # a meta weight: a file's 8-bit blocks (Exact8Linear's)
+        return blocks
+    return _found(lin.weight.detach())
 
 
 def _weight(lin: nn.Module, code) -> torch.Tensor:
@@ -262,19 +294,22 @@ def convert(model: nn.Module) -> tuple[int, int]:
     head = _head(model)
 
     done = fuse_siblings(model, Exact4Linear.of, accept=_plain)
+    done += fuse_siblings(model, Exact8Linear.of, accept=_plain)
     left = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            linear = Exact4Linear.of([child]) if _plain(child) and child is not head else None
+            linear = None
+            if _plain(child) and child is not head:
+                linear = Exact4Linear.of([child]) or Exact8Linear.of([child])
             if linear is None:
                 left += 1
                 continue
             setattr(parent, name, linear)
             done += 1
     norms = convert_norms(model)
-    log.info("model.quant=exact4: %d linears run on exact 4-bit blocks, %d left as they were; %d RMSNorms "
+    log.info("model.quant=exact4: %d linears run on exact 4- or 8-bit blocks, %d left as they were; %d RMSNorms "
              "run as one op", done, left, norms)
     return done, left
 

@@ -2,7 +2,7 @@
 
 Contract: ``row_cost_curve(runner)`` returns [(Q, seconds)] for every Q up to 16 and a few
 above, after a 128-token prefix, measured once (~10 s on a 2-core CPU) and cached as JSON under
-``$LP_CACHE/tq/<model>-<device>-<dtype>-t<threads>-<attention>-small<mode>-lin<linears>[-compiled][-fused][-<quant>]-<version>.json`` (``LP_CACHE`` defaults to
+``$LP_CACHE/tq/<model (its config, and a GGUF file's name and size)>-<device>-<dtype>-t<threads>-<attention>-small<mode>-lin<linears>[-compiled][-fused][-<quant>]-<version>.json`` (``LP_CACHE`` defaults to
 ~/.cache/lp); later calls read the file. A curve measured while the machine was busy
 (1-minute load average above the core count) is measured again on the first call that
 finds the machine quiet. The load average lags (a build that starts with the measurement
@@ -42,6 +42,8 @@ def cache_path(runner) -> Path:
 
     cfg = runner.model.config
     blob = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
+    # a GGUF file's block formats change the kernels a step runs: one curve per file (name and size)
+    blob += getattr(runner.model, "_lp_gguf_id", "")
     digest = hashlib.sha1(blob.encode()).hexdigest()[:12]
     dtype = str(runner.dtype).replace("torch.", "")
     tp = tp_degree(runner.model)  # a TP step (all-reduces included) is not a one-device step

@@ -101,9 +101,12 @@ def convert_gguf(src_dir: Path, gguf_file: str, target: Path) -> None:
 def resolve_model_path(name: str, path: str | None, cache_dir: str | None = None) -> Path:
     cache = Path(cache_dir) if cache_dir else None
     if path:
+        from lp.model.gguf import gguf_file
+
         p = Path(path).expanduser()
-        if not (p / "config.json").exists():
-            raise ValueError(f"model.path must be a local transformers folder with a config.json, got {path!r}")
+        if not (p / "config.json").exists() and gguf_file(p) is None:
+            raise ValueError(f"model.path must be a local transformers folder with a config.json or a GGUF file, "
+                             f"got {path!r}")
         return p
     if name == "smollm2":
         return smollm2_path(cache)
@@ -121,9 +124,9 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str 
     from lp.model.gguf import gguf_file, load_gguf
 
     file = gguf_file(path)
-    if file is not None:  # a GGUF file, read as stored (lp.model.gguf)
-        return load_gguf(file, dtype, device, quant, tokenizer)
     dev = torch.device(device)
+    if file is not None:  # a GGUF file, read as stored (lp.model.gguf)
+        return load_gguf(file, None if dtype == "auto" else resolve_dtype(dtype, dev), device, quant, tokenizer)
     torch_dtype = resolve_dtype(dtype, dev)
     # model.dtype=auto with model.quant=auto on an AMX CPU: bf16, unless the linears are exact
     # 4-bit blocks (a GGUF Q4 model), whose exact4 kernel runs the float32 model itself
@@ -146,8 +149,14 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str 
 
 
 def load_tokenizer(path: Path):
-    """The folder's tokenizer, or None for an id-only model (tests)."""
+    """The folder's tokenizer (a GGUF file's: lp.model.gguf), or None for an id-only model (tests)."""
     from transformers import AutoTokenizer
+
+    from lp.model.gguf import gguf_file, gguf_tokenizer
+
+    file = gguf_file(path)
+    if file is not None:
+        return gguf_tokenizer(file)
 
     has_tokenizer = any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     return AutoTokenizer.from_pretrained(path) if has_tokenizer else None

@@ -254,11 +254,10 @@ def weights_bytes(path: Path, config, tp: int, dtype: torch.dtype, device: torch
 def plan_memory(path, dtype: torch.dtype, device: torch.device, tp: int = 1, *, max_len: int, step_rows: int,
                 kv_tokens: int | None = None, cuda_graphs: bool = False, quant: str = "none") -> MemoryPlan:
     """The plan for one rank (see the module docstring); nothing is loaded."""
-    from transformers import AutoConfig
-
+    from lp.model.gguf import model_config
     from lp.model.paged import kv_slot_bytes
 
-    config = AutoConfig.from_pretrained(path)
+    config = model_config(path)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     weights, replicated, load_peak = weights_bytes(Path(path), config, tp, dtype, device, quant)
     kv_per_token = kv_slot_bytes(config, dtype) // tp  # this rank's key/value heads

@@ -466,6 +466,11 @@ def load_for(path, dtype: str, device: str, quant: str, group, tokenizer: bool =
 
     if group is None or group.tp_size == 1:
         return load_model(path, dtype, device, quant, tokenizer)
+    from lp.model.gguf import gguf_file
+
+    if gguf_file(path) is not None:
+        raise ValueError(f"parallel.tp={group.tp_size} reads a transformers folder's shards; model.path {path} is a "
+                         "GGUF file: use parallel.tp=1 (LP workers each hold the whole model)")
     check_tp_path(path, group.tp_size, quant)
     return load_sharded(path, dtype, device, group.tp_mesh, tokenizer, quant, group)
 
