@@ -107,8 +107,11 @@ def _chat(tok) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, smollm2, tmp_path):
+def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, smollm2, tmp_path, monkeypatch):
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
     from transformers import AutoModelForCausalLM
+
+    from lp.model.gguf import metadata_dir
 
     from lp.config import DecodingConfig
     from lp.engine.decoder import LookaheadDecoder
@@ -117,8 +120,10 @@ def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, smollm2, tmp_pa
     from lp.model.runner import ModelRunner
     from tests.helpers import hf_greedy
 
+    monkeypatch.setenv("LP_CACHE", str(tmp_path / "cache"))  # a first load: the file's metadata kept there
     model, tok = load_model(smollm2_gguf, "auto", quant="auto")
     assert model._lp_quant == "exact4" and tok is not None and tok.chat_template
+    assert (metadata_dir(smollm2_gguf, tmp_path / "cache") / "gguf.json").is_file()
     fused = [m for m in model.modules() if isinstance(m, Exact4Linear)]
     assert sum(len(m.splits) for m in fused) == 210  # every decoder linear, from the file's blocks
     assert not any(hasattr(m, "_lp_blocks") for m in model.modules())
@@ -131,8 +136,12 @@ def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, smollm2, tmp_pa
     got = LookaheadDecoder(ModelRunner(model), DecodingConfig(max_new_tokens=48)).generate(prompt).output_ids
     assert got == want
 
-    # model.quant=none: the blocks widened, the very weights of transformers' own GGUF loader
-    dense, _ = load_model(smollm2_gguf, "auto", quant="none", tokenizer=False)
+    # model.quant=none: the blocks widened, the very weights of transformers' own GGUF loader; a second
+    # load reads the kept metadata (config, name map), never transformers' parse of the whole file
+    with monkeypatch.context() as m:
+        m.setattr(hf_gguf, "load_gguf_checkpoint", lambda *a, **k: pytest.fail("the file was parsed again"))
+        dense, again = load_model(smollm2_gguf, "auto", quant="none")
+    assert again.chat_template == tok.chat_template and again("a b c")["input_ids"] == tok("a b c")["input_ids"]
     folder = tmp_path / "gguf"
     folder.mkdir()
     shutil.copy(smollm2_gguf, folder / smollm2_gguf.name)

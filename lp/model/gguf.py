@@ -63,14 +63,17 @@ def gguf_file(path) -> Path | None:
     return None
 
 
-def model_config(path):
-    """The transformers config of ``path``: a GGUF file's (read by transformers' GGUF reader) or a
-    folder's config.json."""
+def model_config(path, cache_dir: Path | None = None):
+    """The transformers config of ``path``: a GGUF file's (kept in ``metadata_dir`` by an earlier
+    load, else read by transformers' GGUF reader) or a folder's config.json."""
     from transformers import AutoConfig
 
     file = gguf_file(path)
     if file is None:
         return AutoConfig.from_pretrained(path)
+    meta = metadata_dir(file, cache_dir) if cache_dir is not None else None
+    if meta is not None and (meta / "config.json").is_file():
+        return AutoConfig.from_pretrained(meta)
     return AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
 
 
@@ -140,11 +143,39 @@ def _row_permutation(processor, name: str, n: int, mapping: dict, parsed: dict) 
     return rows.astype(np.int64)
 
 
+def metadata_dir(file: Path, cache_dir: Path) -> Path:
+    """Where a GGUF file's metadata is kept once read (never its weights): ``cache_dir/gguf/<stem>-
+    <size>-<mtime>``, holding the transformers config, the tokenizer and ``gguf.json`` (the
+    architecture, the tensor processor's config and the GGUF -> transformers name map). Reading
+    them through transformers parses the whole file (its tokenizer: ~590k fields for SmolLM2) a
+    time each; a restart reads these small files instead."""
+    st = file.stat()
+    return Path(cache_dir) / "gguf" / f"{file.stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def _save_dir(target: Path, write) -> None:
+    """``write(tmp)`` into a fresh folder, then renamed to ``target`` (another process's copy wins)."""
+    import os
+    import shutil
+
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu", quant: str = "auto",
-              tokenizer: bool = True):
+              tokenizer: bool = True, cache_dir: Path | None = None):
     """(model, tokenizer or None) from a GGUF file (module doc). ``dtype``: the model's float dtype
     (None, ``model.dtype=auto``: float32, whose products the file's blocks give exactly); ``quant``:
-    lp.model.quant's schemes, applied after loading (``auto`` runs the kept blocks on exact4)."""
+    lp.model.quant's schemes, applied after loading (``auto`` runs the kept blocks on exact4);
+    ``cache_dir``: where the file's metadata is kept (``metadata_dir``; None: read from the file)."""
+    import json
+
     from accelerate import init_empty_weights
     from gguf import GGUFReader, dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -155,14 +186,32 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     torch_dtype = torch.float32 if dtype is None else dtype
     keep = dev.type == "cpu" and quant in ("auto", "exact4") and torch_dtype == torch.float32
     folder, name = file.parent, file.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    parsed = load_gguf_checkpoint(str(file), return_tensors=False)
+    meta = metadata_dir(file, cache_dir) if cache_dir is not None else None
+    known = meta is not None and (meta / "gguf.json").is_file()
+    if known:
+        config = AutoConfig.from_pretrained(meta)
+        info = json.loads((meta / "gguf.json").read_text())
+    else:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     reader = GGUFReader(str(file))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
-    mapping = get_gguf_hf_weights_map(model, processor)
+    if not known:
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        info = {"arch": arch, "config": load_gguf_checkpoint(str(file), return_tensors=False)["config"]}
+    parsed = {"config": info["config"], "tensors": {}}  # what the tensor processors may read
+    processor = TENSOR_PROCESSORS.get(info["arch"], TensorProcessor)(config=info["config"])
+    if not known:
+        info["mapping"] = get_gguf_hf_weights_map(model, processor)
+        if meta is not None:
+            def write(tmp: Path) -> None:
+                config.save_pretrained(tmp)
+                (tmp / "gguf.json").write_text(json.dumps(info, default=str))
+                if tokenizer:
+                    gguf_tokenizer(file).save_pretrained(tmp)
+
+            _save_dir(meta, write)
+    mapping = info["mapping"]
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
     kept = dequantized = 0
@@ -212,15 +261,19 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     model.to(dev).eval()
     model._lp_gguf = str(file)
     model._lp_gguf_id = f"{file.name}:{file.stat().st_size}"  # lp.model.calibrate keys its t(Q) cache by it
-    return model, (gguf_tokenizer(file) if tokenizer else None)
+    return model, (gguf_tokenizer(file, cache_dir) if tokenizer else None)
 
 
-def gguf_tokenizer(file: Path):
+def gguf_tokenizer(file: Path, cache_dir: Path | None = None):
     """The file's tokenizer through transformers' GGUF reader, with the file's own chat template
-    (``tokenizer.chat_template``) where that reader leaves it unset."""
+    (``tokenizer.chat_template``) where that reader leaves it unset; read from ``metadata_dir``
+    where an earlier load kept it."""
     from gguf import GGUFReader
     from transformers import AutoTokenizer
 
+    meta = metadata_dir(file, cache_dir) if cache_dir is not None else None
+    if meta is not None and (meta / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(meta)
     tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     if not getattr(tok, "chat_template", None):
         field = GGUFReader(str(file)).fields.get("tokenizer.chat_template")

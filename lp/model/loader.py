@@ -126,7 +126,8 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str 
     file = gguf_file(path)
     dev = torch.device(device)
     if file is not None:  # a GGUF file, read as stored (lp.model.gguf)
-        return load_gguf(file, None if dtype == "auto" else resolve_dtype(dtype, dev), device, quant, tokenizer)
+        return load_gguf(file, None if dtype == "auto" else resolve_dtype(dtype, dev), device, quant, tokenizer,
+                         default_cache_dir())
     torch_dtype = resolve_dtype(dtype, dev)
     # model.dtype=auto with model.quant=auto on an AMX CPU: bf16, unless the linears are exact
     # 4-bit blocks (a GGUF Q4 model), whose exact4 kernel runs the float32 model itself
@@ -156,7 +157,7 @@ def load_tokenizer(path: Path):
 
     file = gguf_file(path)
     if file is not None:
-        return gguf_tokenizer(file)
+        return gguf_tokenizer(file, default_cache_dir())
 
     has_tokenizer = any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     return AutoTokenizer.from_pretrained(path) if has_tokenizer else None

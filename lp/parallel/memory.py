@@ -255,9 +255,10 @@ def plan_memory(path, dtype: torch.dtype, device: torch.device, tp: int = 1, *, 
                 kv_tokens: int | None = None, cuda_graphs: bool = False, quant: str = "none") -> MemoryPlan:
     """The plan for one rank (see the module docstring); nothing is loaded."""
     from lp.model.gguf import model_config
+    from lp.model.loader import default_cache_dir
     from lp.model.paged import kv_slot_bytes
 
-    config = model_config(path)
+    config = model_config(path, default_cache_dir())
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     weights, replicated, load_peak = weights_bytes(Path(path), config, tp, dtype, device, quant)
     kv_per_token = kv_slot_bytes(config, dtype) // tp  # this rank's key/value heads
