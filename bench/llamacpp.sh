@@ -11,6 +11,7 @@
 #      the latter also builds pip's build dependency `cmake` from source (tens of minutes)
 #   2. unpacks its `llama.cpp/` folder into DIR/src
 #   3. cmake -B DIR/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF
+#      (on an AMX CPU: GGML_NATIVE=OFF with AVX2 / AVX-512 / VNNI / BF16 named, AMX left out)
 #      and builds llama-server llama-bench llama-lookahead ($JOBS parallel jobs, default 2;
 #      ~10 min on two cores). GGML_NATIVE: the binaries are for this CPU only
 #   4. writes DIR/VERSION (the sdist's version and llama.cpp tag: the sdist has no .git, so
@@ -52,8 +53,17 @@ else
   fi
   # no git repository above DIR answers llama.cpp's `git rev-parse` with another project's commit
   export GIT_CEILING_DIRECTORIES="$DIR"
+  # AMX CPUs (this project's Xeon VMs): ggml's AMX kernels die with SIGILL at `tilezero` there, and
+  # -march=native would turn them on, so the x86 features are named one by one, AMX left out
+  ISA=(-DGGML_NATIVE=ON)
+  if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+         -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+    grep -qw avx512vbmi /proc/cpuinfo && ISA+=(-DGGML_AVX512_VBMI=ON)
+    say "AMX CPU: building without AMX (${ISA[*]})"
+  fi
   say "configuring $DIR/build"
-  cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release "${ISA[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF >"$DIR/cmake-configure.log" 2>&1 \
     || { tail -n 30 "$DIR/cmake-configure.log"; exit 1; }
   say "building ${TARGETS[*]} with -j$JOBS (log: $DIR/cmake-build.log)"
