@@ -131,6 +131,15 @@ def server_command(kind: str, port: int, model_path: Path, threads: int, lp_over
             "--device", "cpu", "--log-level", "warning", str(model_path)]
 
 
+def served_model(url: str) -> str:
+    """The model id a server lists first at /v1/models (lp's: server.model_id, the model's name, or
+    the file or folder it was given)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
 def start(kind: str, model_path: Path, threads: int, cc, log_path: Path) -> ServerProcess:
     """Start one server of ``kind`` with the settings of ``cc`` (a ConcurrencyConfig)."""
     port = free_port()
@@ -280,7 +289,7 @@ def server_order(servers: list[str], repeat: int) -> list[str]:
 
 def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
     """Every repeat x server x client count x workload of ``cfg.concurrency``; writes the results into ``out``."""
-    from transformers import AutoTokenizer
+    from lp.model.loader import load_tokenizer
 
     from bench.serve_load import offline_references
 
@@ -294,13 +303,13 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
             binary(cc.llamacpp_dir, "llama-server")
             llamacpp_gguf(cc, model_path)
     prompts = {w: workload_prompts(cfg, w) for w in cc.workloads}
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)  # a folder's or a GGUF file's (lp.model.gguf)
     refs = {w: {} for w in cc.workloads}
     # only servers whose texts are compared need lp's references (a llamacpp-only run skips minutes of decoding)
     for w in cc.workloads if any(s not in TEXTS_NOT_COMPARED for s in cc.servers) else []:
         print(f"[concurrency] lp offline greedy references for {len(prompts[w])} {w} prompts ...", file=sys.stderr,
               flush=True)
-        refs[w] = offline_references(prompts[w], cc.max_tokens, cfg.threads, raw=(w == "code"))
+        refs[w] = offline_references(prompts[w], cc.max_tokens, cfg.threads, raw=(w == "code"), model_path=model_path)
     points, request_rows, commands = [], [], {}
     before = machine()
     for repeat in range(cc.repeats):
@@ -311,7 +320,7 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
             startup = round(time.perf_counter() - t0, 1)
             print(f"[concurrency] {server} (repeat {repeat}) healthy after {startup} s", file=sys.stderr, flush=True)
             commands[server] = " ".join(srv.cmd)
-            model = "smollm2" if server.startswith("lp") else str(model_path)
+            model = served_model(srv.url) if server.startswith("lp") else str(model_path)
             mine = []
             try:
                 for w in cc.workloads:  # warm-up (the first request pays lazy loading)

@@ -107,9 +107,11 @@ def machine() -> dict:
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
 
 
-def offline_references(prompts: list[str], max_tokens: int, threads: int, raw: bool = False) -> dict:
+def offline_references(prompts: list[str], max_tokens: int, threads: int, raw: bool = False,
+                       model_path=None) -> dict:
     """Greedy outputs as ``python -m lp.generate`` computes them (same prompt ids, eos, default W/N/G);
-    ``raw``: the prompts tokenized as they are (a /v1/completions prompt), else in the chat template."""
+    ``raw``: the prompts tokenized as they are (a /v1/completions prompt), else in the chat template;
+    ``model_path``: the model (a folder or a GGUF file; None: the default SmolLM2)."""
     import torch
 
     from lp.config import DecodingConfig, GenerateConfig
@@ -119,7 +121,7 @@ def offline_references(prompts: list[str], max_tokens: int, threads: int, raw: b
     from lp.model.loader import load_model, resolve_model_path
 
     torch.set_num_threads(threads)
-    model, tok = load_model(resolve_model_path("smollm2", None), "float32")
+    model, tok = load_model(model_path or resolve_model_path("smollm2", None), "float32")
     runner, eos = ModelRunner(model), eos_ids(model, tok)
     refs = {}
     for p in prompts:

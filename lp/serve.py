@@ -77,7 +77,10 @@ class _Phases:
 def model_id_of(cfg: ServeConfig) -> str:
     if cfg.server.model_id:
         return cfg.server.model_id
-    return Path(cfg.model.path).name if cfg.model.path else cfg.model.name
+    if not cfg.model.path:
+        return cfg.model.name
+    p = Path(cfg.model.path)
+    return p.stem if p.suffix == ".gguf" else p.name  # a GGUF file: its name without .gguf
 
 
 def run(cfg: ServeConfig) -> int:

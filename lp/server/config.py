@@ -20,7 +20,7 @@ class ServerConfig:
     port: int = 8000
     max_queue: int = 64  # requests waiting to start; more get 429
     retry_after_s: int = 1  # Retry-After of a 429
-    model_id: str | None = None  # the id served by /v1/models (default: model.name or the folder name)
+    model_id: str | None = None  # the id served by /v1/models (default: model.name, the folder's name or the GGUF file's stem)
     # per-request limits
     max_tokens: int = 2048  # largest max_tokens / max_completion_tokens
     max_W: int = 32
