@@ -9,7 +9,6 @@ summary. Where bench/llamacpp.sh's build exists, its ``llama-server --help`` mus
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest

@@ -103,9 +103,13 @@ def test_every_tile_width_gives_the_same_bits(q4_model, q48_model):
     p4, n4 = exact4.pack(*exact4.encode(w_q)), w_q.shape[0]
     w_h = q48_model.get_output_embeddings().weight.detach().clone()
     p8, n8 = exact4.pack8(*exact4.encode8(w_h)), w_h.shape[0]
+    g = torch.Generator().manual_seed(4)  # 8-bit blocks with a scale and an offset per 16 weights (Q6_K's kind)
+    q8x = torch.randint(-32, 32, (40, 256), generator=g, dtype=torch.int8)
+    p8x = exact4.pack8x(q8x, torch.rand(40, 16, generator=g), torch.randn(40, 16, generator=g))
     torch.manual_seed(3)
     try:
-        for kind, mm, p, n, k in ((0, exact4.mm, p4, n4, w_q.shape[1]), (1, exact4.mm8, p8, n8, w_h.shape[1])):
+        for kind, mm, p, n, k in ((0, exact4.mm, p4, n4, w_q.shape[1]), (1, exact4.mm8, p8, n8, w_h.shape[1]),
+                                  (2, exact4.mm8x, p8x, 40, 256)):
             for m in range(1, 9):
                 x = torch.randn(m, k)
                 want = mm(x, p, n)

@@ -21,12 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-from lp.kernels.exact4 import widen
-from lp.model.gguf import KEPT, blocks8_of, blocks_of, blocks_q4k, gguf_file
+from lp.kernels.exact4 import BlockEmbedding, BlockHead, eight_bit, widen, widen8
+from lp.model.gguf import KEPT, blocks8_of, blocks8x_of, blocks_of, blocks_q4k, gguf_file
 
 
 # the float16 fields of each kept format's block (byte offsets), and its scale of values
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q8_0": (0,), "Q5_0": (0,)}
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q5_K": (0, 2),
+              "Q6_K": (208,)}
 
 
 def _random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -60,26 +61,44 @@ def test_file_blocks_widen_to_gguf_dequantize_bit_for_bit(kind):
     assert not torch.equal(widen(swapped, d, c), want)
     if kind == "Q4_K":
         assert not torch.equal(widen(q, d.roll(1, dims=1), c.roll(1, dims=1)), want)
+    # as an embedding or head: the 4-bit blocks as 8-bit ones with a scale and an offset per 16
+    assert torch.equal(widen8(*eight_bit((q, d, c))), want)
+    head = BlockHead(eight_bit((q, d, c)), screen=False)
+    assert torch.equal(BlockEmbedding(head)(torch.arange(n)), want)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_file_8bit_blocks_widen_to_gguf_dequantize_and_run_exactly(kind):
-    from lp.kernels.exact4 import Exact8Linear, widen8
+    """8-bit blocks (q * d per 32 weights: Q8_0, Q5_0; fma(q, D, C) per 16: Q5_1, Q5_K, Q6_K) of
+    random bytes widen to gguf.dequantize's weights bit for bit; the kernel forms those weights
+    (unit rows), and each row's product alone equals its row among others, bit for bit."""
+    from lp.kernels.exact4 import BlockEmbedding, BlockHead, Exact8Linear, Exact8xLinear, widen8
 
-    n, k = 40, 256
+    n, k = 40, 512
     raw = _random_blocks(kind, n, k, seed=1)
     want = _dequantized(raw, kind, n, k)
-    q, d = blocks8_of(raw, kind, n, k)
-    assert q.dtype == torch.int8 and torch.equal(widen8(q, d), want)
-    assert not torch.equal(widen8(q.flip(1), d), want)  # a planted reader with the quants reversed
+    parts = blocks8_of(raw, kind, n, k) if kind in ("Q8_0", "Q5_0") else blocks8x_of(raw, kind, n, k)
+    q = parts[0]
+    assert q.dtype == torch.int8 and q.shape == (n, k) and torch.equal(widen8(*parts), want)
+    assert not torch.equal(widen8(q.flip(1), *parts[1:]), want)  # a planted reader with the quants reversed
+    if len(parts) == 3:  # a planted reader with the scales and offsets a half-block off
+        assert not torch.equal(widen8(q, parts[1].roll(1, dims=1), parts[2].roll(1, dims=1)), want)
     lin = torch.nn.Linear(k, n, bias=False, device="meta")
-    lin._lp_blocks8 = (q, d)
+    lin._lp_blocks8 = parts
     exact = Exact8Linear.of([lin])  # checks its kernel forms these very weights
-    assert exact is not None
-    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
-    assert torch.allclose(exact(x), x @ want.t(), rtol=1e-5, atol=1e-5)
-    for m in range(1, 6):  # each row alone equals the rows together
-        assert torch.equal(exact(x[m - 1:m]), exact(x)[m - 1:m])
+    assert exact is not None and isinstance(exact, Exact8xLinear) == (len(parts) == 3)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(0))
+    y = exact(x)
+    bound = 1e-6 * float((x.abs() @ want.abs().t()).max())  # float32 summation error, in another order
+    assert torch.allclose(y, x @ want.t(), rtol=0, atol=bound)
+    for i in (0, 5, 10):
+        assert torch.equal(exact(x[i:i + 1]), y[i:i + 1])
+    # the same blocks as a file's embedding and head (BlockHead, no float copy): rows read from the
+    # packed chunks are the dequantized rows, the head's product is the linear's, bit for bit
+    head = BlockHead(parts, screen=False)
+    ids = torch.tensor([[3, 0, 39], [17, 17, 8]])
+    assert torch.equal(BlockEmbedding(head)(ids), want[ids])
+    assert torch.equal(head(x), y)
 
 
 def test_gguf_path_forms(tmp_path):
@@ -115,7 +134,7 @@ def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, smollm2, tmp_pa
 
     from lp.config import DecodingConfig
     from lp.engine.decoder import LookaheadDecoder
-    from lp.kernels.exact4 import Exact4Linear
+    from lp.kernels.exact4 import BlockEmbedding, BlockHead, Exact4Linear
     from lp.model.loader import load_model
     from lp.model.runner import ModelRunner
     from tests.helpers import hf_greedy
@@ -129,8 +148,19 @@ def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, smollm2, tmp_pa
     assert not any(hasattr(m, "_lp_blocks") for m in model.modules())
     ids = _chat(tok)
     folder_model, _ = smollm2  # the converted float32 folder, its blocks recovered by exact4.encode
+    # the tied Q8_0 embedding and head: one packed copy of the file's blocks, no float32 weight
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(head, BlockHead) and isinstance(emb, BlockEmbedding) and emb.source is head
+    assert not any(p.dtype == torch.float32 and p.numel() >= head.out_features for p in model.parameters())
+    every = torch.arange(head.out_features)
+    assert torch.equal(emb(every), folder_model.get_input_embeddings().weight)  # every row, bit for bit
     with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, folder_model(input_ids=ids).logits)
+        hidden = model.model(input_ids=ids).last_hidden_state
+        assert torch.equal(hidden, folder_model.model(input_ids=ids).last_hidden_state)
+        logits, want_logits = model.lm_head(hidden), folder_model.lm_head(hidden)
+        assert torch.allclose(logits, want_logits, rtol=0, atol=1e-4) and torch.equal(logits.argmax(-1), want_logits.argmax(-1))
+        for i in range(ids.shape[1]):  # a row alone: the bits it has among the others
+            assert torch.equal(model.lm_head(hidden[:, i:i + 1]), logits[:, i:i + 1])
     prompt = ids[0].tolist()
     want = hf_greedy(model, prompt, 48)
     got = LookaheadDecoder(ModelRunner(model), DecodingConfig(max_new_tokens=48)).generate(prompt).output_ids
@@ -152,3 +182,42 @@ def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, smollm2, tmp_pa
         for name, p in ref.named_parameters():
             assert torch.equal(dense.get_parameter(name), p), name
         assert torch.equal(dense(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_file_tensors_read_the_index_gguf_reads(tmp_path):
+    """lp.model.gguf.file_tensors skips the key-value fields (a vocabulary of strings, arrays,
+    scalars of every width) and finds every tensor's name, format and bytes where gguf.GGUFReader
+    does: equal dequantized values, for F32, F16, Q8_0 and a K-quant's raw bytes; a file that is not
+    GGUF is a ValueError naming it."""
+    import gguf
+
+    from lp.model.gguf import file_tensors
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("general.file_type", 7)
+    w.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(300)])
+    w.add_array("tokenizer.ggml.scores", [float(i) for i in range(300)])
+    w.add_bool("some.flag", True)
+    w.add_float64("some.value", 0.5)
+    w.add_string("tokenizer.chat_template", "{{ x }}")
+    rng = np.random.default_rng(0)
+    w.add_tensor("a.weight", rng.normal(size=(3, 64)).astype(np.float32))
+    w.add_tensor("b.weight", rng.normal(size=(64,)).astype(np.float16))
+    q8 = gguf.quantize(rng.normal(size=(4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("c.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    k6 = _random_blocks("Q6_K", 2, 256, seed=2)
+    w.add_tensor("d.weight", k6, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mine, theirs = file_tensors(path), gguf.GGUFReader(str(path)).tensors
+    assert [t.name for t in mine] == [t.name for t in theirs] == ["a.weight", "b.weight", "c.weight", "d.weight"]
+    for a, b in zip(mine, theirs):
+        assert a.tensor_type == b.tensor_type
+        assert np.array_equal(gguf.dequantize(a.data, a.tensor_type), gguf.dequantize(b.data, b.tensor_type)), a.name
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ValueError, match="bad.gguf is not a GGUF file"):
+        file_tensors(bad)

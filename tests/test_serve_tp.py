@@ -86,7 +86,7 @@ def _create(server, **kw):
     return server.client().chat.completions.create(model="smollm2", **kw)
 
 
-def test_tp_structured_and_tool_calls_equal_one_process(one, tp2):
+def test_tp_structured_and_tool_calls_equal_one_process(one, tp2):  # noqa: F811 (the fixture)
     """Every TP rank holds the request's grammar (the request channel) and masks the same rows; rank 0's
     verdict rules, so a rank without it breaks the mesh's lockstep (its forced drafts, its masked rows)."""
     from tests.test_structured_serve import ASK, DIGITS, PROMPTS, SCHEMAS, TOOLS, assert_same_structured_answer
@@ -116,7 +116,7 @@ def _close(got: list[float], want: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(got, want)), default=0.0)
 
 
-def test_tp_logprobs_equal_one_process(one, tp2):
+def test_tp_logprobs_equal_one_process(one, tp2):  # noqa: F811 (the fixture)
     """Chat logprobs (top 3: the default shape, and the pool on a counting prompt where long hits are
     verified by candidate rows) and completions echo + logprobs=2 (12 new tokens; max_tokens 0, the
     prompt scored only): tokens and top tokens equal, values to LOGPROB_TOL."""

@@ -8,7 +8,6 @@ The same three behaviours through lp.serve with the openai client: tests/test_st
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest

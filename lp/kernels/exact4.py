@@ -58,6 +58,7 @@ def extension():
     mod = build_extension("lp_exact4", "model.quant=exact4")
     torch.library.register_fake("lp_exact4::mm")(_mm_shape)
     torch.library.register_fake("lp_exact4::mm8")(_mm8_shape)
+    torch.library.register_fake("lp_exact4::mm8x")(_mm8_shape)
     torch.library.register_fake("lp_exact4::rms_norm")(lambda x, w, eps: torch.empty_like(x))
     return mod
 
@@ -89,6 +90,17 @@ def pack8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 def mm8(x_MK: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:
     """``x @ W.T`` [M, n] for float32 ``x`` [M, K] and W's 8-bit blocks packed by ``pack8``."""
     return torch.ops.lp_exact4.mm8(x_MK, p, n)
+
+
+def pack8x(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """8-bit blocks with a scale and an offset per 16 weights (q [N, K] int8, d, c [N, K / 16]
+    float32; w = fma(q, d, c)) in the kernel's layout (384-byte chunks, as ``pack``)."""
+    return extension().pack8x(q, d, c)
+
+
+def mm8x(x_MK: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:
+    """``x @ W.T`` [M, n] for float32 ``x`` [M, K] and W's blocks packed by ``pack8x``."""
+    return torch.ops.lp_exact4.mm8x(x_MK, p, n)
 
 
 def _blocks(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -243,19 +255,36 @@ class Exact8Linear(Exact4Linear):
 
     @classmethod
     def of(cls, linears: list[nn.Linear]) -> "Exact8Linear | None":
+        """The siblings' 8-bit blocks stacked, packed and checked as they will run: all (q, d)
+        (``mm8``) or all (q, d, c) per 16 weights (``Exact8xLinear``); None otherwise."""
         codes = [getattr(lin, "_lp_blocks8", None) for lin in linears]
-        if any(code is None for code in codes):
+        if any(code is None for code in codes) or len({len(code) for code in codes}) != 1:
             return None
-        q, d = (torch.cat([code[i] for code in codes]) for i in range(2))
-        p = pack8(q, d)
-        idx, unit_RK = _unit_rows(q.shape[1])
-        return cls(linears, p) if torch.equal(mm8(unit_RK, p, q.shape[0]), widen8(q, d)[:, idx].t()) else None
+        parts = [torch.cat([code[i] for code in codes]) for i in range(len(codes[0]))]
+        kind = cls if len(parts) == 2 else Exact8xLinear
+        p = kind.pack(*parts)
+        idx, unit_RK = _unit_rows(parts[0].shape[1])
+        return kind(linears, p) if torch.equal(kind.kernel(unit_RK, p, parts[0].shape[0]), widen8(*parts)[:, idx].t()) else None
+
+    pack = staticmethod(lambda q, d: pack8(q, d))
 
 
-def widen8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """The float32 weights [N, K] of 8-bit blocks: q * d, exact (8 x 11 significant bits)."""
+class Exact8xLinear(Exact8Linear):
+    """``Exact8Linear`` with a scale and an offset per 16 weights, ``w = fma(q, d, c)`` (GGUF Q6_K,
+    Q5_K, Q5_1: lp.model.gguf's three-part ``_lp_blocks8``), run by ``mm8x``."""
+
+    kernel = staticmethod(lambda x_MK, p, n: mm8x(x_MK, p, n))
+    pack = staticmethod(lambda q, d, c: pack8x(q, d, c))
+
+
+def widen8(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weights [N, K] of 8-bit blocks: q * d per 32 weights, exact (8 x 11 significant
+    bits); with ``c`` (d and c per 16 weights) q * d + c, one rounding (q * d exact), as the
+    kernel's fused multiply-add forms them."""
     n, k = q.shape
-    return (q.float().reshape(n, k // BLOCK, BLOCK) * d[..., None]).reshape(n, k)
+    if c is None:
+        return (q.float().reshape(n, k // BLOCK, BLOCK) * d[..., None]).reshape(n, k)
+    return (q.float().reshape(n, k // 16, 16) * d[..., None] + c[..., None]).reshape(n, k)
 
 
 def _code(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -451,6 +480,8 @@ def head8(model: nn.Module) -> Head8 | None:
     from lp.kernels import linears
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, BlockHead):  # a GGUF file's head, held as its blocks only: its own screen
+        return head.h8
     if not isinstance(head, linears.SmallRowsLinear) or head.packed_key < 0 or head.weight.dtype != torch.float32:
         return None
     h8 = getattr(model, "_lp_head8", None)
@@ -467,3 +498,102 @@ def head8(model: nn.Module) -> Head8 | None:
     key = head.packed_key
     linears.HEAD8[key] = weakref.ref(h8, lambda _, key=key: linears.HEAD8.pop(key, None))
     return h8
+
+
+# -- a GGUF file's embedding and LM head as their blocks only --------------------------------------
+# Gemma-3-270M's Q8_0 token_embd (262,144 x 640, tied to the head) is 180 MB in the file and 671 MB as
+# float32; the packed fp32 head (oneDNN) held another 671 MB beside the 8-bit head. Held as 8-bit
+# blocks once (the kernel's packed layout), the embedding reads its rows from them and the head runs
+# on them: the same float32 weights (each formed with the file's one rounding), no float copy.
+
+def packed_rows(p: torch.Tensor, ids: torch.Tensor, k: int, offsets: bool) -> torch.Tensor:
+    """The float32 weight rows ``ids`` of 8-bit blocks packed by ``pack8`` (``offsets`` False:
+    q * d) or ``pack8x`` (True: fma(q, D, C) per 16 weights, the kernel's arithmetic in torch),
+    read from the packed chunks themselves: [*ids.shape, k]."""
+    flat = ids.reshape(-1).long()
+    n, blocks = flat.shape[0], k // BLOCK
+    chunk = p[flat // 8]  # [n, blocks, bytes]: each row's group
+    j = (flat % 8)[:, None, None]
+    lanes = torch.arange(BLOCK)[None, None, :]
+    q = torch.gather(chunk, 2, (j * BLOCK + lanes).expand(n, blocks, BLOCK)).view(torch.int8).float()
+
+    def scale(at: int) -> torch.Tensor:  # the float32 at byte ``at + 4 j`` of each row's chunk
+        four = torch.arange(4)[None, None, :]
+        return torch.gather(chunk, 2, (at + 4 * j + four).expand(n, blocks, 4)).contiguous().view(torch.float32)
+
+    base = 8 * BLOCK
+    if not offsets:
+        w = q * scale(base)
+    else:
+        d = torch.cat([scale(base).expand(n, blocks, 16), scale(base + 32).expand(n, blocks, 16)], dim=2)
+        c = torch.cat([scale(base + 64).expand(n, blocks, 16), scale(base + 96).expand(n, blocks, 16)], dim=2)
+        w = q * d + c
+    return w.reshape(*ids.shape, k)
+
+
+def eight_bit(parts: tuple) -> tuple:
+    """A file tensor's blocks as 8-bit ones: (q, d) and (q, d, c) 8-bit parts as they are; exact4's
+    (q nibbles, d, c per 32) as (q int8, d, c per 16), the same fma(q, d, c) per weight."""
+    if parts[0].dtype == torch.int8:
+        return parts
+    q, d, c = parts
+    n = q.shape[0]
+    q8 = torch.cat([(q & 0xF).reshape(n, -1, 16), (q >> 4).reshape(n, -1, 16)], dim=2).reshape(n, -1).to(torch.int8)
+    return q8, d.repeat_interleave(2, dim=1).contiguous(), c.repeat_interleave(2, dim=1).contiguous()
+
+
+class BlockHead(nn.Module):
+    """An LM head held only as a GGUF file's blocks (``eight_bit``), packed once: ``y = x @ W.T`` by
+    ``mm8`` / ``mm8x`` for any number of float32 rows; with (q, d) blocks and AVX-512 VNNI, rows that
+    feed only a greedy argmax (``linears.ARGMAX_ONLY``) go through ``Head8``'s screen. ``embedding()``
+    gives the tied input embedding reading the same packed blocks."""
+
+    def __init__(self, parts: tuple, screen: bool = True):
+        super().__init__()
+        q = parts[0]
+        self.out_features, self.in_features = q.shape
+        self.offsets = len(parts) == 3
+        kind = Exact8xLinear if self.offsets else Exact8Linear
+        self.register_buffer("p", kind.pack(*parts))
+        self.kernel = kind.kernel
+        self.h8 = Head8(self.p, self.out_features, *parts) if screen and not self.offsets else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from lp.kernels import linears
+
+        if self.h8 is not None and linears.ARGMAX_ONLY.on and x.dtype == torch.float32:
+            y = self.h8.argmax_logits(x)
+            if y is not None:
+                return y
+        dtype = x.dtype
+        y_MN = self.kernel(x.reshape(-1, self.in_features).float(), self.p, self.out_features)
+        return y_MN.to(dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return packed_rows(self.p, ids, self.in_features, self.offsets)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, exact 8-bit blocks"
+                f"{' with offsets' if self.offsets else ''}{', int8 greedy screen' if self.h8 and self.h8.screen else ''}")
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding whose rows are read from 8-bit blocks (its own ``BlockHead``-packed ones,
+    or the tied head's): float32 rows, times ``embed_scale`` where the replaced module had one (Gemma's
+    scaled embedding multiplies by it in the weight's dtype, float32)."""
+
+    def __init__(self, source: BlockHead, embed_scale: torch.Tensor | None = None):
+        super().__init__()
+        self.source = source
+        self.num_embeddings, self.embedding_dim = source.out_features, source.in_features
+        if embed_scale is not None:
+            self.register_buffer("embed_scale", embed_scale.detach().clone(), persistent=False)
+        else:
+            self.embed_scale = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.source.rows(ids)
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(torch.float32)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows from exact 8-bit blocks"

@@ -15,11 +15,13 @@ float32 rounding of an exact value:
 
 * 4-bit, ``fma(q, d, c)`` (``Exact4Linear``): Q4_1 ``d * q + m``; Q4_0 ``d * (q - 8)`` (c = -8 d);
   Q4_K ``(d * scale) * q - dmin * min`` per 32 weights (d * scale and dmin * min are exact);
-* 8-bit, ``q * d`` (``Exact8Linear``): Q8_0 ``d * q``; Q5_0 ``d * (q - 16)``.
+* 8-bit, ``q * d`` (``Exact8Linear``): Q8_0 ``d * q``; Q5_0 ``d * (q - 16)``;
+* 8-bit, ``fma(q, D, C)`` per 16 weights (``Exact8xLinear``): Q6_K ``(d * scale) * q``; Q5_K as
+  Q4_K with 5-bit q; Q5_1 ``d * q + m``.
 
 Where the blocks do not run (``model.quant=none``, a CPU without exact4's AVX-512 path, a non-CPU
-device) they are widened to those same float32 weights. Other formats (Q5_1, Q6_K and the other
-K-quants, F16, BF16) and the embedding and head are dequantized to float32 as transformers does
+device) they are widened to those same float32 weights. Other formats (Q2_K, Q3_K, the
+IQ formats, F16, BF16) and the embedding and head are dequantized to float32 as transformers does
 (their own kernels: later), so the loaded model always computes what ``from_pretrained(gguf_file=
 ...)`` on the same file computes in float32, up to the kernels' summation order.
 
@@ -43,7 +45,8 @@ BLOCK = 32
 LAYOUTS = {"Q4_0": (0, None, 2, 18), "Q4_1": (0, 2, 4, 20)}
 SUPER = 256  # weights of a K-quant super-block
 # the formats kept as blocks: bytes per block (of 32, or of 256 for K-quants), the kernel's bits
-KEPT = {"Q4_0": (18, 32, 4), "Q4_1": (20, 32, 4), "Q4_K": (144, SUPER, 4), "Q8_0": (34, 32, 8), "Q5_0": (22, 32, 8)}
+KEPT = {"Q4_0": (18, 32, 4), "Q4_1": (20, 32, 4), "Q4_K": (144, SUPER, 4), "Q8_0": (34, 32, 8), "Q5_0": (22, 32, 8),
+        "Q5_1": (24, 32, 8), "Q5_K": (176, SUPER, 8), "Q6_K": (210, SUPER, 8)}
 
 
 def gguf_file(path) -> Path | None:
@@ -100,18 +103,64 @@ def blocks_q4k(data: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Te
     fma(q, D, -M) with D = d * scale and M = dmin * min per 32 weights."""
     nb = k // SUPER
     raw = np.ascontiguousarray(data).reshape(n, nb, 144)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    dmin = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    s = raw[..., 4:16].reshape(n, nb, 3, 4)
-    lo6, hi6, mix = s[..., 0, :], s[..., 1, :], s[..., 2, :]
-    sc = np.concatenate([lo6 & 0x3F, (mix & 0x0F) | ((lo6 >> 2) & 0x30)], axis=-1).astype(np.float32)
-    mn = np.concatenate([hi6 & 0x3F, (mix >> 4) | ((hi6 >> 2) & 0x30)], axis=-1).astype(np.float32)
+    d, dmin = _f16(raw[..., 0:2]), _f16(raw[..., 2:4])
+    sc, mn = _scale_min(raw[..., 4:16])
     big_d = (d[..., None] * sc).reshape(n, nb * 8)
     big_m = (dmin[..., None] * mn).reshape(n, nb * 8)
     qs = raw[..., 16:144].reshape(n, nb, 4, 32)
     v = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, nb * 8, 32)  # sub-blocks 2j (low), 2j + 1 (high)
     q = (v[..., :16] | (v[..., 16:] << 4)).reshape(n, k // 2)
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(big_d), torch.from_numpy(-big_m)
+
+
+def _scale_min(raw12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's eight 6-bit (scale, min) pairs of a super-block's 12 bytes, as float32."""
+    s = raw12.reshape(*raw12.shape[:-1], 3, 4)
+    lo6, hi6, mix = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = np.concatenate([lo6 & 0x3F, (mix & 0x0F) | ((lo6 >> 2) & 0x30)], axis=-1).astype(np.float32)
+    mn = np.concatenate([hi6 & 0x3F, (mix >> 4) | ((hi6 >> 2) & 0x30)], axis=-1).astype(np.float32)
+    return sc, mn
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """float32 of the float16 held in a trailing axis of 2 bytes."""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def blocks8x_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [N, K] int8, D [N, K / 16], C [N, K / 16] float32) of a Q6_K, Q5_K or Q5_1 tensor, with
+    fma(q, D, C) the weight gguf.dequantize computes: Q6_K (d * scale) * q (q - 32 in -32..31, a
+    signed 8-bit scale per 16; C = -0.0 keeps a zero product's sign); Q5_K (d * scale) * q - dmin *
+    min per 32 (as Q4_K, 5-bit q); Q5_1 d * q + m per 32. Each D * q is exact (at most 11 + 7 + 5
+    significant bits), so the one rounding is dequantize's."""
+    size, per, _ = KEPT[kind]
+    raw = np.ascontiguousarray(data).reshape(n * (k // per), size)
+    if kind == "Q6_K":
+        ql, qh, scales, d = raw[:, :128], raw[:, 128:192], raw[:, 192:208], _f16(raw[:, 208:210])
+        big_d = d[:, None] * scales.view(np.int8).astype(np.float32)  # [blocks, 16]
+        lo = ((ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(-1, 8, 32)
+        hi = ((qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03).reshape(-1, 8, 32)
+        q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)
+        big_c = np.full_like(big_d, -0.0)
+    elif kind == "Q5_K":
+        d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
+        sc, mn = _scale_min(raw[:, 4:16])
+        qh, qs = raw[:, 16:48], raw[:, 48:176]
+        lo = ((qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(-1, 8, 32)
+        hi = ((qh.reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 0x01).reshape(-1, 8, 32)
+        q = (lo | (hi << 4)).astype(np.int8)
+        big_d = np.repeat(d[:, None] * sc, 2, axis=1)
+        big_c = np.repeat(-(dmin[:, None] * mn), 2, axis=1)
+    else:  # Q5_1: d, m, 4 bytes of high bits (bit i for weight i), then weight j | weight j + 16 << 4
+        d, m = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
+        qh = raw[:, 4:8].copy().view("<u4")[:, 0]
+        high = ((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        low = np.concatenate([raw[:, 8:24] & 0x0F, raw[:, 8:24] >> 4], axis=-1)
+        q = (low | (high << 4)).astype(np.int8)
+        big_d, big_c = np.repeat(d[:, None], 2, axis=1), np.repeat(m[:, None], 2, axis=1)
+    return (torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
+            torch.from_numpy(np.ascontiguousarray(big_d, dtype=np.float32).reshape(n, k // 16)),
+            torch.from_numpy(np.ascontiguousarray(big_c, dtype=np.float32).reshape(n, k // 16)))
 
 
 def blocks8_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +190,91 @@ def _row_permutation(processor, name: str, n: int, mapping: dict, parsed: dict) 
     if not np.array_equal(np.sort(rows), probe[:, 0]):
         return None
     return rows.astype(np.int64)
+
+
+class FileTensor:
+    """One tensor of a GGUF file: ``name``, ``tensor_type`` (gguf's GGMLQuantizationType) and
+    ``data``, its bytes mapped from the file as uint8 [*reversed(dims[1:]), bytes of a row], the
+    shape gguf.dequantize reads (F32 / F16 rows view as their floats)."""
+
+    __slots__ = ("name", "tensor_type", "data")
+
+    def __init__(self, name, tensor_type, data):
+        self.name, self.tensor_type, self.data = name, tensor_type, data
+
+
+def file_tensors(file: Path) -> list[FileTensor]:
+    """The tensors of a GGUF file (format v2 / v3), read from its header alone: the key-value fields
+    are skipped, not parsed. gguf.GGUFReader parses every field into numpy views, one per string of
+    a tokenizer's vocabulary: for Gemma-3's 262,144 tokens 8.6 s and 685 MB, freed only after the
+    load's peak; this reads the same tensor index in a fraction of a second."""
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    mm = np.memmap(file, dtype=np.uint8, mode="r")
+    buf = memoryview(mm)
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        out = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize("<" + fmt)
+        return out[0] if len(out) == 1 else out
+
+    def string() -> str:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
+
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def skip(kind: int):
+        nonlocal pos
+        if kind == 8:
+            n = take("Q")  # read before the add: take moves pos
+            pos += n
+        elif kind == 9:
+            inner, count = take("I"), take("Q")
+            if inner in scalar:
+                pos += count * struct.calcsize("<" + scalar[inner])
+            else:
+                for _ in range(count):
+                    skip(inner)
+        elif kind in scalar:
+            pos += struct.calcsize("<" + scalar[kind])
+        else:
+            raise ValueError(f"{file}: a GGUF field of unknown value type {kind}")
+
+    magic, version = take("4s"), None
+    if magic != b"GGUF":
+        raise ValueError(f"{file} is not a GGUF file (its first bytes are {magic!r})")
+    version = take("I")
+    if version not in (2, 3):
+        raise ValueError(f"{file}: GGUF version {version}; lp reads versions 2 and 3")
+    n_tensors, n_fields = take("Q"), take("Q")
+    alignment = 32
+    for _ in range(n_fields):
+        key, kind = string(), take("I")
+        if key == "general.alignment" and kind == 4:
+            alignment = take("I")
+        else:
+            skip(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = [take("Q") for _ in range(take("I"))]
+        infos.append((name, GGMLQuantizationType(take("I")), dims, take("Q")))
+    start = -(-pos // alignment) * alignment
+    tensors = []
+    for name, kind, dims, offset in infos:
+        block, size = GGML_QUANT_SIZES[kind]
+        row = dims[0] // block * size
+        rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        data = mm[start + offset:start + offset + rows * row]
+        tensors.append(FileTensor(name, kind, data.reshape(*reversed(dims[1:]), row)))
+    return tensors
 
 
 def metadata_dir(file: Path, cache_dir: Path) -> Path:
@@ -195,9 +329,8 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    reader = GGUFReader(str(file))
     if not known:
-        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        arch = bytes(GGUFReader(str(file)).fields["general.architecture"].parts[-1]).decode()
         info = {"arch": arch, "config": load_gguf_checkpoint(str(file), return_tensors=False)["config"]}
     parsed = {"config": info["config"], "tensors": {}}  # what the tensor processors may read
     processor = TENSOR_PROCESSORS.get(info["arch"], TensorProcessor)(config=info["config"])
@@ -214,23 +347,31 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     mapping = info["mapping"]
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
+    ends = _ends(model) if keep else {}  # the embedding's and head's weight names -> their module
+    file_blocks: dict = {}  # of those, the ones read as blocks
     kept = dequantized = 0
-    for t in reader.tensors:
+    for t in file_tensors(file):
         kind = t.tensor_type.name
         hf = mapping.get(t.name)
         owner = modules.get(hf.rsplit(".", 1)[0]) if hf else None
+        if hf in ends and kind in KEPT:
+            n, k = ends[hf].weight.shape
+            size, per, bits = KEPT[kind]
+            if k % per == 0 and t.data.size == n * k // per * size:
+                file_blocks[hf] = _read_blocks(t.data, kind, n, k, bits)
+                kept += 1
+                continue
         if (keep and kind in KEPT and hf.endswith(".weight") and type(owner) is torch.nn.Linear
                 and owner.bias is None and owner is not head and owner.in_features % KEPT[kind][1] == 0):
             n, k = owner.out_features, owner.in_features
             size, per, bits = KEPT[kind]
             rows = _row_permutation(processor, t.name, n, mapping, parsed)
             if rows is not None and t.data.size == n * k // per * size:
+                parts = tuple(x[rows] for x in _read_blocks(t.data, kind, n, k, bits))
                 if bits == 8:
-                    q, d = blocks8_of(t.data, kind, n, k)
-                    owner._lp_blocks8 = (q[rows], d[rows])  # read by lp.kernels.exact4.convert
+                    owner._lp_blocks8 = parts  # read by lp.kernels.exact4.convert
                 else:
-                    q, d, c = blocks_q4k(t.data, n, k) if kind == "Q4_K" else blocks_of(t.data, kind, n, k)
-                    owner._lp_blocks = (q[rows], d[rows], c[rows])
+                    owner._lp_blocks = parts
                 kept += 1
                 continue
         weights = dequantize(t.data, t.tensor_type)
@@ -248,6 +389,7 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
         from lp.model.quant import quantize
 
         scheme = quantize(model, quant, dev)
+    _ends_from_blocks(model, file_blocks, ends, exact=scheme == "exact4")
     widened = _widen_left(model)
     if widened:
         log.info("model.quant=%s: %d linears' blocks widened to float32 (the weights transformers' GGUF loader "
@@ -280,6 +422,63 @@ def gguf_tokenizer(file: Path, cache_dir: Path | None = None):
         if field is not None:
             tok.chat_template = bytes(field.parts[-1]).decode()
     return tok
+
+
+def _read_blocks(data: np.ndarray, kind: str, n: int, k: int, bits: int) -> tuple:
+    """A kept tensor's blocks in lp.kernels.exact4's layouts: (q nibbles, d, c) for 4-bit kinds,
+    (q, d) or (q, D, C) 8-bit ones."""
+    if bits == 4:
+        return blocks_q4k(data, n, k) if kind == "Q4_K" else blocks_of(data, kind, n, k)
+    return blocks8_of(data, kind, n, k) if kind in ("Q8_0", "Q5_0") else blocks8x_of(data, kind, n, k)
+
+
+# token embeddings whose forward is a row lookup (times ``embed_scale`` for the scaled ones)
+EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
+
+
+def _ends(model) -> dict:
+    """The weight names of the token embedding and the LM head that may stay blocks -> their module:
+    an ``EMBEDDINGS`` embedding, a bias-free linear head."""
+    ends = {}
+    names = {id(m): name for name, m in model.named_modules()}
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(emb).__name__ in EMBEDDINGS and isinstance(emb, torch.nn.Embedding):
+        ends[f"{names[id(emb)]}.weight"] = emb
+    if type(head) is torch.nn.Linear and head.bias is None and id(head) in names:
+        ends[f"{names[id(head)]}.weight"] = head
+    return ends
+
+
+def _ends_from_blocks(model, file_blocks: dict, ends: dict, exact: bool) -> None:
+    """The embedding and head read as blocks: under exact4 (``exact``) swapped for lp.kernels.exact4's
+    ``BlockEmbedding`` / ``BlockHead`` (a tied pair sharing one packed copy), else given the float32
+    weights those blocks widen to (tied again)."""
+    from lp.kernels.exact4 import BlockEmbedding, BlockHead, eight_bit, widen, widen8
+
+    if not file_blocks:
+        return
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {m: n for n, m in ends.items()}
+    emb_name, head_name = names.get(emb), names.get(head)
+    tied = head is not None and emb is not None and head.weight is emb.weight
+    if not exact:
+        for hf, parts in file_blocks.items():
+            w = widen8(*parts) if parts[0].dtype == torch.int8 else widen(*parts)
+            ends[hf].weight = torch.nn.Parameter(w, requires_grad=False)
+        if tied:
+            head.weight = emb.weight
+        return
+    block_head = None
+    if head_name in file_blocks or (tied and emb_name in file_blocks):
+        block_head = BlockHead(eight_bit(file_blocks[head_name if head_name in file_blocks else emb_name]))
+        model.set_output_embeddings(block_head)
+    if emb_name in file_blocks:
+        source = block_head if tied and block_head is not None else BlockHead(eight_bit(file_blocks[emb_name]),
+                                                                             screen=False)
+        model.set_input_embeddings(BlockEmbedding(source, getattr(emb, "embed_scale", None)))
+    log.info("model.quant=exact4: the %s run on the file's blocks (no float32 copy)",
+             " and ".join(w for w, on in (("embedding", emb_name in file_blocks), ("LM head", block_head is not None))
+                          if on))
 
 
 def _assign(model, hf: str, value: torch.Tensor) -> None:

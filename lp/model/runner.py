@@ -227,7 +227,7 @@ class ModelRunner:
         if head not in HEADS:
             raise ValueError(f"model.head must be one of {', '.join(HEADS)}, got {head!r}")
         self.head8 = None
-        if self.quant == "exact4" and self.linears == "packed" and head == "auto":
+        if self.quant == "exact4" and head == "auto":
             from lp.kernels import exact4
 
             self.head8 = exact4.head8(model)  # the head's exact 8-bit blocks, where it holds them

@@ -111,6 +111,34 @@ struct Weights8 {
   }
 };
 
+// exact8 with a scale and an offset per 16 weights (GGUF Q6_K: w = (d * scale) * q, q in -32..31, a
+// scale per 16; Q5_K: (d * scale) * q - dmin * min per 32; Q5_1: d * q + m per 32): w = fma(q, D, C)
+// with D, C float32 per half-block, q int8; D * q is exact in each of these formats (at most 11 + 7
+// + 5 significant bits), so the one rounding of the fma is gguf.dequantize's one rounding.
+// Chunk: 8 x 32 q bytes, then D (lanes 0-15)[8], D (lanes 16-31)[8], C[8], C[8] (384 bytes).
+struct Weights8x {
+  static constexpr int64_t kBytes = kGroup * 32 + 4 * kGroup * 4;
+  static constexpr int kKind = 2;
+#if defined(__AVX512F__)
+  static inline void load(const uint8_t* chunk, int j, __m512& w0, __m512& w1) {
+    const float* s = reinterpret_cast<const float*>(chunk + kGroup * 32);
+    const __m128i* qb = reinterpret_cast<const __m128i*>(chunk + j * 32);
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb))), _mm512_set1_ps(s[j]),
+                         _mm512_set1_ps(s[2 * kGroup + j]));
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb + 1))),
+                         _mm512_set1_ps(s[kGroup + j]), _mm512_set1_ps(s[3 * kGroup + j]));
+  }
+#endif
+  static inline void load(const uint8_t* chunk, int j, float* w0, float* w1) {
+    const float* s = reinterpret_cast<const float*>(chunk + kGroup * 32);
+    const int8_t* qb = reinterpret_cast<const int8_t*>(chunk + j * 32);
+    for (int l = 0; l < 16; ++l) {
+      w0[l] = std::fma((float)qb[l], s[j], s[2 * kGroup + j]);
+      w1[l] = std::fma((float)qb[16 + l], s[kGroup + j], s[3 * kGroup + j]);
+    }
+  }
+};
+
 // rows [m0, m0 + MT) x the group's outputs [s, s + NB): MT and NB are template arguments so the
 // NB x MT accumulator chains stay in registers and enough of them run side by side to hide the
 // multiply-add latency. Output (n, m) is always one chain over the blocks (the block's first 16
@@ -172,7 +200,7 @@ void tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, 
 // each row's loads, even where their accumulators spill (2 rows: ~20% less time at 8 outputs
 // than at 4). Whatever NB, each output's sum runs in the same order: only speed depends on it.
 // set_tile overrides an entry (the benchmark).
-int g_tile[2][kRowTile + 1] = {{0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}};
+int g_tile[3][kRowTile + 1] = {{0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}};
 
 // every row tile over one group, the group's chunks read from memory once (prefetched on the
 // first pass, in L1 for the others)
@@ -273,6 +301,39 @@ at::Tensor exact4_pack(const at::Tensor& q, const at::Tensor& d, const at::Tenso
 at::Tensor exact8_pack(const at::Tensor& q, const at::Tensor& d) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8, "exact8_pack: q int8 [N, K], d float32 [N, K / 32]");
   return pack<Weights8>(q, d, nullptr);
+}
+
+torch::Tensor exact8x_mm(torch::Tensor x, torch::Tensor p, int64_t n) {
+  return packed_mm<Weights8x>("exact8x_mm", x, p, n);
+}
+
+// (q [N, K] int8, D, C [N, K / 16] float32) in Weights8x's layout, zero-padded groups
+at::Tensor exact8x_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& c) {
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous() && d.scalar_type() == torch::kFloat32 &&
+                  d.dim() == 2 && d.is_contiguous() && c.sizes() == d.sizes() && c.scalar_type() == torch::kFloat32 &&
+                  c.is_contiguous() && q.size(0) == d.size(0) && q.size(1) == d.size(1) * 16 && q.size(1) % kBlock == 0,
+              "exact8x_pack: q int8 [N, K], D and C float32 [N, K / 16], K a multiple of 32");
+  const int64_t N = q.size(0), K = q.size(1), blocks = K / kBlock, groups = (N + kGroup - 1) / kGroup;
+  at::Tensor p = torch::zeros({groups, blocks, Weights8x::kBytes}, torch::kUInt8);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  uint8_t* pp = p.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int j = 0; j < kGroup && g * kGroup + j < N; ++j) {
+          const int64_t n = g * kGroup + j;
+          uint8_t* chunk = pp + (g * blocks + b) * Weights8x::kBytes;
+          std::memcpy(chunk + j * 32, qp + n * K + b * kBlock, 32);
+          float* s = reinterpret_cast<float*>(chunk + kGroup * 32);
+          s[j] = dp[n * 2 * blocks + 2 * b];
+          s[kGroup + j] = dp[n * 2 * blocks + 2 * b + 1];
+          s[2 * kGroup + j] = cp[n * 2 * blocks + 2 * b];
+          s[3 * kGroup + j] = cp[n * 2 * blocks + 2 * b + 1];
+        }
+  });
+  return p;
 }
 
 // The blocks of w [N, K] float32 in one pass (lp.kernels.exact4.encode's torch-side check, same
@@ -870,6 +931,7 @@ int64_t exact4_parallel_width() {
 TORCH_LIBRARY(lp_exact4, m) {
   m.def("mm(Tensor x, Tensor p, int n) -> Tensor");
   m.def("mm8(Tensor x, Tensor p, int n) -> Tensor");
+  m.def("mm8x(Tensor x, Tensor p, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("attn_in(Tensor h, Tensor ln_w, float eps, Tensor p_qkv, int heads, int kv_heads, int head_dim, Tensor cos, "
         "Tensor sin) -> Tensor[]");
@@ -884,6 +946,7 @@ TORCH_LIBRARY(lp_exact4, m) {
 TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
   m.impl("mm", &exact4_mm);
   m.impl("mm8", &exact8_mm);
+  m.impl("mm8x", &exact8x_mm);
   m.impl("rms_norm", &rms_norm);
 #if defined(__AVX512F__)
   m.impl("attn_in", &attn_in);
@@ -895,6 +958,7 @@ TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &exact4_pack, "exact 4-bit blocks (q, d, c) in the kernel layout");
   m.def("pack8", &exact8_pack, "exact 8-bit blocks (q, d) in the kernel layout");
+  m.def("pack8x", &exact8x_pack, "exact 8-bit blocks (q, D, C per 16 weights) in the kernel layout");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
@@ -906,16 +970,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(ok, logits [M, vocab]): the greedy head through the screen, -inf where proved below the maximum");
   m.def("vnni", &exact8_vnni, "whether this build runs the screen on AVX-512 VNNI");
   m.def("set_tile", [](int kind, int rows, int outputs) {
-    TORCH_CHECK(kind >= 0 && kind < 2 && rows >= 1 && rows <= kRowTile &&
+    TORCH_CHECK(kind >= 0 && kind < 3 && rows >= 1 && rows <= kRowTile &&
                     (outputs == 1 || outputs == 2 || outputs == 4 || outputs == 8),
-                "set_tile: kind 0 (exact4) or 1 (exact8), rows 1..8, outputs 1, 2, 4 or 8");
+                "set_tile: kind 0 (exact4), 1 (exact8) or 2 (exact8x), rows 1..8, outputs 1, 2, 4 or 8");
     g_tile[kind][rows] = outputs;
   }, "outputs per tile for a tile of `rows` rows (benchmarks)");
   m.def("tiles", []() {
     std::vector<std::vector<int>> t;
     for (const auto& row : g_tile) t.emplace_back(row + 1, row + kRowTile + 1);
     return t;
-  }, "outputs per tile for 1..8 rows, exact4 then exact8");
+  }, "outputs per tile for 1..8 rows, exact4, exact8, exact8x");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "the kernels' software prefetch on or off (benchmarks)");
   m.def("parallel_width", &exact4_parallel_width, "threads the kernel's parallel_for runs on");
   m.def("set_clock", [](bool on) {
