@@ -14,8 +14,8 @@ Per point: aggregate completion tokens / wall second, time to first token p50/p9
 included), completed requests and how many texts equal lp's offline greedy decode of the same
 prompt (chat template for chat, raw for code); a compared text that differs is listed under
 ``text_mismatches``. The llamacpp servers' texts are not compared (``TEXTS_NOT_COMPARED``:
-llama.cpp multiplies Q4_1 weights by Q8_1-quantized activations, so its greedy texts differ from
-lp's, which is exact to float32 over the same weights): their points carry ``texts_compared:
+llama.cpp multiplies quantized weights by activations quantized to 8 bits, so its greedy texts
+differ from lp's, which is exact to float32 over the same weights): their points carry ``texts_compared:
 false`` and ``equal_lp_greedy: null`` (the table: "not compared"); only their speed is compared.
 Writes ``concurrency.jsonl`` (one row per request), ``concurrency.json`` / ``concurrency.md`` (one
 row per server x workload x clients, median and range over the repeats, with the commands) and
@@ -71,10 +71,11 @@ NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max
 LLAMACPP_NGRAM = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8"]
 LLAMACPP_CTX = 16384  # tokens of KV cache over all slots
 # servers whose texts are not compared with lp's offline greedy, and why (the JSON records it)
+LLAMACPP_ACTIVATIONS = ("llama.cpp multiplies quantized weights by activations quantized to 8 bits (Q8_0, Q8_1 "
+                        "or Q8_K blocks): its greedy texts differ from lp's")
 TEXTS_NOT_COMPARED = {
-    "llamacpp": "llama.cpp multiplies Q4_1 weights by Q8_1-quantized activations: its greedy texts differ from lp's",
-    "llamacpp_ngram": "llama.cpp multiplies Q4_1 weights by Q8_1-quantized activations: its greedy texts differ "
-                      "from lp's",
+    "llamacpp": LLAMACPP_ACTIVATIONS,
+    "llamacpp_ngram": LLAMACPP_ACTIVATIONS,
 }
 
 

@@ -575,7 +575,8 @@ def test_report_readme_builds_the_table_from_bench_results(tmp_path):
                 not any(s.startswith(("vllm", "transformers", "llama")) for s in servers):
             continue
         n_tables += 1
-        run_json = next(d / "run.json" for d in (path.parent, path.parent.parent) if (d / "run.json").is_file())
+        run_json = next((d / "run.json" for d in (path.parent, path.parent.parent) if (d / "run.json").is_file()), None)
+        assert run_json is not None, f"{path.parent}: a compared run keeps a run.json (machine, commit, command)"
         meta = json.loads(run_json.read_text())
         assert f"commit {summary.get('commit') or meta['commit']}" in block, path
         assert f"machine: {meta['machine']}" in block, path
