@@ -6,7 +6,8 @@ every weight of ``w_NK`` [out N, in K] is ``fma(q, d, c)`` of a 4-bit ``q`` and 
 (32 weights along K) pair of float16 values ``d``, ``c`` — checked bit for bit, in float32 and
 through the kernel itself — else None. ``convert(model)`` replaces each group of sibling
 linears (q/k/v, gate/up: ``lp.kernels.linears.FUSED``) whose weights all encode by one
-``Exact4Linear`` (and each other bias-free float32 linear that encodes by its own), leaves
+``Exact4Linear`` (and each other float32 linear that encodes by its own; a bias is added after
+the product, as ``F.linear`` adds it), leaves
 the rest (the LM head, any linear that does not encode) as they are, and returns (linears
 converted, linears left). Nothing is approximated: a weight that does not encode stays a
 float32 ``nn.Linear``. The model's float32 weights are replaced (their bytes freed).
@@ -126,7 +127,7 @@ def _blocks(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def has_blocks(model: nn.Module) -> bool:
-    """Whether some bias-free float32 linear of ``model`` other than its head holds exact 4-bit
+    """Whether some float32 linear of ``model`` other than its head holds exact 4-bit
     blocks (the torch-side check of ``encode``, no kernel built): what ``model.quant=auto`` asks
     before it builds exact4's kernel. Stops at the first linear that does."""
     head = _head(model)
@@ -208,6 +209,14 @@ class Exact4Linear(nn.Module):
         self.splits = [lin.out_features for lin in linears]
         self.out_features = sum(self.splits)
         self.register_buffer("p", p)  # the stacked blocks in the kernel's layout (``pack``)
+        # the siblings' biases stacked (a bias-free sibling's zeros), added after the product as
+        # F.linear adds it (x @ W.T + b, one rounding); None where no sibling has one
+        biases = [lin.bias for lin in linears]
+        b = None
+        if any(bias is not None for bias in biases):
+            b = torch.cat([torch.zeros(lin.out_features) if bias is None else bias.detach().float()
+                           for lin, bias in zip(linears, biases)])
+        self.register_buffer("b", b)
         self._share = SharedProduct(len(self.splits))
 
     @classmethod
@@ -227,6 +236,8 @@ class Exact4Linear(nn.Module):
         if dtype != torch.float32:
             x_MK = x_MK.float()
         y_MN = self.kernel(x_MK, self.p, self.out_features)
+        if self.b is not None:
+            y_MN += self.b
         if dtype != torch.float32:
             y_MN = y_MN.to(dtype)
         return y_MN.reshape(*x.shape[:-1], self.out_features)
@@ -242,7 +253,7 @@ class Exact4Linear(nn.Module):
     def extra_repr(self) -> str:
         fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}{fused}, "
-                f"exact {self.bits}-bit weights")
+                f"exact {self.bits}-bit weights{', bias' if self.b is not None else ''}")
 
 
 class Exact8Linear(Exact4Linear):
@@ -313,9 +324,9 @@ def widen(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def _plain(m) -> bool:
-    """A bias-free float32 linear: nn.Linear, or lp.kernels.linears' swap of one (a runner built on
-    this model before shares its weight)."""
-    return is_linear(m) and m.bias is None and m.weight.dtype == torch.float32
+    """A float32 linear (with or without a bias): nn.Linear, or lp.kernels.linears' swap of one (a
+    runner built on this model before shares its weight)."""
+    return is_linear(m) and m.weight.dtype == torch.float32 and (m.bias is None or m.bias.dtype == torch.float32)
 
 
 def convert(model: nn.Module) -> tuple[int, int]:

@@ -111,6 +111,8 @@ def _plan(model) -> tuple[list[_Layer], str]:
             return [], "q/k/v or gate/up not one exact4 linear each"
         if type(attn.o_proj) is not Exact4Linear or type(mlp.down_proj) is not Exact4Linear:
             return [], "o or down not an exact4 linear"
+        if any(lin.b is not None for lin in (qkv, gate_up, attn.o_proj, mlp.down_proj)):
+            return [], "linears with biases (the fused kernels add none)"
         if not all(type(n) is FusedRMSNorm for n in norms):
             return [], "norms not one-op RMSNorms"
         if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):

@@ -6,8 +6,8 @@ Contract: ``gguf_file(path)`` returns the file a path names (None: not a GGUF pa
 lp.model.loader.load_model: the config and tokenizer (with its chat template) come from the file
 through transformers' own GGUF readers, the model is built on the meta device, and every tensor is
 read from the file with transformers' name map and tensor processors (the same names, the same
-permutations, the same dequantization: ``gguf.dequantize``), except that a bias-free decoder
-linear stored in a format of ``KEPT`` keeps its blocks, taken from the file's bytes (rows permuted
+permutations, the same dequantization: ``gguf.dequantize``), except that a decoder linear
+stored in a format of ``KEPT`` keeps its blocks (its bias, if any, read as float32), taken from the file's bytes (rows permuted
 as the processor permutes them), never formed as float32 weights. ``model.quant=auto`` /
 ``exact4`` then runs them on lp.kernels.exact4's kernels, whose products are those of the float32
 weights transformers' GGUF loader makes, because gguf.dequantize forms each weight with one
@@ -362,7 +362,7 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
                 kept += 1
                 continue
         if (keep and kind in KEPT and hf.endswith(".weight") and type(owner) is torch.nn.Linear
-                and owner.bias is None and owner is not head and owner.in_features % KEPT[kind][1] == 0):
+                and owner is not head and owner.in_features % KEPT[kind][1] == 0):
             n, k = owner.out_features, owner.in_features
             size, per, bits = KEPT[kind]
             rows = _row_permutation(processor, t.name, n, mapping, parsed)
