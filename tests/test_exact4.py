@@ -316,7 +316,7 @@ def test_lookahead_on_the_8_bit_head_equals_generate(q48_model):
 def test_rms_norms_run_as_one_op_rows_alone(q4_model, tiny_factory):
     """Under exact4 every Llama-style RMSNorm is one op (lp_exact4::rms_norm): the module's own
     values up to the mean's summation order, a row's output from that row alone, the module's
-    weight shared; a norm whose formula differs (Gemma 3's 1 + w) is left as it was."""
+    weight shared; Gemma 3's norms with their scale 1 + w; a norm whose formula differs is left as it was."""
     model = copy.deepcopy(q4_model)
     reference = copy.deepcopy(model.model.layers[0].input_layernorm)
     with torch.no_grad():
@@ -340,8 +340,24 @@ def test_rms_norms_run_as_one_op_rows_alone(q4_model, tiny_factory):
         odd_norm.weight.copy_(odd.weight[0])
         xo = torch.randn(6, 37)
         assert torch.allclose(exact4.FusedRMSNorm(odd_norm)(xo), odd_norm(xo), rtol=2e-6, atol=1e-6)
+    # Gemma's (x * rsqrt(...)) * (1 + w): the op with the scale 1 + w; a norm of that class name
+    # whose forward is another formula is left as it was
     gemma = copy.deepcopy(tiny_factory("gemma3"))
-    assert exact4.convert_norms(gemma) == 0
+    norms = [m for m in gemma.modules() if type(m).__name__ == "Gemma3RMSNorm"]
+    ids = torch.randint(0, gemma.config.vocab_size, (1, 12))
+    with torch.no_grad():
+        for m in norms:
+            m.weight.copy_(torch.randn_like(m.weight) * 0.5)
+        want = gemma(input_ids=ids).logits
+        assert exact4.convert_norms(gemma) == len(norms) > 0
+        swapped = [m for m in gemma.modules() if isinstance(m, exact4.FusedRMSNorm)]
+        assert len(swapped) == len(norms)
+        assert all(torch.equal(f.weight, 1.0 + n.weight) for f, n in zip(swapped, norms))
+        assert torch.allclose(gemma(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    unlike = type("Gemma3RMSNorm", (nn.Module,), {"forward": lambda self, x: x * (1.0 + self.weight)})()
+    unlike.weight, unlike.eps = nn.Parameter(torch.randn(64)), 1e-6
+    holder = nn.Sequential(unlike)
+    assert exact4.convert_norms(holder) == 0 and holder[0] is unlike
 
 
 # -- the greedy head's screen (Head8.argmax_logits, lp_exact4.screen8) ----------------------------

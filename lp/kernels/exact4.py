@@ -362,17 +362,25 @@ def convert(model: nn.Module) -> tuple[int, int]:
 # anyway), so lookahead == ``generate`` on the converted model still holds.
 
 # classes whose forward is LlamaRMSNorm's: w * (x * rsqrt(mean(x^2, -1) + eps)) in float32
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm")
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm", "Phi3RMSNorm")
+# classes whose forward is Gemma's: (x * rsqrt(mean(x^2, -1) + eps)) * (1 + w), float32 (``eps``):
+# the same formula with the scale 1 + w, rounded once, as each call rounds it
+RMS_NORMS_PLUS_ONE = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 
 
 class FusedRMSNorm(nn.Module):
     """A Llama-style RMSNorm (its ``weight`` Parameter shared, its ``variance_epsilon``) computed by
-    ``lp_exact4::rms_norm``: float32 on the CPU."""
+    ``lp_exact4::rms_norm``: float32 on the CPU. A Gemma one holds its scale ``1 + weight`` (float32)
+    as its own Parameter instead."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()
-        self.weight = norm.weight
-        self.variance_epsilon = norm.variance_epsilon
+        if type(norm).__name__ in RMS_NORMS_PLUS_ONE:
+            self.weight = nn.Parameter(1.0 + norm.weight.detach().float(), requires_grad=False)
+            self.variance_epsilon = float(norm.eps)
+        else:
+            self.weight = norm.weight
+            self.variance_epsilon = norm.variance_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.lp_exact4.rms_norm(x, self.weight, self.variance_epsilon)
@@ -391,8 +399,10 @@ def convert_norms(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             w = getattr(child, "weight", None)
-            if (type(child).__name__ not in RMS_NORMS or type(w) is not nn.Parameter or w.dim() != 1
-                    or w.dtype != torch.float32 or w.device.type != "cpu" or not hasattr(child, "variance_epsilon")):
+            kind = type(child).__name__
+            if (kind not in RMS_NORMS + RMS_NORMS_PLUS_ONE or type(w) is not nn.Parameter or w.dim() != 1
+                    or w.dtype != torch.float32 or w.device.type != "cpu"
+                    or not hasattr(child, "variance_epsilon" if kind in RMS_NORMS else "eps")):
                 continue
             fused = FusedRMSNorm(child)
             x = torch.randn(3, w.shape[0], generator=gen) * 4

@@ -208,6 +208,17 @@ def file_tensors(file: Path) -> list[FileTensor]:
     are skipped, not parsed. gguf.GGUFReader parses every field into numpy views, one per string of
     a tokenizer's vocabulary: for Gemma-3's 262,144 tokens 8.6 s and 685 MB, freed only after the
     load's peak; this reads the same tensor index in a fraction of a second."""
+    return _read_header(file)[1]
+
+
+def file_fields(file: Path, keys) -> dict:
+    """The values of the GGUF file's string and scalar fields named in ``keys`` (those present), read
+    as ``file_tensors`` reads the index: every other field skipped."""
+    return _read_header(file, frozenset(keys))[0]
+
+
+def _read_header(file: Path, keys: frozenset = frozenset()) -> tuple[dict, list[FileTensor]]:
+    """(the wanted string / scalar fields, the tensors) of a GGUF file's header."""
     import struct
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -255,10 +266,15 @@ def file_tensors(file: Path) -> list[FileTensor]:
         raise ValueError(f"{file}: GGUF version {version}; lp reads versions 2 and 3")
     n_tensors, n_fields = take("Q"), take("Q")
     alignment = 32
+    fields = {}
     for _ in range(n_fields):
         key, kind = string(), take("I")
         if key == "general.alignment" and kind == 4:
             alignment = take("I")
+        elif key in keys and kind == 8:
+            fields[key] = string()
+        elif key in keys and kind in scalar:
+            fields[key] = take(scalar[kind])
         else:
             skip(kind)
     infos = []
@@ -274,7 +290,7 @@ def file_tensors(file: Path) -> list[FileTensor]:
         rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
         data = mm[start + offset:start + offset + rows * row]
         tensors.append(FileTensor(name, kind, data.reshape(*reversed(dims[1:]), row)))
-    return tensors
+    return fields, tensors
 
 
 def metadata_dir(file: Path, cache_dir: Path) -> Path:
@@ -311,10 +327,9 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     import json
 
     from accelerate import init_empty_weights
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     dev = torch.device(device)
     torch_dtype = torch.float32 if dtype is None else dtype
@@ -330,8 +345,12 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     if not known:
-        arch = bytes(GGUFReader(str(file)).fields["general.architecture"].parts[-1]).decode()
-        info = {"arch": arch, "config": load_gguf_checkpoint(str(file), return_tensors=False)["config"]}
+        # the tensor processors read the config transformers parsed (the same keys as config.json);
+        # not load_gguf_checkpoint's second parse of the whole file
+        arch = file_fields(file, ("general.architecture",)).get("general.architecture")
+        if arch is None:
+            raise ValueError(f"{file}: no general.architecture field")
+        info = {"arch": arch, "config": config.to_dict()}
     parsed = {"config": info["config"], "tensors": {}}  # what the tensor processors may read
     processor = TENSOR_PROCESSORS.get(info["arch"], TensorProcessor)(config=info["config"])
     if not known:
@@ -410,7 +429,6 @@ def gguf_tokenizer(file: Path, cache_dir: Path | None = None):
     """The file's tokenizer through transformers' GGUF reader, with the file's own chat template
     (``tokenizer.chat_template``) where that reader leaves it unset; read from ``metadata_dir``
     where an earlier load kept it."""
-    from gguf import GGUFReader
     from transformers import AutoTokenizer
 
     meta = metadata_dir(file, cache_dir) if cache_dir is not None else None
@@ -418,9 +436,9 @@ def gguf_tokenizer(file: Path, cache_dir: Path | None = None):
         return AutoTokenizer.from_pretrained(meta)
     tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     if not getattr(tok, "chat_template", None):
-        field = GGUFReader(str(file)).fields.get("tokenizer.chat_template")
-        if field is not None:
-            tok.chat_template = bytes(field.parts[-1]).decode()
+        template = file_fields(file, ("tokenizer.chat_template",)).get("tokenizer.chat_template")
+        if template is not None:
+            tok.chat_template = template
     return tok
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import inspect
+import itertools
 import logging
 import types
 
@@ -149,7 +150,8 @@ class ModelRunner:
         self.model = model
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        param = next(model.parameters())
+        # a GGUF model on lp's kernels may hold buffers alone (its blocks, packed)
+        param = next(itertools.chain(model.parameters(), model.buffers()))
         self.device = param.device
         self.dtype = param.dtype
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
