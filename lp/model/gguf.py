@@ -20,10 +20,12 @@ float32 rounding of an exact value:
   Q4_K with 5-bit q; Q5_1 ``d * q + m``.
 
 Where the blocks do not run (``model.quant=none``, a CPU without exact4's AVX-512 path, a non-CPU
-device) they are widened to those same float32 weights. Other formats (Q2_K, Q3_K, the
-IQ formats, F16, BF16) and the embedding and head are dequantized to float32 as transformers does
-(their own kernels: later), so the loaded model always computes what ``from_pretrained(gguf_file=
-...)`` on the same file computes in float32, up to the kernels' summation order.
+device) they are widened to those same float32 weights. The token embedding and the LM head in a
+kept format stay blocks as well (``_ends_from_blocks``: lp.kernels.exact4's ``BlockEmbedding`` and
+``BlockHead``, one copy for a tied pair). Other formats (Q2_K, Q3_K, the IQ formats, F16, BF16) are
+dequantized to float32 as transformers does (their own kernels: later), so the loaded model always
+computes what ``from_pretrained(gguf_file=...)`` on the same file computes in float32, up to the
+kernels' summation order.
 
 Why: llama.cpp and Ollama users hold GGUF files; before this lp converted its default model once to
 a float32 folder and could not open any other GGUF. Legend: N output rows, K inputs, B blocks of

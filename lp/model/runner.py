@@ -292,7 +292,10 @@ class ModelRunner:
                     self.fused_why = "its logits differ from the model's own forward in this transformers version"
         if fused == "on" and self.fused is None:
             raise ValueError(f"model.fused=on: this model cannot run fused steps ({self.fused_why}); use auto or off")
-        log.info("decoder stack: %s", "fused (two C++ calls a layer)" if self.fused else
+        from lp.kernels.fused import LayerLoop
+
+        log.info("decoder stack: %s", ("lp's loop over the layers' modules" if isinstance(self.fused, LayerLoop) else
+                                       "fused (two C++ calls a layer)") if self.fused else
                  f"transformers' modules ({self.fused_why})")
 
     def _check_run(self, fn, ids_1Q, pos_1Q, mask, cache):
