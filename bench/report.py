@@ -420,10 +420,12 @@ def peer_runs(results: Path) -> list[dict]:
 
 
 def _groups(runs: list[dict]) -> list[list[dict]]:
-    """Runs of the same servers at the same commit and machine form one table (e.g. 1/8 clients and a sweep)."""
+    """Runs of the same servers on the same model at the same commit and machine form one table (e.g. 1/8
+    clients and a sweep); the model is the command's ``model_path=`` / ``model=`` (none: the default)."""
     out: dict[tuple, list[dict]] = {}
     for r in runs:
-        key = (r["commit"], r["machine"], tuple(sorted({p["server"] for p in r["points"]})))
+        model = next((t for t in r["command"].split() if t.startswith(("model_path=", "model="))), "")
+        key = (r["commit"], r["machine"], model, tuple(sorted({p["server"] for p in r["points"]})))
         out.setdefault(key, []).append(r)
     return list(out.values())
 

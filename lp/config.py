@@ -176,8 +176,9 @@ class ModelConfig:
     # batched step of lp.serve: auto (eager: every new process would pay the compile) | on | off
     compile: str = "auto"
     # the decoder stack (lp.kernels.fused): auto (an exact4 Llama-style model runs its layers as two C++
-    # calls each, kept where its logits equal transformers' forward bit for bit; elsewhere the model's
-    # own modules) | on (the fused stack or an error saying why not) | off (the model's modules)
+    # calls each; other Llama, Qwen2/3 and Gemma 3 layers lp's loop over their modules; each kept where
+    # its logits equal transformers' forward bit for bit; elsewhere the model's own modules) | on (lp's
+    # stack or an error saying why not) | off (the model's modules)
     fused: str = "auto"
     # quantized weights (lp.model.quant), applied identically on every LP worker: none | int8 (CPU:
     # int8 weights x per-row int8 activations over fbgemm; CUDA: torchao int8 weight-only) |

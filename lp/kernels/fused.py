@@ -23,6 +23,11 @@ prompt and tree step and says whether every logit and cached key and value is bi
 runner keeps the fused stack only when it is (a transformers version whose layer computes
 anything differently falls back to its own forward).
 
+Other layers (``LayerLoop``, ``build``'s second choice): Llama layers the C++ stack does not take
+(8-bit blocks, biases), Qwen2, Qwen3 and Gemma 3 layers run as lp's own Python loop over each
+layer's modules, the same ops as transformers' forward without its module plumbing, under the
+same ``agrees`` check.
+
 Why: one decode step of SmolLM2 runs ~25 small ops a layer through nn.Module calls, decorators
 and keyword plumbing; at one row that costs several ms of a ~13 ms step (bench/results/step_cost).
 """
