@@ -3,8 +3,9 @@
 Contract: ``python -m bench.gguf_models FILE.gguf [FILE.gguf ...] [--prompts 4] [--max-new 64]
 [--repeats 2] [--out bench/results/gguf]`` runs, per file, in a fresh process each (so each load's
 time and peak memory are its own): lp's load (``model.path=FILE``, the defaults: ``model.quant=auto``
-keeps the file's Q4_0 / Q4_1 / Q4_K / Q8_0 / Q5_0 blocks), the tensors' formats and how many linears
-run on which kernel, peak RSS against the file's size, then for the first prompts of HumanEval
+keeps the file's blocks in every format lp.model.gguf.KEPT names), the tensors' formats, how many
+linears run on which kernel, the decoder stack, the tensors the model holds and peak RSS against
+the file's size, then for the first prompts of HumanEval
 (raw) and MT-Bench (the chat template, where the file has one) interleaved per repeat: transformers
 ``generate`` on lp's loaded model (greedy; the exactness reference: equal token for token), lp's
 lookahead with its defaults, and ``from_pretrained(gguf_file=...)`` in float32 (transformers' own
@@ -38,7 +39,6 @@ def one_file(path: str, prompts: int, max_new: int, repeats: int) -> dict:
     from collections import Counter
 
     import torch
-    from gguf import GGUFReader
 
     from bench.config import PromptsConfig
     from bench.prompts import select
@@ -48,14 +48,29 @@ def one_file(path: str, prompts: int, max_new: int, repeats: int) -> dict:
     from lp.model.runner import ModelRunner
     from tests.helpers import hf_greedy
 
-    formats = dict(Counter(t.tensor_type.name for t in GGUFReader(path).tensors))
+    from lp.kernels.exact4 import Exact4Linear
+    from lp.model.gguf import file_tensors
+
+    # the file's index read without gguf.GGUFReader, whose parse of the vocabulary would count in the peak
+    formats = dict(Counter(t.tensor_type.name for t in file_tensors(Path(path))))
     t0 = time.perf_counter()
     model, tok = load_model(Path(path), "auto", quant="auto")
     load_s = time.perf_counter() - t0
     rss_loaded = _peak_rss_mb()
-    kernels = dict(Counter(type(m).__name__ for m in model.modules()
-                           if type(m).__name__ in ("Exact4Linear", "Exact8Linear", "Linear", "SharedInputPart")))
+    # linears per kernel (a stacked q/k/v counts 3), plain float linears, the embedding's and head's kind
+    kernels = Counter()
+    for m in model.modules():
+        if isinstance(m, Exact4Linear):
+            kernels[type(m).__name__] += len(m.splits)
+        elif type(m).__name__ in ("Linear", "BlockHead", "BlockEmbedding"):
+            kernels[type(m).__name__] += 1
+    kernels = dict(kernels)
+    held = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        held.setdefault(t.data_ptr(), t.numel() * t.element_size())
+    held_mb = sum(held.values()) / 2**20
     runner = ModelRunner(model)
+    stack = type(runner.fused).__name__ if runner.fused is not None else "transformers' modules"
     data = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
     sets = ["humaneval"] + (["mt_bench"] if tok.chat_template else [])
     items = []
@@ -93,7 +108,8 @@ def one_file(path: str, prompts: int, max_new: int, repeats: int) -> dict:
     for row, (name, ids) in zip(rows, items):
         row["equal_transformers_gguf"] = hf_greedy(ref, ids, max_new, eos_token_id=eos or None) == row.pop("lp_ids")
     return {"file": path, "file_mb": round(os.path.getsize(path) / 2**20, 1), "formats": formats,
-            "kernels": kernels, "load_s": round(load_s, 1), "peak_rss_loaded_mb": round(rss_loaded),
+            "kernels": kernels, "stack": stack, "held_mb": round(held_mb, 1), "load_s": round(load_s, 1),
+            "peak_rss_loaded_mb": round(rss_loaded),
             "peak_rss_run_mb": round(rss_run), "rows": rows,
             "tok_s": {k: [round(min(v), 1), round(statistics.median(v), 1), round(max(v), 1)] for k, v in speed.items()}}
 
@@ -123,12 +139,14 @@ def main(argv=None) -> int:
               "loadavg": os.getloadavg(), "results": results}
     md = ["# GGUF files as stored: lp's defaults against transformers", "",
           f"`{result['command']}` at {result['commit']}, {result['cpu']}.", "",
-          "| file | MiB | formats | lp kernels | load s | peak RSS MiB (loaded / run) | lp == generate | "
-          "lp == transformers' GGUF fp32 | tok/s generate | tok/s lp |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "| file | MiB | formats | lp kernels (linears) | decoder stack | tensors held MiB | load s | "
+          "peak RSS MiB (loaded / run) | lp == generate | lp == transformers' GGUF fp32 | tok/s generate | tok/s lp |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         eq = sum(row["equal_generate"] for row in r["rows"])
         eq_t = sum(row["equal_transformers_gguf"] for row in r["rows"])
-        md.append(f"| {Path(r['file']).name} | {r['file_mb']} | {r['formats']} | {r['kernels']} | {r['load_s']} | "
+        md.append(f"| {Path(r['file']).name} | {r['file_mb']} | {r['formats']} | {r['kernels']} | {r['stack']} | "
+                  f"{r['held_mb']} | {r['load_s']} | "
                   f"{r['peak_rss_loaded_mb']} / {r['peak_rss_run_mb']} | {eq} / {len(r['rows'])} | "
                   f"{eq_t} / {len(r['rows'])} | "
                   f"{' / '.join(map(str, r['tok_s']['generate']))} | {' / '.join(map(str, r['tok_s']['lp']))} |")

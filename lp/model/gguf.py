@@ -424,7 +424,20 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     model.to(dev).eval()
     model._lp_gguf = str(file)
     model._lp_gguf_id = f"{file.name}:{file.stat().st_size}"  # lp.model.calibrate keys its t(Q) cache by it
-    return model, (gguf_tokenizer(file, cache_dir) if tokenizer else None)
+    tok = gguf_tokenizer(file, cache_dir) if tokenizer else None
+    _trim_heap()
+    return model, tok
+
+
+def _trim_heap() -> None:
+    """Hand the heap the load freed (the blocks' staging copies, the parse) back to the OS: glibc keeps
+    it otherwise (Gemma-3-270M: resident 1294 -> 1125 MB). A no-op where there is no glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def gguf_tokenizer(file: Path, cache_dir: Path | None = None):
