@@ -176,7 +176,7 @@ class ModelConfig:
     # batched step of lp.serve: auto (eager: every new process would pay the compile) | on | off
     compile: str = "auto"
     # the decoder stack (lp.kernels.fused): auto (an exact4 Llama-style model runs its layers as two C++
-    # calls each; other Llama, Qwen2/3 and Gemma 3 layers lp's loop over their modules; each kept where
+    # calls each; other Llama, Qwen2/3, Gemma 3 and Phi-3 layers lp's loop over their modules; each kept where
     # its logits equal transformers' forward bit for bit; elsewhere the model's own modules) | on (lp's
     # stack or an error saying why not) | off (the model's modules)
     fused: str = "auto"

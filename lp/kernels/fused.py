@@ -24,7 +24,7 @@ runner keeps the fused stack only when it is (a transformers version whose layer
 anything differently falls back to its own forward).
 
 Other layers (``LayerLoop``, ``build``'s second choice): Llama layers the C++ stack does not take
-(8-bit blocks, biases), Qwen2, Qwen3 and Gemma 3 layers run as lp's own Python loop over each
+(8-bit blocks, biases), Qwen2, Qwen3, Gemma 3 and Phi-3 layers run as lp's own Python loop over each
 layer's modules, the same ops as transformers' forward without its module plumbing, under the
 same ``agrees`` check.
 
@@ -223,14 +223,16 @@ class FusedDecoder:
 
 # attention classes whose forward the loop repeats: (q/k norms applied "before" or "after" the
 # heads' transpose, or None: no q/k norms; the ``sliding_window`` it passes the attention function:
-# "layer" (its own attribute) or None)
+# "layer" (its own attribute), "config" (the config's) or None; Phi-3's q/k/v are one linear, sliced)
 ATTENTIONS = {"LlamaAttention": (None, None), "Qwen2Attention": (None, "layer"),
-              "Qwen3Attention": ("before", "layer"), "Gemma3Attention": ("after", "layer")}
+              "Qwen3Attention": ("before", "layer"), "Gemma3Attention": ("after", "layer"),
+              "Phi3Attention": (None, "config")}
 # decoder layers: "pre" (input norm, attention, residual; post_attention_layernorm, MLP, residual) or
 # "sandwich" (Gemma 3: a norm before and after the attention and the MLP each)
 LAYER_KINDS = {"LlamaDecoderLayer": "pre", "Qwen2DecoderLayer": "pre", "Qwen3DecoderLayer": "pre",
-               "Gemma3DecoderLayer": "sandwich"}
-MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")  # down(act(gate(x)) * up(x))
+               "Gemma3DecoderLayer": "sandwich", "Phi3DecoderLayer": "pre"}  # Phi-3's dropouts: eval only
+# down(act(gate(x)) * up(x)); Phi-3's: gate, up = gate_up(x).chunk(2), down(up * act(gate))
+MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Phi3MLP")
 
 
 @dataclass
@@ -253,6 +255,10 @@ class _LoopLayer:
     type: str
     rope: object
     eager: object
+    qkv: object = None  # Phi-3: one q/k/v linear, sliced at (q_end, k_end)
+    q_end: int = 0
+    k_end: int = 0
+    gate_up: object = None  # Phi-3: one gate/up linear, chunked
 
 
 def _loop_plan(model) -> tuple[list[_LoopLayer], str]:
@@ -267,6 +273,8 @@ def _loop_plan(model) -> tuple[list[_LoopLayer], str]:
         return [], "final logit soft-capping"
     if getattr(model, "_lp_tp", 1) > 1:
         return [], "tensor-parallel shards (their all-reduces ride on module hooks)"
+    if model.training:
+        return [], "training mode (dropouts)"
     if any(m._forward_hooks or m._forward_pre_hooks for m in layers.modules()):
         return [], "forward hooks on the decoder layers"
     for name in ("embed_tokens", "rotary_emb", "norm"):
@@ -291,13 +299,20 @@ def _loop_plan(model) -> tuple[list[_LoopLayer], str]:
         eager = getattr(module, "eager_attention_forward", None)
         if rope is None or eager is None:
             return [], f"no apply_rotary_pos_emb / eager_attention_forward beside {type(attn).__name__}"
+        fused_qkv, fused_mlp = hasattr(attn, "qkv_proj"), hasattr(mlp, "gate_up_proj")
+        window_size = (getattr(attn, "sliding_window", None) if window == "layer" else
+                       getattr(config, "sliding_window", None) if window == "config" else None)
+        q_end = config.num_attention_heads * attn.head_dim
         plan.append(_LoopLayer(
             kind, attn, tuple(getattr(layer, n).forward for n in norm_names),
-            attn.q_proj.forward, attn.k_proj.forward, attn.v_proj.forward, attn.o_proj.forward,
+            None if fused_qkv else attn.q_proj.forward, None if fused_qkv else attn.k_proj.forward,
+            None if fused_qkv else attn.v_proj.forward, attn.o_proj.forward,
             attn.q_norm.forward if qk_norm else None, attn.k_norm.forward if qk_norm else None, qk_norm,
-            getattr(attn, "sliding_window", None) if window == "layer" else None,
-            mlp.gate_proj.forward, mlp.up_proj.forward, mlp.act_fn, mlp.down_proj.forward,
-            types[i] if i < len(types) else "full_attention", rope, eager))
+            window_size, None if fused_mlp else mlp.gate_proj.forward, None if fused_mlp else mlp.up_proj.forward,
+            mlp.activation_fn if fused_mlp else mlp.act_fn, mlp.down_proj.forward,
+            types[i] if i < len(types) else "full_attention", rope, eager,
+            attn.qkv_proj.forward if fused_qkv else None, q_end,
+            q_end + config.num_key_value_heads * attn.head_dim, mlp.gate_up_proj.forward if fused_mlp else None))
     return plan, ""
 
 
@@ -345,7 +360,12 @@ class LayerLoop:
             hidden = (*shape, -1, a.head_dim)
             residual = h
             x = ly.norms[0](h)
-            if ly.qk_norm == "before":
+            if ly.qkv is not None:
+                qkv = ly.qkv(x)
+                q = qkv[..., :ly.q_end].view(hidden).transpose(1, 2)
+                k = qkv[..., ly.q_end:ly.k_end].view(hidden).transpose(1, 2)
+                v = qkv[..., ly.k_end:].view(hidden).transpose(1, 2)
+            elif ly.qk_norm == "before":
                 q = ly.q_norm(ly.q(x).view(hidden)).transpose(1, 2)
                 k = ly.k_norm(ly.k(x).view(hidden)).transpose(1, 2)
                 v = ly.v(x).view(hidden).transpose(1, 2)
@@ -365,7 +385,11 @@ class LayerLoop:
                 h = residual + out
                 residual = h
                 x = ly.norms[1](h)
-                h = residual + ly.down(ly.act(ly.gate(x)) * ly.up(x))
+                if ly.gate_up is not None:
+                    gate, up = ly.gate_up(x).chunk(2, dim=-1)
+                    h = residual + ly.down(up * ly.act(gate))
+                else:
+                    h = residual + ly.down(ly.act(ly.gate(x)) * ly.up(x))
             else:
                 h = residual + ly.norms[1](out)
                 residual = h
