@@ -146,10 +146,35 @@ class DecodingConfig:
         return self
 
 
+def chat_template_text(value: str | None) -> str | None:
+    """``model.chat_template``'s template: None for None, the file's text for the path of a file, the
+    value itself for an inline Jinja template; ValueError naming the field otherwise."""
+    import os
+
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"model.chat_template must be a Jinja template or the path of a file holding one, got {value!r}")
+    path = os.path.expanduser(value)
+    if "{%" not in value and "{{" not in value:
+        if not os.path.isfile(path):
+            raise ValueError(f"model.chat_template names no file ({path}) and is not a Jinja template "
+                             "(no {{ or {%)")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if "{%" not in text and "{{" not in text:
+            raise ValueError(f"model.chat_template file {path} holds no Jinja template " "(no {{ or {%)")
+        return text
+    return value
+
+
 @dataclass
 class ModelConfig:
     name: str = "smollm2"  # the embedded default model; ignored when path is set
     path: str | None = None  # any local transformers folder, or a GGUF file (or a folder holding one): lp.model.gguf
+    # the chat template for /v1/chat/completions and chat prompts, replacing the model's own (a base
+    # model or a GGUF file without one): a Jinja template, or the path of a file holding one; null: the model's
+    chat_template: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda (LP workers use cuda:LOCAL_RANK)
     cache_dir: str | None = None  # where converted GGUF models live (default ~/.cache/lp)
@@ -211,6 +236,7 @@ class ModelConfig:
             raise ValueError(f"model.compile must be auto, on or off, got {self.compile!r}")
         if self.fused not in ("auto", "on", "off"):
             raise ValueError(f"model.fused must be auto, on or off, got {self.fused!r}")
+        chat_template_text(self.chat_template)
         if self.quant not in ("none", "int8", "int4", "exact4", "auto"):
             raise ValueError(f"model.quant must be one of none, int8, int4, exact4, auto, got {self.quant!r}")
         if not isinstance(self.cuda_graphs, bool):

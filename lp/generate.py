@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from lp import cli
-from lp.config import DecodingConfig, GenerateConfig
+from lp.config import DecodingConfig, GenerateConfig, chat_template_text
 from lp.parallel.dist import WorkerFailure, init_worker_group, torchrun_env, worker_device
 
 DEFAULT_PROMPT = "Explain in three short paragraphs what a hash table is and when to use one."
@@ -103,6 +103,8 @@ def run(cfg: GenerateConfig) -> dict | None:
         tokenizer = load_tokenizer(path)
         if tokenizer is None:
             raise ValueError(f"lp.generate needs a tokenizer in the model folder {path}")
+        if cfg.model.chat_template is not None:  # the model's own replaced (model.chat_template)
+            tokenizer.chat_template = chat_template_text(cfg.model.chat_template)
         prompt_ids = build_prompt_ids(tokenizer, cfg)
         # what this rank will hold, printed and checked before any weights load
         plan = plan_memory(path, resolve_dtype(cfg.model.dtype, device), device, cfg.parallel.tp,

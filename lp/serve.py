@@ -85,6 +85,7 @@ def model_id_of(cfg: ServeConfig) -> str:
 
 def run(cfg: ServeConfig) -> int:
     """Load the model on every rank and serve until shutdown. Returns the exit status (0)."""
+    from lp.config import chat_template_text
     from lp.generate import eos_ids
     from lp.model.runner import ModelRunner
     from lp.model.loader import resolve_model_path
@@ -113,6 +114,8 @@ def run(cfg: ServeConfig) -> int:
         model, tokenizer = load_for(path, cfg.model.dtype, str(device), cfg.model.quant, group)
     if tokenizer is None:
         raise ValueError(f"lp.serve needs a tokenizer in the model folder {path}")
+    if cfg.model.chat_template is not None:  # the model's own replaced (model.chat_template)
+        tokenizer.chat_template = chat_template_text(cfg.model.chat_template)
     with phase("preparing the runner (kernels, packed weights, head screen)"):
         runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
                              linears=cfg.model.linears, compile=cfg.model.compile, fused=cfg.model.fused,

@@ -105,3 +105,43 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     dense, _ = load_model(file, "auto", quant="none", tokenizer=False)
     for name, p in ref.named_parameters():
         assert torch.equal(dense.get_parameter(name), p), name
+
+
+def test_chat_template_override(tokenizer, tmp_path):
+    """``model.chat_template``: a file's template or an inline one replaces the model's (a GGUF file
+    without a template, as a base model's); a value that is neither is a ValueError naming the field,
+    and ``lp generate`` stops on it before loading anything."""
+    import subprocess
+    import sys
+
+    from lp.config import ModelConfig, chat_template_text
+
+    inline = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    file = tmp_path / "t.jinja"
+    file.write_text(inline)
+    assert chat_template_text(None) is None
+    assert chat_template_text(inline) == inline and chat_template_text(str(file)) == inline
+    for bad in ("", "no-such-file.jinja", str(tmp_path)):
+        with pytest.raises(ValueError, match=r"model\.chat_template"):
+            ModelConfig(chat_template=bad).validate()
+    (tmp_path / "plain.txt").write_text("hello")
+    with pytest.raises(ValueError, match="holds no Jinja template"):
+        chat_template_text(str(tmp_path / "plain.txt"))
+
+    fields = [f for f in tokenizer if f[0] != "tokenizer.chat_template"]
+    gguf = write_tiny_gguf(tmp_path / "base.gguf", "llama", Q4_K_M, fields, seed=3, tie=False)
+    root = Path(__file__).resolve().parent.parent
+    env_cmd = [sys.executable, "-m", "lp.generate", f"model.path={gguf}", "prompt=hi", "decoding.max_new_tokens=4",
+               "model.threads=1", "stream=false"]
+    bad = subprocess.run(env_cmd + ["model.chat_template=missing.jinja"], capture_output=True, text=True,
+                         timeout=300, cwd=root)
+    assert bad.returncode != 0 and "model.chat_template names no file" in bad.stderr + bad.stdout
+    good = subprocess.run(env_cmd + [f"model.chat_template={file}", "log_steps=true"], capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert good.returncode == 0, good.stderr[-2000:]
+    # the template is the one that runs: one that raises stops the run with its message
+    raising = tmp_path / "raising.jinja"
+    raising.write_text("{{ raise_exception('the override ran') }}")
+    ran = subprocess.run(env_cmd + [f"model.chat_template={raising}"], capture_output=True, text=True, timeout=300,
+                         cwd=root)
+    assert ran.returncode != 0 and "the override ran" in ran.stderr + ran.stdout
