@@ -1,7 +1,8 @@
 """Tiny random models of each family written as GGUF files, in any block format, for the tests.
 
 Contract: ``write_tiny_gguf(path, arch, kinds, tokenizer, seed, tie)`` writes a two-layer model of
-llama.cpp architecture ``arch`` (``FAMILIES``: llama, qwen2, qwen3, gemma3, phi3) whose every tensor
+llama.cpp architecture ``arch`` (``FAMILIES``: llama, qwen2, qwen3, gemma2, gemma3, phi3; ``OTHERS``:
+starcoder2, stablelm) whose every tensor
 the GGUF name map of transformers covers, and returns the file. ``kinds`` maps a tensor's role to
 its GGML type: ``"embd"`` (token_embd), ``"output"`` (the untied head), ``"attn"`` (q, k, v, qkv,
 o), ``"ffn"`` (gate, up, down) or a GGUF name part such as ``"attn_v"`` / ``"ffn_down"`` (checked
@@ -24,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+OTHERS = ("starcoder2", "stablelm")  # families lp runs on transformers' modules (LayerNorm, partial rotary, ...)
 
 # each float16 field of a block: (byte offset, the weight scale it carries as a multiple of the
 # target standard deviation): d ~ std / std(q), an offset m ~ -mean(q) * d
@@ -86,12 +88,15 @@ def _header(w, arch: str, tokenizer) -> None:
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-6)
+    if arch in ("starcoder2", "stablelm"):
+        w.add_layer_norm_eps(1e-5)
+    else:
+        w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    if arch in ("gemma3", "qwen3"):
+    if arch in ("gemma2", "gemma3", "qwen3"):
         w.add_key_length(HEAD_DIM)
         w.add_value_length(HEAD_DIM)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(8)  # shorter than the tests' prompts: the window matters
     if arch == "phi3":
         w.add_rope_dimension_count(HEAD_DIM)
@@ -160,7 +165,7 @@ def write_tiny_gguf(path, arch: str, kinds: dict, tokenizer, seed: int = 0, tie:
     """The file (module doc)."""
     import gguf
 
-    assert arch in FAMILIES, arch
+    assert arch in FAMILIES + OTHERS, arch
     path = Path(path)
     rng = np.random.default_rng(seed)
     specs = _tensor_specs(path, arch, tokenizer, tie)
@@ -171,12 +176,16 @@ def write_tiny_gguf(path, arch: str, kinds: dict, tokenizer, seed: int = 0, tie:
         if len(shape) == 1:
             if name.endswith(".bias"):
                 data = rng.normal(0.0, 0.5, shape)
+            elif arch == "gemma2" and ".post_" in name:  # the layers outweigh the tied input row
+                data = rng.normal(4.0, 0.5, shape)
             else:  # a norm's scale (Gemma's files store 1 + w: ~1 either way)
                 data = rng.normal(1.0, 0.1, shape)
             w.add_tensor(name, data.astype(np.float32))
             continue
         n, k = shape
-        std = 1.0 if name.startswith("token_embd") else 1.0 / np.sqrt(k)
+        std = 1.0 / np.sqrt(k)
+        if name.startswith("token_embd") and arch != "gemma2":  # Gemma 2 ties its head: logits ~1, not capped
+            std = 1.0
         if kind in ("F32", "F16"):
             w.add_tensor(name, rng.normal(0.0, std, shape).astype(np.float32 if kind == "F32" else np.float16))
         elif kind == "BF16":

@@ -112,13 +112,13 @@ def lookahead(model_or_runner, prompt_ids, **cfg_kwargs):
 BATCH_PROMPTS = [REPETITIVE_PROMPT, REPETITIVE_PROMPT[4:], [7, 8, 9, 10] * 5]
 
 
-def batch_outputs(runner, cfg, prompts=BATCH_PROMPTS) -> list[list[int]]:
+def batch_outputs(runner, cfg, prompts=BATCH_PROMPTS, eos=None) -> list[list[int]]:
     """Every prompt decoded together in one BatchEngine (a small paged pool, 3 at a time): the
-    output ids, in the prompts' order."""
+    output ids, in the prompts' order (ending at an ``eos`` id where given)."""
     from lp.engine.batch import BatchEngine
 
     engine = BatchEngine(runner, kv_tokens=1024, block_size=8, max_batch=3)
-    ids = [engine.add(p, cfg) for p in prompts]
+    ids = [engine.add(p, cfg, eos) for p in prompts]
     while engine.has_work:
         engine.step()
     return [engine.result(i).output_ids for i in ids]

@@ -1,8 +1,10 @@
 """Each model family, as a GGUF file in each block format, runs exactly (issue 50, items 1-3).
 
 A tiny random model of every family lp claims (llama, qwen2 with q/k/v biases, qwen3 with q/k
-norms, gemma3 with its extra norms, GeGLU, scaled embeddings and sliding windows, phi3 with fused
-q/k/v and gate/up) is written by tests/gguf_tiny.py, in llama.cpp's Q4_K_M mix (Q4_K, with Q6_K
+norms, gemma3 with its extra norms, GeGLU, scaled embeddings and sliding windows, gemma2 with
+soft-capped attention and logits besides, phi3 with fused q/k/v and gate/up; and, on transformers'
+own modules, starcoder2 and stablelm: LayerNorms, biases, partial rotary, a layer that drops its
+keyword arguments) is written by tests/gguf_tiny.py, in llama.cpp's Q4_K_M mix (Q4_K, with Q6_K
 for v and down and the head, Q8_0 for the embedding) and, on qwen2 (biases on every kernel), in each
 format lp keeps as blocks, plus F16 / BF16. For each file:
 
@@ -24,11 +26,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gguf_tiny import FAMILIES, tokenizer_fields, write_tiny_gguf
+from tests.gguf_tiny import FAMILIES, OTHERS, tokenizer_fields, write_tiny_gguf
 
 Q4_K_M = {"attn": "Q4_K", "ffn": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "embd": "Q8_0", "output": "Q6_K"}
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-CASES = [(arch, "Q4_K_M") for arch in FAMILIES] + [("qwen2", kind) for kind in FORMATS] + \
+CASES = [(arch, "Q4_K_M") for arch in FAMILIES + OTHERS] + [("qwen2", kind) for kind in FORMATS] + \
         [("llama", "F16"), ("llama", "BF16"), ("llama", "Q3_K")]
 TIED = ("qwen3",)  # as its small real models are; the others write an output tensor (a tied random model repeats its input token: a weak check)
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
@@ -64,7 +66,7 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     file = write_tiny_gguf(tmp_path / f"{arch}-{fmt}.gguf", arch, _kinds(fmt), tokenizer, seed=len(arch),
                            tie=arch in TIED)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name, dtype=torch.float32,
-                                               attn_implementation="sdpa").eval()
+                                               attn_implementation="eager" if arch == "gemma2" else "sdpa").eval()
     model, tok = load_model(file, "auto", quant="auto")
     ids = tok(PROMPT)["input_ids"]
     assert len(ids) > 16  # past gemma3's sliding window of 8
@@ -92,14 +94,20 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
     ref_tokens = hf_greedy(ref, ids, 32)
+    if arch == "gemma2":  # soft-capped attention: the eager kernel only (sdpa would drop the cap silently)
+        with pytest.raises(ValueError, match="model.attention=sdpa: this model soft-caps"):
+            ModelRunner(model, attention="sdpa")
     runner = ModelRunner(model)
-    if kept and extension().avx512():
+    if arch in OTHERS:  # transformers' modules, and the log line says why
+        assert runner.fused is None and type(ref.model.layers[0]).__name__ in runner.fused_why
+    elif kept and extension().avx512():
         assert runner.fused is not None, runner.fused_why  # lp's own stack (C++ or its layer loop), bit-equal
-    out = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=32)).generate(ids).output_ids
+    eos = ref.generation_config.eos_token_id  # generate stops there: lp too
+    out = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=32)).generate(ids, eos_token_ids=eos).output_ids
     assert_equal_or_tie(ref, ids, out, ref_tokens, what=f"{arch} {fmt}")
     if fmt == "Q4_K_M":  # the server's batched step (paged pool, lp's attention) on the same stack
         prompts = [ids, ids[5:], ids[:9] * 2]
-        for prompt, got in zip(prompts, batch_outputs(runner, DecodingConfig(max_new_tokens=16), prompts)):
+        for prompt, got in zip(prompts, batch_outputs(runner, DecodingConfig(max_new_tokens=16), prompts, eos)):
             assert_equal_or_tie(ref, prompt, got, hf_greedy(ref, prompt, 16), what=f"{arch} {fmt} batched")
 
     dense, _ = load_model(file, "auto", quant="none", tokenizer=False)

@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lp.kernels import attention
 from lp.kernels.attention import BATCH_SDPA, FIRST, KEYS, MASK, QO, ROWS, SLIDING, SLOTS
 from lp.config import DecodingConfig
 from lp.engine.decoder import (
@@ -542,7 +543,7 @@ class BatchEngine:
             if kept == 1:
                 keep_K = keep_K.repeat(2)
             _mark_dynamic(ids_1Q, pos_1Q, keep_K, extra)
-        with runner._kernel(qo, impl, argmax_only=all(map(_argmax_only, items))):
+        with runner._kernel(qo, impl, argmax_only=all(map(_argmax_only, items))), attention.step_spans(extra):
             out = (runner._forward if compiled else runner.fused or runner.model)(
                 input_ids=ids_1Q, position_ids=pos_1Q, attention_mask=mask,
                 **{runner._cache_kw: self.cache}, use_cache=True, logits_to_keep=keep_K, **extra)

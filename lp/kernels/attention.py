@@ -41,7 +41,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import contextlib
 import os
+import threading
 import warnings
 
 import torch
@@ -361,6 +363,9 @@ def batch_sdpa_forward(module, query, key, value, attention_mask, scaling=None, 
     ``sliding_window`` (Gemma 3's local layers, Mistral) takes the sliding mask."""
     if kwargs.get("softcap") is not None:
         raise ValueError("batched steps do not support attention logit soft-capping; use model.attention=eager")
+    if lp_spans is None:  # a layer that does not pass its keyword arguments on (StableLM's): the step's
+        lp_spans, lp_masks, lp_slots = getattr(_STEP, "spans", None) or (None, None, None)
+        assert lp_spans is not None, "lp_batch_sdpa called outside a batched step (no span table)"
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sliding = sliding_window is not None
     if native_attends(query.device, query.dtype, query.shape[-1]) and key.dtype == value.dtype == torch.float32:
@@ -369,6 +374,18 @@ def batch_sdpa_forward(module, query, key, value, attention_mask, scaling=None, 
 
 
 BATCH_SDPA = "lp_batch_sdpa"
+_STEP = threading.local()  # the running batched step's span table, for layers that drop the keywords
+
+
+@contextlib.contextmanager
+def step_spans(extra: dict):
+    """Within: ``batch_sdpa_forward`` reads this step's ``lp_spans`` / ``lp_masks`` / ``lp_slots``
+    when the model's layers do not hand the forward's keyword arguments to their attention."""
+    _STEP.spans = (extra["lp_spans"], extra["lp_masks"], extra["lp_slots"]) if extra else None
+    try:
+        yield
+    finally:
+        _STEP.spans = None
 
 
 @functools.lru_cache(maxsize=1)

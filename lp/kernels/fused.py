@@ -225,14 +225,16 @@ class FusedDecoder:
 # heads' transpose, or None: no q/k norms; the ``sliding_window`` it passes the attention function:
 # "layer" (its own attribute), "config" (the config's) or None; Phi-3's q/k/v are one linear, sliced)
 ATTENTIONS = {"LlamaAttention": (None, None), "Qwen2Attention": (None, "layer"),
-              "Qwen3Attention": ("before", "layer"), "Gemma3Attention": ("after", "layer"),
+              "Qwen3Attention": ("before", "layer"), "Gemma2Attention": (None, "layer"),
+              "Gemma3Attention": ("after", "layer"),
               "Phi3Attention": (None, "config")}
 # decoder layers: "pre" (input norm, attention, residual; post_attention_layernorm, MLP, residual) or
 # "sandwich" (Gemma 3: a norm before and after the attention and the MLP each)
 LAYER_KINDS = {"LlamaDecoderLayer": "pre", "Qwen2DecoderLayer": "pre", "Qwen3DecoderLayer": "pre",
-               "Gemma3DecoderLayer": "sandwich", "Phi3DecoderLayer": "pre"}  # Phi-3's dropouts: eval only
+               "Gemma2DecoderLayer": "sandwich", "Gemma3DecoderLayer": "sandwich",
+               "Phi3DecoderLayer": "pre"}  # Phi-3's dropouts: eval only
 # down(act(gate(x)) * up(x)); Phi-3's: gate, up = gate_up(x).chunk(2), down(up * act(gate))
-MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Phi3MLP")
+MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Gemma2MLP", "Gemma3MLP", "Phi3MLP")
 
 
 @dataclass
@@ -259,6 +261,7 @@ class _LoopLayer:
     q_end: int = 0
     k_end: int = 0
     gate_up: object = None  # Phi-3: one gate/up linear, chunked
+    softcap: float | None = None  # Gemma 2: the attention logits' soft cap (the eager kernel applies it)
 
 
 def _loop_plan(model) -> tuple[list[_LoopLayer], str]:
@@ -269,8 +272,6 @@ def _loop_plan(model) -> tuple[list[_LoopLayer], str]:
     if layers is None or not len(layers):
         return [], "no decoder layers at model.model.layers"
     config = model.config
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        return [], "final logit soft-capping"
     if getattr(model, "_lp_tp", 1) > 1:
         return [], "tensor-parallel shards (their all-reduces ride on module hooks)"
     if model.training:
@@ -288,8 +289,6 @@ def _loop_plan(model) -> tuple[list[_LoopLayer], str]:
         if kind is None or type(attn).__name__ not in ATTENTIONS or type(mlp).__name__ not in MLPS:
             return [], (f"decoder layer {type(layer).__name__} / {type(attn).__name__} / {type(mlp).__name__} "
                         f"(the loop: {', '.join(LAYER_KINDS)})")
-        if getattr(attn, "attn_logit_softcapping", None) is not None:
-            return [], "attention logit soft-capping"
         qk_norm, window = ATTENTIONS[type(attn).__name__]
         norm_names = (("input_layernorm", "post_attention_layernorm") if kind == "pre" else
                       ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -312,7 +311,8 @@ def _loop_plan(model) -> tuple[list[_LoopLayer], str]:
             mlp.activation_fn if fused_mlp else mlp.act_fn, mlp.down_proj.forward,
             types[i] if i < len(types) else "full_attention", rope, eager,
             attn.qkv_proj.forward if fused_qkv else None, q_end,
-            q_end + config.num_key_value_heads * attn.head_dim, mlp.gate_up_proj.forward if fused_mlp else None))
+            q_end + config.num_key_value_heads * attn.head_dim, mlp.gate_up_proj.forward if fused_mlp else None,
+            getattr(attn, "attn_logit_softcapping", None)))
     return plan, ""
 
 
@@ -378,6 +378,8 @@ class LayerLoop:
             q, k = ly.rope(q, k, cos, sin)
             k, v = cache.update(k, v, a.layer_idx)
             extra = {"sliding_window": ly.window} if ly.window is not None else {}
+            if ly.softcap is not None:
+                extra["softcap"] = ly.softcap
             out, _ = attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
                                use_cache=use_cache, **extra, **kwargs)
             out = ly.o(out.reshape(*shape, -1).contiguous())
@@ -400,7 +402,13 @@ class LayerLoop:
             h = h[:, -logits_to_keep:, :]
         else:
             h = h[:, logits_to_keep, :]
-        return _Out(self.model.lm_head(h))
+        logits = self.model.lm_head(h)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:  # Gemma 2's forward, op for op
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
+        return _Out(logits)
 
 
 def build(model) -> tuple[FusedDecoder | LayerLoop | None, str]:

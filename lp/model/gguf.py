@@ -345,7 +345,11 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     else:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        except ValueError:  # a family without sdpa (Gemma 2's soft-capped attention): its eager kernel
+            log.info("%s: transformers has no sdpa attention for %s; eager", file.name, type(config).__name__)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     if not known:
         # the tensor processors read the config transformers parsed (the same keys as config.json);
         # not load_gguf_checkpoint's second parse of the whole file
@@ -466,7 +470,7 @@ def _read_blocks(data: np.ndarray, kind: str, n: int, k: int, bits: int) -> tupl
 
 
 # token embeddings whose forward is a row lookup (times ``embed_scale`` for the scaled ones)
-EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
+EMBEDDINGS = ("Embedding", "Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding")  # same forward: rows x embed_scale
 
 
 def _ends(model) -> dict:

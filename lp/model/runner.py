@@ -156,6 +156,7 @@ class ModelRunner:
         self.dtype = param.dtype
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.vocab_size = text_config.vocab_size
+        self.softcapped = getattr(text_config, "final_logit_softcapping", None) is not None
         self.max_positions = getattr(text_config, "max_position_embeddings", None)
         window = getattr(text_config, "sliding_window", None)
         layer_types = getattr(text_config, "layer_types", None) or []
@@ -164,6 +165,11 @@ class ModelRunner:
         if self.sliding_window and layer_types and "sliding_attention" not in layer_types:
             self.sliding_window = None  # e.g. Qwen2 with use_sliding_window=False
         self.attention = resolve_attention(attention, self.device, impl)
+        if getattr(text_config, "attn_logit_softcapping", None) is not None and self.attention != "eager":
+            if attention != "auto":  # lp's kernels and torch's sdpa do not soft-cap
+                raise ValueError(f"model.attention={attention}: this model soft-caps its attention logits (Gemma 2), "
+                                 "which only the eager kernel computes; use model.attention=auto or eager")
+            self.attention = "eager"
         if self.attention == "flash" and self.sliding_window is not None:
             raise ValueError(
                 "model.attention=flash (cascade) needs full attention over the prefix; this model has "
@@ -453,7 +459,8 @@ class ModelRunner:
         small = self.uses_small_rows(rows)
         packed = self.linears == "packed"
         head8 = self.head8 is not None
-        screen = argmax_only and (self.head_screen is not None or head8)
+        # a soft-capped head (Gemma 2) squashes the screen's values, whose order alone is exact
+        screen = argmax_only and not self.softcapped and (self.head_screen is not None or head8)
         if swap:
             for c in self._configs:
                 c._attn_implementation_internal = impl
