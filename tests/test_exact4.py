@@ -106,10 +106,14 @@ def test_every_tile_width_gives_the_same_bits(q4_model, q48_model):
     g = torch.Generator().manual_seed(4)  # 8-bit blocks with a scale and an offset per 16 weights (Q6_K's kind)
     q8x = torch.randint(-32, 32, (40, 256), generator=g, dtype=torch.int8)
     p8x = exact4.pack8x(q8x, torch.rand(40, 16, generator=g), torch.randn(40, 16, generator=g))
+    p16 = exact4.pack16(torch.randn(40, 256, generator=g).to(torch.bfloat16))
+    p16h = exact4.pack16(torch.randn(40, 256, generator=g).to(torch.float16))
     torch.manual_seed(3)
     try:
         for kind, mm, p, n, k in ((0, exact4.mm, p4, n4, w_q.shape[1]), (1, exact4.mm8, p8, n8, w_h.shape[1]),
-                                  (2, exact4.mm8x, p8x, 40, 256)):
+                                  (2, exact4.mm8x, p8x, 40, 256),
+                                  (3, lambda x, p, n: exact4.mm16(x, p, n, True), p16, 40, 256),
+                                  (3, lambda x, p, n: exact4.mm16(x, p, n, False), p16h, 40, 256)):
             for m in range(1, 9):
                 x = torch.randn(m, k)
                 want = mm(x, p, n)
@@ -124,6 +128,29 @@ def test_every_tile_width_gives_the_same_bits(q4_model, q48_model):
     assert ext.tiles() == builtin
     with pytest.raises(RuntimeError, match="set_tile: kind 0"):
         ext.set_tile(0, 9, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_weights_widen_exactly_rows_alone(dtype):
+    """``mm16`` (GGUF F16 / BF16 linears): unit rows give back every stored weight widened to
+    float32 bit for bit (the widening is exact), each row's output alone equals it among 1-20 rows,
+    and the products are x @ W.float().T up to summation order; the zero-padded last group (N = 44)
+    adds nothing."""
+    g = torch.Generator().manual_seed(16)
+    w = (torch.randn(44, 256, generator=g) * 3).to(dtype)
+    w[0, :4] = torch.tensor([0.0, -0.0, 1e-7, -65504.0]).to(dtype)  # signed zero, a subnormal (F16), the edge
+    p, bf16 = exact4.pack16(w), dtype == torch.bfloat16
+    eye = torch.eye(256)
+    assert torch.equal(exact4.mm16(eye, p, 44, bf16), w.float().t())
+    x = torch.randn(20, 256, generator=g)
+    together = exact4.mm16(x, p, 44, bf16)
+    for m in (1, 3, 8, 20):
+        assert torch.equal(exact4.mm16(x[:m], p, 44, bf16), together[:m])
+    for i in range(20):
+        assert torch.equal(exact4.mm16(x[i:i + 1], p, 44, bf16), together[i:i + 1])
+    assert torch.allclose(together, x @ w.float().t(), rtol=1e-4, atol=1e-3)
+    with pytest.raises(RuntimeError, match="exact16_pack"):
+        exact4.pack16(torch.randn(4, 48).to(dtype))
 
 
 def test_the_kernel_runs_on_every_thread():

@@ -60,6 +60,7 @@ def extension():
     torch.library.register_fake("lp_exact4::mm")(_mm_shape)
     torch.library.register_fake("lp_exact4::mm8")(_mm8_shape)
     torch.library.register_fake("lp_exact4::mm8x")(_mm8_shape)
+    torch.library.register_fake("lp_exact4::mm16")(lambda x, p, n, bf16: x.new_empty(x.shape[0], n))
     torch.library.register_fake("lp_exact4::rms_norm")(lambda x, w, eps: torch.empty_like(x))
     return mod
 
@@ -99,6 +100,17 @@ def pack8x(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return extension().pack8x(q, d, c)
 
 
+def pack16(w_NK: torch.Tensor) -> torch.Tensor:
+    """bfloat16 or float16 weights [N, K] in the kernel's layout (512-byte chunks of 8 outputs x 32
+    weights, as ``pack``): the weights as stored, widened to float32 in the kernel, exactly."""
+    return extension().pack16(w_NK.contiguous())
+
+
+def mm16(x_MK: torch.Tensor, p: torch.Tensor, n: int, bf16: bool) -> torch.Tensor:
+    """``x @ W.T`` [M, n] for float32 ``x`` [M, K] and W's 16-bit weights packed by ``pack16``."""
+    return torch.ops.lp_exact4.mm16(x_MK, p, n, bf16)
+
+
 def mm8x(x_MK: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:
     """``x @ W.T`` [M, n] for float32 ``x`` [M, K] and W's blocks packed by ``pack8x``."""
     return torch.ops.lp_exact4.mm8x(x_MK, p, n)
@@ -133,6 +145,7 @@ def has_blocks(model: nn.Module) -> bool:
     head = _head(model)
     return any(_plain(m) and m is not head and (getattr(m, "_lp_blocks", None) is not None
                                                 or getattr(m, "_lp_blocks8", None) is not None
+                                                or getattr(m, "_lp_weight16", None) is not None
                                                 or (not m.weight.is_meta and _blocks(_local(m.weight.detach())) is not None))
                for m in model.modules())
 
@@ -288,6 +301,34 @@ class Exact8xLinear(Exact8Linear):
     pack = staticmethod(lambda q, d, c: pack8x(q, d, c))
 
 
+class Exact16Linear(Exact4Linear):
+    """``y = x @ W.T`` for float32 ``x`` with W held as its 16-bit floats (a GGUF file's F16 / BF16
+    tensor: lp.model.gguf's ``_lp_weight16``), each widened to float32 in the kernel (exact), run
+    by ``mm16`` in the same tiles and summation order as the block kinds: 2 bytes a weight, not 4."""
+
+    bits = 16
+
+    def __init__(self, linears: list[nn.Linear], p: torch.Tensor, bf16: bool):
+        super().__init__(linears, p)
+        self.bf16 = bf16
+
+    def kernel(self, x_MK, p, n):
+        return mm16(x_MK, p, n, self.bf16)
+
+    @classmethod
+    def of(cls, linears: list[nn.Linear]) -> "Exact16Linear | None":
+        """The siblings' 16-bit weights stacked, packed and checked through the kernel on unit rows;
+        None unless every sibling holds them, in one dtype."""
+        ws = [getattr(lin, "_lp_weight16", None) for lin in linears]
+        if any(w is None for w in ws) or len({w.dtype for w in ws}) != 1:
+            return None
+        w_NK = torch.cat(ws)
+        p = pack16(w_NK)
+        bf16 = w_NK.dtype == torch.bfloat16
+        idx, unit_RK = _unit_rows(w_NK.shape[1])
+        return cls(linears, p, bf16) if torch.equal(mm16(unit_RK, p, w_NK.shape[0], bf16), w_NK.float()[:, idx].t()) else None
+
+
 def widen8(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weights [N, K] of 8-bit blocks: q * d per 32 weights, exact (8 x 11 significant
     bits); with ``c`` (d and c per 16 weights) q * d + c, one rounding (q * d exact), as the
@@ -335,6 +376,7 @@ def convert(model: nn.Module) -> tuple[int, int]:
 
     done = fuse_siblings(model, Exact4Linear.of, accept=_plain)
     done += fuse_siblings(model, Exact8Linear.of, accept=_plain)
+    done += fuse_siblings(model, Exact16Linear.of, accept=_plain)
     left = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -342,7 +384,7 @@ def convert(model: nn.Module) -> tuple[int, int]:
                 continue
             linear = None
             if _plain(child) and child is not head:
-                linear = Exact4Linear.of([child]) or Exact8Linear.of([child])
+                linear = Exact4Linear.of([child]) or Exact8Linear.of([child]) or Exact16Linear.of([child])
             if linear is None:
                 left += 1
                 continue

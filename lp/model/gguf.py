@@ -15,15 +15,18 @@ float32 rounding of an exact value:
 
 * 4-bit, ``fma(q, d, c)`` (``Exact4Linear``): Q4_1 ``d * q + m``; Q4_0 ``d * (q - 8)`` (c = -8 d);
   Q4_K ``(d * scale) * q - dmin * min`` per 32 weights (d * scale and dmin * min are exact);
-* 8-bit, ``q * d`` (``Exact8Linear``): Q8_0 ``d * q``; Q5_0 ``d * (q - 16)``;
+* 8-bit, ``q * d`` (``Exact8Linear``): Q8_0 ``d * q``; Q5_0 ``d * (q - 16)``; IQ4_NL ``d * value``
+  (q the code's int8 value); IQ4_XS ``(d * (scale - 32)) * value`` per 32;
 * 8-bit, ``fma(q, D, C)`` per 16 weights (``Exact8xLinear``): Q6_K ``(d * scale) * q``; Q5_K as
-  Q4_K with 5-bit q; Q5_1 ``d * q + m``.
+  Q4_K with 5-bit q; Q5_1 ``d * q + m``; Q3_K ``(d * (scale - 32)) * q``; Q2_K ``(d * scale) * q
+  - dmin * min``.
 
 Where the blocks do not run (``model.quant=none``, a CPU without exact4's AVX-512 path, a non-CPU
 device) they are widened to those same float32 weights. The token embedding and the LM head in a
 kept format stay blocks as well (``_ends_from_blocks``: lp.kernels.exact4's ``BlockEmbedding`` and
-``BlockHead``, one copy for a tied pair). Other formats (Q2_K, Q3_K, the IQ formats, F16, BF16) are
-dequantized to float32 as transformers does (their own kernels: later), so the loaded model always
+``BlockHead``, one copy for a tied pair). F16 / BF16 decoder linears keep their 2-byte floats
+(``Exact16Linear``: widened in the kernel, exact); an F16 / BF16 embedding or head, and the other
+formats (the IQ1-IQ3 codebooks, ...), are dequantized to float32 as transformers does (later: their own kernels), so the loaded model always
 computes what ``from_pretrained(gguf_file=...)`` on the same file computes in float32, up to the
 kernels' summation order.
 
@@ -48,7 +51,12 @@ LAYOUTS = {"Q4_0": (0, None, 2, 18), "Q4_1": (0, 2, 4, 20)}
 SUPER = 256  # weights of a K-quant super-block
 # the formats kept as blocks: bytes per block (of 32, or of 256 for K-quants), the kernel's bits
 KEPT = {"Q4_0": (18, 32, 4), "Q4_1": (20, 32, 4), "Q4_K": (144, SUPER, 4), "Q8_0": (34, 32, 8), "Q5_0": (22, 32, 8),
-        "Q5_1": (24, 32, 8), "Q5_K": (176, SUPER, 8), "Q6_K": (210, SUPER, 8)}
+        "Q5_1": (24, 32, 8), "Q5_K": (176, SUPER, 8), "Q6_K": (210, SUPER, 8), "Q2_K": (84, SUPER, 8),
+        "Q3_K": (110, SUPER, 8), "IQ4_NL": (18, 32, 8), "IQ4_XS": (136, SUPER, 8), "F16": (64, 32, 16),
+        "BF16": (64, 32, 16)}
+SCALED8 = ("Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS")  # 8-bit kinds w = q * d per 32 (the others: fma(q, D, C) per 16)
+# IQ4_NL / IQ4_XS's sixteen 4-bit code values (gguf.quants.IQ4_NL.kvalues)
+IQ4_VALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.int8)
 
 
 def gguf_file(path) -> Path | None:
@@ -153,6 +161,22 @@ def blocks8x_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tens
         q = (lo | (hi << 4)).astype(np.int8)
         big_d = np.repeat(d[:, None] * sc, 2, axis=1)
         big_c = np.repeat(-(dmin[:, None] * mn), 2, axis=1)
+    elif kind == "Q2_K":  # 16 scale bytes (scale | min << 4 per 16), 64 bytes of 2-bit q, d, dmin
+        scales, qs, d, dmin = raw[:, :16], raw[:, 16:80], _f16(raw[:, 80:82]), _f16(raw[:, 82:84])
+        big_d = d[:, None] * (scales & 0x0F).astype(np.float32)
+        big_c = -(dmin[:, None] * (scales >> 4).astype(np.float32))
+        q = ((qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03)
+        q = q.reshape(-1, 16, 16).astype(np.int8)
+    elif kind == "Q3_K":  # 32 bytes of high-bit masks, 64 of 2-bit q, 12 of 6-bit scales, d: (d * (s - 32)) * q
+        hmask, qs, sc, d = raw[:, :32], raw[:, 32:96], raw[:, 96:108], _f16(raw[:, 108:110])
+        lo = (sc[:, None, :8] >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
+        hi = (sc[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(-1, 16)
+        scale = ((lo & 0x0F) | ((hi & 0x03) << 4)).astype(np.int8) - np.int8(32)
+        big_d = d[:, None] * scale.astype(np.float32)
+        ql = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)).reshape(-1, 16, 16) & 0x03
+        qh = (hmask.reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).reshape(-1, 16, 16) & 0x01
+        q = ql.astype(np.int8) - ((qh ^ 1) << 2).astype(np.int8)  # the 4 subtracted where the mask bit is 0
+        big_c = np.full_like(big_d, -0.0)
     else:  # Q5_1: d, m, 4 bytes of high bits (bit i for weight i), then weight j | weight j + 16 << 4
         d, m = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
         qh = raw[:, 4:8].copy().view("<u4")[:, 0]
@@ -166,13 +190,29 @@ def blocks8x_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tens
 
 
 def blocks8_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [N, K] int8, d [N, K / 32] float32) of a Q8_0 or Q5_0 tensor, w = q * d exactly as
-    gguf.dequantize computes it (d * x, x an int8, or Q5_0's 5-bit value minus 16)."""
+    """(q [N, K] int8, d [N, K / 32] float32) of a Q8_0, Q5_0, IQ4_NL or IQ4_XS tensor, w = q * d
+    exactly as gguf.dequantize computes it (d * x, x an int8, Q5_0's 5-bit value minus 16 or an
+    IQ4 code's value; IQ4_XS's d * (6-bit scale - 32) per 32 is exact, 11 + 5 bits, and so is its
+    product with a value of 7 bits)."""
     size = KEPT[kind][0]
+    if kind == "IQ4_XS":
+        raw = np.ascontiguousarray(data).reshape(n * (k // SUPER), size)
+        d = _f16(raw[:, 0:2])
+        high = raw[:, 2:4].copy().view("<u2")[:, 0]
+        low = (raw[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(-1, 8) & 0x0F
+        high = ((high[:, None] >> (2 * np.arange(8, dtype=np.uint16))[None, :]).astype(np.uint8)) & 0x03
+        scale = (low | (high << 4)).astype(np.int8) - np.int8(32)
+        dl = d[:, None] * scale.astype(np.float32)  # [super-blocks, 8]
+        codes = (raw[:, 8:].reshape(-1, 8, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        q = IQ4_VALUES[codes.reshape(-1, 8, 32)]
+        return (torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
+                torch.from_numpy(np.ascontiguousarray(dl, dtype=np.float32).reshape(n, k // BLOCK)))
     raw = np.ascontiguousarray(data).reshape(n, k // BLOCK, size)
     d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if kind == "Q8_0":
         q = raw[..., 2:34].copy().view(np.int8)
+    elif kind == "IQ4_NL":  # d, then code j | code j + 16 << 4
+        q = IQ4_VALUES[np.concatenate([raw[..., 2:18] & 0x0F, raw[..., 2:18] >> 4], axis=-1)]
     else:  # Q5_0: 4 bytes of high bits (bit i for weight i), then weight j | weight j + 16 << 4
         qh = raw[..., 2:6].copy().view("<u4")[..., 0]
         high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
@@ -379,7 +419,7 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
         kind = t.tensor_type.name
         hf = mapping.get(t.name)
         owner = modules.get(hf.rsplit(".", 1)[0]) if hf else None
-        if hf in ends and kind in KEPT:
+        if hf in ends and kind in KEPT and KEPT[kind][2] != 16:  # a 16-bit embedding / head: float32 (for now)
             n, k = ends[hf].weight.shape
             size, per, bits = KEPT[kind]
             if k % per == 0 and t.data.size == n * k // per * size:
@@ -393,7 +433,9 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
             rows = _row_permutation(processor, t.name, n, mapping, parsed)
             if rows is not None and t.data.size == n * k // per * size:
                 parts = tuple(x[rows] for x in _read_blocks(t.data, kind, n, k, bits))
-                if bits == 8:
+                if bits == 16:
+                    owner._lp_weight16 = parts[0]  # read by lp.kernels.exact4.convert
+                elif bits == 8:
                     owner._lp_blocks8 = parts  # read by lp.kernels.exact4.convert
                 else:
                     owner._lp_blocks = parts
@@ -464,9 +506,12 @@ def gguf_tokenizer(file: Path, cache_dir: Path | None = None):
 def _read_blocks(data: np.ndarray, kind: str, n: int, k: int, bits: int) -> tuple:
     """A kept tensor's blocks in lp.kernels.exact4's layouts: (q nibbles, d, c) for 4-bit kinds,
     (q, d) or (q, D, C) 8-bit ones."""
+    if bits == 16:  # the stored floats, as they are
+        w = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).reshape(n, k).copy())
+        return (w.view(torch.bfloat16 if kind == "BF16" else torch.float16),)
     if bits == 4:
         return blocks_q4k(data, n, k) if kind == "Q4_K" else blocks_of(data, kind, n, k)
-    return blocks8_of(data, kind, n, k) if kind in ("Q8_0", "Q5_0") else blocks8x_of(data, kind, n, k)
+    return blocks8_of(data, kind, n, k) if kind in SCALED8 else blocks8x_of(data, kind, n, k)
 
 
 # token embeddings whose forward is a row lookup (times ``embed_scale`` for the scaled ones)
@@ -539,8 +584,9 @@ def _widen_left(model) -> int:
     for m in model.modules():
         blocks = m.__dict__.pop("_lp_blocks", None)
         blocks8 = m.__dict__.pop("_lp_blocks8", None)
-        if isinstance(m, torch.nn.Linear) and m.weight.is_meta and (blocks or blocks8):
-            w = widen(*blocks) if blocks else widen8(*blocks8)
+        w16 = m.__dict__.pop("_lp_weight16", None)
+        if isinstance(m, torch.nn.Linear) and m.weight.is_meta and (blocks or blocks8 or w16 is not None):
+            w = widen(*blocks) if blocks else widen8(*blocks8) if blocks8 else w16.float()
             m.weight = torch.nn.Parameter(w, requires_grad=False)
             count += 1
     return count

@@ -200,7 +200,8 @@ void tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, 
 // each row's loads, even where their accumulators spill (2 rows: ~20% less time at 8 outputs
 // than at 4). Whatever NB, each output's sum runs in the same order: only speed depends on it.
 // set_tile overrides an entry (the benchmark).
-int g_tile[3][kRowTile + 1] = {{0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}};
+int g_tile[4][kRowTile + 1] = {{0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2},
+                               {0, 8, 8, 8, 8, 4, 4, 4, 2}};
 
 // every row tile over one group, the group's chunks read from memory once (prefetched on the
 // first pass, in L1 for the others)
@@ -298,6 +299,42 @@ at::Tensor exact4_pack(const at::Tensor& q, const at::Tensor& d, const at::Tenso
   return pack<Weights4>(q, d, &c);
 }
 
+// 16-bit float weights (GGUF F16 / BF16 tensors, bf16 / fp16 checkpoints): w = the value widened to
+// float32, exact (a float16 or bfloat16 value is a float32 value). Chunk: 8 x 32 weights of 2 bytes
+// (512 bytes), no scales; the same tiles, chains and summation order as the block kinds.
+template <bool kBf16>
+struct Weights16 {
+  static constexpr int64_t kBytes = kGroup * 64;
+  static constexpr int kKind = 3;
+#if defined(__AVX512F__)
+  static inline __m512 widen(const __m256i h) {
+    if constexpr (kBf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+  }
+  static inline void load(const uint8_t* chunk, int j, __m512& w0, __m512& w1) {
+    const __m256i* qb = reinterpret_cast<const __m256i*>(chunk + j * 64);
+    w0 = widen(_mm256_loadu_si256(qb));
+    w1 = widen(_mm256_loadu_si256(qb + 1));
+  }
+#endif
+  static inline float one(uint16_t h) {
+    if constexpr (kBf16) {
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
+    return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+  }
+  static inline void load(const uint8_t* chunk, int j, float* w0, float* w1) {
+    const uint16_t* qb = reinterpret_cast<const uint16_t*>(chunk + j * 64);
+    for (int l = 0; l < 16; ++l) {
+      w0[l] = one(qb[l]);
+      w1[l] = one(qb[16 + l]);
+    }
+  }
+};
+
 at::Tensor exact8_pack(const at::Tensor& q, const at::Tensor& d) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8, "exact8_pack: q int8 [N, K], d float32 [N, K / 32]");
   return pack<Weights8>(q, d, nullptr);
@@ -305,6 +342,30 @@ at::Tensor exact8_pack(const at::Tensor& q, const at::Tensor& d) {
 
 torch::Tensor exact8x_mm(torch::Tensor x, torch::Tensor p, int64_t n) {
   return packed_mm<Weights8x>("exact8x_mm", x, p, n);
+}
+
+torch::Tensor exact16_mm(torch::Tensor x, torch::Tensor p, int64_t n, bool bf16) {
+  return bf16 ? packed_mm<Weights16<true>>("exact16_mm", x, p, n) : packed_mm<Weights16<false>>("exact16_mm", x, p, n);
+}
+
+// w [N, K] bfloat16 or float16 (K a multiple of 32) in Weights16's layout, zero-padded groups
+at::Tensor exact16_pack(const at::Tensor& w) {
+  TORCH_CHECK((w.scalar_type() == torch::kBFloat16 || w.scalar_type() == torch::kHalf) && w.dim() == 2 &&
+                  w.is_contiguous() && w.size(1) % kBlock == 0,
+              "exact16_pack: w bfloat16 or float16 [N, K], contiguous, K a multiple of 32");
+  const int64_t N = w.size(0), K = w.size(1), blocks = K / kBlock, groups = (N + kGroup - 1) / kGroup;
+  at::Tensor p = torch::zeros({groups, blocks, Weights16<true>::kBytes}, torch::kUInt8);
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  uint8_t* pp = p.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int j = 0; j < kGroup && g * kGroup + j < N; ++j) {
+          const int64_t n = g * kGroup + j;
+          std::memcpy(pp + (g * blocks + b) * Weights16<true>::kBytes + j * 64, wp + (n * K + b * kBlock) * 2, 64);
+        }
+  });
+  return p;
 }
 
 // (q [N, K] int8, D, C [N, K / 16] float32) in Weights8x's layout, zero-padded groups
@@ -932,6 +993,7 @@ TORCH_LIBRARY(lp_exact4, m) {
   m.def("mm(Tensor x, Tensor p, int n) -> Tensor");
   m.def("mm8(Tensor x, Tensor p, int n) -> Tensor");
   m.def("mm8x(Tensor x, Tensor p, int n) -> Tensor");
+  m.def("mm16(Tensor x, Tensor p, int n, bool bf16) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("attn_in(Tensor h, Tensor ln_w, float eps, Tensor p_qkv, int heads, int kv_heads, int head_dim, Tensor cos, "
         "Tensor sin) -> Tensor[]");
@@ -947,6 +1009,7 @@ TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
   m.impl("mm", &exact4_mm);
   m.impl("mm8", &exact8_mm);
   m.impl("mm8x", &exact8x_mm);
+  m.impl("mm16", &exact16_mm);
   m.impl("rms_norm", &rms_norm);
 #if defined(__AVX512F__)
   m.impl("attn_in", &attn_in);
@@ -959,6 +1022,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &exact4_pack, "exact 4-bit blocks (q, d, c) in the kernel layout");
   m.def("pack8", &exact8_pack, "exact 8-bit blocks (q, d) in the kernel layout");
   m.def("pack8x", &exact8x_pack, "exact 8-bit blocks (q, D, C per 16 weights) in the kernel layout");
+  m.def("pack16", &exact16_pack, "bfloat16 / float16 weights in the kernel layout");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
@@ -970,16 +1034,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(ok, logits [M, vocab]): the greedy head through the screen, -inf where proved below the maximum");
   m.def("vnni", &exact8_vnni, "whether this build runs the screen on AVX-512 VNNI");
   m.def("set_tile", [](int kind, int rows, int outputs) {
-    TORCH_CHECK(kind >= 0 && kind < 3 && rows >= 1 && rows <= kRowTile &&
+    TORCH_CHECK(kind >= 0 && kind < 4 && rows >= 1 && rows <= kRowTile &&
                     (outputs == 1 || outputs == 2 || outputs == 4 || outputs == 8),
-                "set_tile: kind 0 (exact4), 1 (exact8) or 2 (exact8x), rows 1..8, outputs 1, 2, 4 or 8");
+                "set_tile: kind 0 (exact4), 1 (exact8), 2 (exact8x) or 3 (exact16), rows 1..8, outputs 1, 2, 4 or 8");
     g_tile[kind][rows] = outputs;
   }, "outputs per tile for a tile of `rows` rows (benchmarks)");
   m.def("tiles", []() {
     std::vector<std::vector<int>> t;
     for (const auto& row : g_tile) t.emplace_back(row + 1, row + kRowTile + 1);
     return t;
-  }, "outputs per tile for 1..8 rows, exact4, exact8, exact8x");
+  }, "outputs per tile for 1..8 rows, exact4, exact8, exact8x, exact16");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "the kernels' software prefetch on or off (benchmarks)");
   m.def("parallel_width", &exact4_parallel_width, "threads the kernel's parallel_for runs on");
   m.def("set_clock", [](bool on) {
