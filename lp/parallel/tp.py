@@ -468,11 +468,27 @@ def load_for(path, dtype: str, device: str, quant: str, group, tokenizer: bool =
         return load_model(path, dtype, device, quant, tokenizer)
     from lp.model.gguf import gguf_file
 
-    if gguf_file(path) is not None:
-        raise ValueError(f"parallel.tp={group.tp_size} reads a transformers folder's shards; model.path {path} is a "
-                         "GGUF file: use parallel.tp=1 (LP workers each hold the whole model)")
     check_tp_path(path, group.tp_size, quant)
+    if gguf_file(path) is not None:
+        return load_gguf_sharded(path, dtype, device, group, tokenizer, quant)
     return load_sharded(path, dtype, device, group.tp_mesh, tokenizer, quant, group)
+
+
+def load_gguf_sharded(path, dtype: str, device: str, group, tokenizer: bool = True, quant: str = "none"):
+    """(model, tokenizer or None) of a GGUF file under parallel.tp > 1: every rank reads the file
+    whole as the float32 weights transformers' GGUF loader makes (lp.model.gguf with quant=none),
+    keeps its shards by the plan ``load_sharded`` uses, then quantizes them (``quantize_shards``:
+    exact4 finds Q4_0 / Q4_1 / Q8_0 blocks in the float32 shards; other formats stay float32). Peak
+    memory per rank: the whole float32 model once, while it loads."""
+    from lp.model.loader import load_model
+
+    dev = torch.device(device)
+    model, tok = load_model(path, dtype, device, "none", tokenizer)
+    with torch.no_grad():
+        _shard_modules(model, group.tp_mesh)
+    quantize_shards(model, quant, dev, group.tp_mesh)
+    _finish(model, group.tp_mesh, group)
+    return model, tok
 
 
 def local_shapes(model) -> dict[str, list[int]]:
@@ -539,16 +555,17 @@ def _all_true(group, device, flag: bool) -> bool:
 
 
 def check_tp_path(path, tp: int, quant: str = "none") -> None:
-    """``check_tp`` from a model folder's config.json alone (before any weights load)."""
+    """``check_tp`` from a model folder's config.json (a GGUF file's header) alone, before any weights load."""
     if tp == 1:
         return
     if quant == "int4":
         raise ValueError(f"model.quant={quant} cannot be combined with parallel.tp={tp} (torchao's int4 scales of a "
                          "row-parallel shard would cover only its slice of K); use model.quant=int8, exact4, auto or "
                          "none, or parallel.tp=1")
-    from transformers import AutoConfig
+    from lp.model.gguf import model_config
+    from lp.model.loader import default_cache_dir
 
-    check_tp(AutoConfig.from_pretrained(path), tp)
+    check_tp(model_config(path, default_cache_dir()), tp)
 
 
 def shard_for(model, group):
