@@ -111,6 +111,8 @@ def server_command(kind: str, port: int, model_path: Path, threads: int, lp_over
         spec = LLAMACPP_NGRAM if kind == "llamacpp_ngram" else []
         return [str(exe), "-m", str(gguf or gguf_path()), "-t", str(threads), "-c", str(LLAMACPP_CTX),
                 "-np", str(llamacpp_slots), "--host", "127.0.0.1", "--port", str(port), *spec]
+    if kind.startswith(("vllm", "transformers")):
+        model_path = folder_of(model_path)
     if kind in ("vllm", "vllm_ngram"):
         spec = ["--speculative-config", json.dumps(NGRAM_SPEC)] if kind == "vllm_ngram" else []
         return [str(vllm_exe(vllm_venv)), "serve", str(model_path), "--host", "127.0.0.1", "--port", str(port),
@@ -130,6 +132,20 @@ def server_command(kind: str, port: int, model_path: Path, threads: int, lp_over
     cb = ["--continuous-batching"] if kind == "transformers_cb" else []
     return [exe, "serve", *cb, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
             "--device", "cpu", "--log-level", "warning", str(model_path)]
+
+
+def folder_of(model_path: Path) -> Path:
+    """The transformers folder the vLLM and transformers servers load: ``model_path`` itself, or for
+    lp's default GGUF its float32 conversion (lp.model.loader.smollm2_folder); another GGUF file is a
+    ValueError (these peers serve it from a folder here)."""
+    from lp.model.loader import smollm2_folder, smollm2_gguf
+
+    if Path(model_path).suffix != ".gguf":
+        return Path(model_path)
+    if Path(model_path).resolve() == smollm2_gguf().resolve():
+        return smollm2_folder()
+    raise ValueError(f"the vLLM and transformers servers of this benchmark load a transformers folder; "
+                     f"{model_path} is a GGUF file: give model_path a folder or serve lp and llamacpp only")
 
 
 def served_model(url: str) -> str:
@@ -159,7 +175,7 @@ def llamacpp_slots(cc) -> int:
 
 def llamacpp_gguf(cc, model_path: Path | None = None) -> Path:
     """The GGUF the llamacpp servers serve: ``concurrency.llamacpp_model``, else lp's default GGUF, which
-    is SmolLM2 only: with another ``model_path`` (not lp's SmolLM2 folder) the setting must be given."""
+    is SmolLM2 only: a GGUF ``model_path`` is served itself; another folder needs the setting."""
     from bench.llamacpp import gguf_path
 
     if cc.llamacpp_model is not None:
@@ -167,6 +183,8 @@ def llamacpp_gguf(cc, model_path: Path | None = None) -> Path:
         if not g.is_file():
             raise ValueError(f"concurrency.llamacpp_model must be a GGUF file, {g} is missing")
         return g
+    if model_path is not None and Path(model_path).suffix == ".gguf":
+        return Path(model_path)  # the very file lp serves
     if model_path is not None and Path(model_path).name != "smollm2-135m-instruct":
         raise ValueError(f"concurrency.llamacpp_model must name the GGUF of {model_path} for the llamacpp servers "
                          "(null serves lp's default SmolLM2-135M-Instruct GGUF only)")
@@ -321,7 +339,8 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
             startup = round(time.perf_counter() - t0, 1)
             print(f"[concurrency] {server} (repeat {repeat}) healthy after {startup} s", file=sys.stderr, flush=True)
             commands[server] = " ".join(srv.cmd)
-            model = served_model(srv.url) if server.startswith("lp") else str(model_path)
+            model = (served_model(srv.url) if server.startswith("lp") else
+                     str(folder_of(model_path)) if server.startswith(("vllm", "transformers")) else str(model_path))
             mine = []
             try:
                 for w in cc.workloads:  # warm-up (the first request pays lazy loading)

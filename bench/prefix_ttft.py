@@ -68,14 +68,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: never leak the servers
     import openai
-    from transformers import AutoTokenizer
 
-    from lp.model.loader import resolve_model_path
+    from lp.model.loader import load_tokenizer, resolve_model_path
 
     out = ROOT / a.out
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.prefix_ttft " + " ".join(argv if argv is not None else sys.argv[1:])
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2", None))
+    tok = load_tokenizer(resolve_model_path("smollm2", None))
     before = machine()
     common = ["server.kv_tokens=32768", "server.max_tokens=4096"]
     servers = {}

@@ -134,10 +134,10 @@ def pad_heads(src: Path, dst: Path, q_heads: int, kv_heads: int) -> Path:
 
 def padded_smollm2() -> Path:
     """SmolLM2-135M padded to 12 / 4 heads (``pad_heads``), written once under LP_CACHE."""
-    from lp.model.loader import resolve_model_path
+    from lp.model.loader import smollm2_folder
 
     cache = Path(os.environ.get("LP_CACHE", Path.home() / ".cache" / "lp"))
-    return pad_heads(resolve_model_path("smollm2", None), cache / "smollm2-135m-instruct-pad12h4kv", 12, 4)
+    return pad_heads(smollm2_folder(), cache / "smollm2-135m-instruct-pad12h4kv", 12, 4)
 
 
 def make_checkpoint(ckpt: Path, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int) -> Path:

@@ -177,7 +177,7 @@ class ModelConfig:
     chat_template: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda (LP workers use cuda:LOCAL_RANK)
-    cache_dir: str | None = None  # where converted GGUF models live (default ~/.cache/lp)
+    cache_dir: str | None = None  # where lp keeps GGUF metadata, t(Q) curves and converted folders (default ~/.cache/lp)
     threads: int = 0  # torch intra-op threads per worker; 0: leave torch's default
     # cores each worker computes on (lp.parallel.cpus): auto (co-located torchrun workers each take
     # their own slice) | off | a list such as 0-3

@@ -73,7 +73,8 @@ def _quant_note(quant: str) -> str:
     if quant == "none":
         return ""
     if quant == "exact4":  # the checkpoint's own weights, another kernel: not a quantization
-        return " EXACT4 (the float32 weights as 4-bit blocks, bit for bit; exact vs generate on the converted model)"
+        return (" EXACT4 (the file's or checkpoint's weights on lp's exact block kernels, bit for bit; exact vs "
+                "generate on the float32 weights they stand for)")
     exact = "exact" if quant == "int8" else "exact up to bf16 near-ties"  # int4 runs bf16 activations
     return f" QUANT={quant.upper()} ({exact} vs generate on the {quant} model)"
 

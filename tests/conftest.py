@@ -62,7 +62,7 @@ def tiny_factory():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """(model, tokenizer) of SmolLM2-135M-Instruct in float32 (converted once under ~/.cache/lp),
+    """(model, tokenizer) of SmolLM2-135M-Instruct from its Q4_1 GGUF file (the default model, as stored),
     loaded as every entry point loads it by default (``model.quant=auto``: exact4 on a CPU whose
     exact4 kernel has its AVX-512 path, the dense float32 model elsewhere), so the servers and CLIs
     the tests start with their defaults are checked against ``generate`` on the very model they run."""

@@ -57,6 +57,7 @@ def test_llamacpp_server_commands(tmp_path):
     with pytest.raises(ValueError, match="concurrency.llamacpp_slots"):
         compose(["+preset=concurrency", "concurrency.llamacpp_slots=0"]).validate()
     assert llamacpp_gguf(cfg.concurrency, Path("/x/smollm2-135m-instruct")) == gguf
+    assert llamacpp_gguf(cfg.concurrency, Path("/x/other.gguf")) == Path("/x/other.gguf")  # lp's own file
     with pytest.raises(ValueError, match="concurrency.llamacpp_model"):  # another model: name its GGUF
         llamacpp_gguf(cfg.concurrency, Path("/models/llama-3-8b"))
     other = tmp_path / "other.gguf"

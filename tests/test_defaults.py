@@ -15,7 +15,7 @@ from torch import nn
 from lp.config import DecodingConfig, GenerateConfig, ModelConfig
 from lp.model import loader
 from lp.kernels import exact4
-from lp.model.loader import load_model, resolve_model_path
+from lp.model.loader import load_model, load_tokenizer, resolve_model_path
 from lp.model.quant import quantize
 from tests.helpers import hf_greedy, make_tiny_model
 from tests.test_exact4 import to_q4_blocks
@@ -32,10 +32,7 @@ def _fast_kernel() -> bool:
 def _save(model: nn.Module, path, with_tokenizer: bool = False):
     model.save_pretrained(path)
     if with_tokenizer:
-        src = resolve_model_path("smollm2", None)
-        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if (src / f).exists():
-                shutil.copy(src / f, path / f)
+        load_tokenizer(resolve_model_path("smollm2", None)).save_pretrained(path)  # SmolLM2's tokenizer files
     return path
 
 

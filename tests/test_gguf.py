@@ -126,7 +126,7 @@ def _chat(tok) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, smollm2, tmp_path, monkeypatch):
+def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, tmp_path, monkeypatch):
     import transformers.modeling_gguf_pytorch_utils as hf_gguf
     from transformers import AutoModelForCausalLM
 
@@ -135,10 +135,11 @@ def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, smollm2, tmp_pa
     from lp.config import DecodingConfig
     from lp.engine.decoder import LookaheadDecoder
     from lp.kernels.exact4 import BlockEmbedding, BlockHead, Exact4Linear
-    from lp.model.loader import load_model
+    from lp.model.loader import load_model, smollm2_folder
     from lp.model.runner import ModelRunner
     from tests.helpers import hf_greedy
 
+    converted = smollm2_folder()  # under the suite's LP_CACHE, converted once
     monkeypatch.setenv("LP_CACHE", str(tmp_path / "cache"))  # a first load: the file's metadata kept there
     model, tok = load_model(smollm2_gguf, "auto", quant="auto")
     assert model._lp_quant == "exact4" and tok is not None and tok.chat_template
@@ -147,7 +148,8 @@ def test_smollm2_gguf_runs_its_file_blocks_exactly(smollm2_gguf, smollm2, tmp_pa
     assert sum(len(m.splits) for m in fused) == 210  # every decoder linear, from the file's blocks
     assert not any(hasattr(m, "_lp_blocks") for m in model.modules())
     ids = _chat(tok)
-    folder_model, _ = smollm2  # the converted float32 folder, its blocks recovered by exact4.encode
+    # the converted float32 folder, its blocks recovered by exact4.encode
+    folder_model, _ = load_model(converted, "float32", quant="auto", tokenizer=False)
     # the tied Q8_0 embedding and head: one packed copy of the file's blocks, no float32 weight
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     assert isinstance(head, BlockHead) and isinstance(emb, BlockEmbedding) and emb.source is head

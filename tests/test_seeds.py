@@ -41,11 +41,10 @@ BUSY = ["Name three rivers.", "Write a haiku about rain.", "What is 17 * 23?", "
 
 @pytest.fixture(scope="module")
 def tok():
-    from transformers import AutoTokenizer
 
-    from lp.model.loader import resolve_model_path
+    from lp.model.loader import load_tokenizer, resolve_model_path
 
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2", None))
+    return load_tokenizer(resolve_model_path("smollm2", None))
 
 
 def _prepare(tok, body: dict, base: DecodingConfig | None = None):

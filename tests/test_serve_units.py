@@ -44,11 +44,10 @@ def test_pack_unpack_roundtrip(d):
 
 @pytest.fixture(scope="module")
 def tok():
-    from transformers import AutoTokenizer
 
-    from lp.model.loader import resolve_model_path
+    from lp.model.loader import load_tokenizer, resolve_model_path
 
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2", None))
+    return load_tokenizer(resolve_model_path("smollm2", None))
 
 
 TEXTS = [

@@ -350,14 +350,11 @@ def test_tp2_compiled_step_equals_one_process(q4_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_tok_dir(tmp_path_factory):
-    from lp.model.loader import resolve_model_path
+    from lp.model.loader import load_tokenizer, resolve_model_path
 
     path = tmp_path_factory.mktemp("tiny_tok_tp")
     make_tiny_model(vocab=49152).save_pretrained(path)  # SmolLM2's vocabulary
-    src = resolve_model_path("smollm2", None)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (src / f).exists():
-            shutil.copy(src / f, path / f)
+    load_tokenizer(resolve_model_path("smollm2", None)).save_pretrained(path)  # SmolLM2's tokenizer files
     return path
 
 

@@ -500,6 +500,16 @@ def gguf_tokenizer(file: Path, cache_dir: Path | None = None):
         template = file_fields(file, ("tokenizer.chat_template",)).get("tokenizer.chat_template")
         if template is not None:
             tok.chat_template = template
+    if meta is not None and meta.is_dir():  # kept by a load without the tokenizer: add it (5 s saved a start)
+        import os
+        import shutil
+
+        tmp = meta.with_name(meta.name + f".tok{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(tmp)
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "tokenizer_config.json"):  # the marker last
+            os.replace(f, meta / f.name)
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 

