@@ -1,5 +1,5 @@
 """Another GGUF format of a model from a GGUF file: ``python -m bench.gguf_requant SRC.gguf DST.gguf
---type Q8_0`` (or Q4_0, Q4_1, Q5_0, Q5_1).
+--type Q8_0`` (or Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16).
 
 Contract: every metadata field of SRC is copied; every 2-D tensor whose rows divide into the
 format's blocks is dequantized (``gguf.dequantize``) and quantized to ``--type`` with the gguf
@@ -15,7 +15,7 @@ import argparse
 
 import numpy as np
 
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")
 
 
 def requantize(src: str, dst: str, kind: str) -> dict:
@@ -43,7 +43,10 @@ def requantize(src: str, dst: str, kind: str) -> dict:
         shape = [int(x) for x in reversed(t.shape)]  # numpy order [rows, K]
         if len(shape) == 2 and shape[1] % block == 0:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-            writer.add_tensor(t.name, quantize(w, qtype), raw_dtype=qtype)  # bytes [rows, row bytes]
+            if kind == "F16":  # gguf's quantize has no F16 path: the values as float16
+                writer.add_tensor(t.name, w.astype(np.float16))
+            else:
+                writer.add_tensor(t.name, quantize(w, qtype), raw_dtype=qtype)  # bytes [rows, row bytes]
             kinds[kind] += 1
         else:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)

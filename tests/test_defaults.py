@@ -101,3 +101,41 @@ def test_generate_cli_defaults_equal_generate_on_the_model_it_ran(q4_dir):
     assert res["quant"] == ("exact4" if _fast_kernel() else "none")
     ref_model, _ = load_model(q4_dir, "float32", quant=res["quant"], tokenizer=False)
     assert res["output_ids"] == hf_greedy(ref_model, res["prompt_ids"], 24)
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def half_dir(request, tmp_path_factory):
+    """A tiny Llama saved as a bf16 / fp16 checkpoint (the dtype most published models ship in)."""
+    return _save(make_tiny_model(seed=5).to(request.param), tmp_path_factory.mktemp("half")), request.param
+
+
+def test_a_16_bit_checkpoint_runs_its_2_byte_weights_exactly_by_default(half_dir, monkeypatch):
+    """The defaults (model.dtype=auto, model.quant=auto) on a bf16 / fp16 checkpoint: every decoder
+    linear keeps its weights in 2 bytes on lp's exact 16-bit kernel (widened in the kernel), and
+    greedy lookahead, one sequence and batched, equals float32 ``generate`` on the checkpoint,
+    token for token, on this CPU and on an AMX one (whose auto dtype would be bf16: not exact)."""
+    from transformers import AutoModelForCausalLM
+
+    from lp.config import DecodingConfig as DC
+    from lp.engine.decoder import LookaheadDecoder
+    from lp.model.runner import ModelRunner
+    from tests.helpers import BATCH_PROMPTS, REPETITIVE_PROMPT, batch_outputs, hf_greedy
+
+    path, dtype = half_dir
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    for amx in (False, True):
+        monkeypatch.setattr(loader, "cpu_has_amx_bf16", lambda: amx)
+        model, _ = load_model(path, "auto", quant="auto", tokenizer=False)
+        assert next(model.parameters()).dtype == torch.float32
+        if not _fast_kernel():
+            continue
+        kernels = [m for m in model.modules() if isinstance(m, exact4.Exact16Linear)]
+        linears = [m for m in ref.model.layers.modules() if isinstance(m, nn.Linear)]
+        assert sum(len(m.splits) for m in kernels) == len(linears) and model._lp_quant == "exact4"
+        assert all(m.bf16 == (dtype == torch.bfloat16) for m in kernels)
+        assert not [n for n, p in model.model.layers.named_parameters() if p.dim() == 2]  # no float32 copy
+        runner = ModelRunner(model)
+        got = LookaheadDecoder(runner, DC(max_new_tokens=40)).generate(REPETITIVE_PROMPT).output_ids
+        assert got == hf_greedy(ref, REPETITIVE_PROMPT, 40)
+        for prompt, out in zip(BATCH_PROMPTS, batch_outputs(runner, DC(max_new_tokens=16))):
+            assert out == hf_greedy(ref, prompt, 16)

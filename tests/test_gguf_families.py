@@ -79,12 +79,13 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
         assert model._lp_quant == "exact4"
         assert on_kernels == len(linears), f"{on_kernels} of {len(linears)} decoder linears on exact kernels"
         big = [n for n, p in model.named_parameters() if p.dim() == 2 and p.dtype == torch.float32]
-        if fmt in ("F16", "BF16"):  # 2-byte decoder linears (Exact16Linear); the embedding / head float32 (for now)
-            assert all("embed" in n or "lm_head" in n for n in big), big
-            assert all(m.bits == 16 for m in kernels)
-        else:
-            assert not big, f"float32 copies of file blocks: {big[:4]}"
-            assert isinstance(model.get_output_embeddings(), BlockHead)
+        assert not big, f"float32 copies of file blocks: {big[:4]}"
+        assert isinstance(model.get_output_embeddings(), BlockHead)
+        if fmt in ("F16", "BF16"):  # 2-byte floats everywhere, the embedding's rows widened from them
+            assert all(m.bits == 16 for m in kernels) and model.get_output_embeddings().bits == 16
+            emb = model.get_input_embeddings()
+            every = torch.arange(emb.num_embeddings)
+            assert torch.equal(emb(every), ref.get_input_embeddings().weight)
         if arch == "qwen2":
             assert all(m.b is not None for m in kernels if len(m.splits) == 3)  # q/k/v biases on the kernel
     elif not kept:

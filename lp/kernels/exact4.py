@@ -301,10 +301,34 @@ class Exact8xLinear(Exact8Linear):
     pack = staticmethod(lambda q, d, c: pack8x(q, d, c))
 
 
+def _weight16(lin: nn.Module) -> torch.Tensor | None:
+    """A linear's 16-bit weights: as a GGUF file stores them (``_lp_weight16``), else its float32
+    weight when every value of it is a bfloat16 (or else a float16) value, as a bf16 / fp16
+    checkpoint loaded in float32 holds (the round trip checked bit for bit); None otherwise."""
+    w16 = getattr(lin, "_lp_weight16", None)
+    if w16 is not None or lin.weight.is_meta:
+        return w16
+    w = lin.weight.detach()
+    if w.dtype != torch.float32 or w.dim() != 2 or w.device.type != "cpu" or w.shape[1] % BLOCK or not w.numel():
+        return None
+    for dtype in (torch.bfloat16, torch.float16):
+        w16 = w.to(dtype)
+        if torch.equal(w16.float(), w):  # -0.0, infs and nans compare as values: widen(w16) is w
+            return w16 if torch.equal(w16.float().view(torch.int32), w.view(torch.int32)) else None
+    return None
+
+
+def has_16bit(model: nn.Module) -> bool:
+    """Whether some float32 linear other than the head holds 16-bit floats (``_weight16``)."""
+    head = _head(model)
+    return any(_plain(m) and m is not head and _weight16(m) is not None for m in model.modules())
+
+
 class Exact16Linear(Exact4Linear):
     """``y = x @ W.T`` for float32 ``x`` with W held as its 16-bit floats (a GGUF file's F16 / BF16
-    tensor: lp.model.gguf's ``_lp_weight16``), each widened to float32 in the kernel (exact), run
-    by ``mm16`` in the same tiles and summation order as the block kinds: 2 bytes a weight, not 4."""
+    tensor: lp.model.gguf's ``_lp_weight16``; a bf16 / fp16 checkpoint's weights loaded as float32:
+    ``_weight16``), each widened to float32 in the kernel (exact), run by ``mm16`` in the same tiles
+    and summation order as the block kinds: 2 bytes a weight, not 4."""
 
     bits = 16
 
@@ -319,7 +343,7 @@ class Exact16Linear(Exact4Linear):
     def of(cls, linears: list[nn.Linear]) -> "Exact16Linear | None":
         """The siblings' 16-bit weights stacked, packed and checked through the kernel on unit rows;
         None unless every sibling holds them, in one dtype."""
-        ws = [getattr(lin, "_lp_weight16", None) for lin in linears]
+        ws = [_weight16(lin) for lin in linears]
         if any(w is None for w in ws) or len({w.dtype for w in ws}) != 1:
             return None
         w_NK = torch.cat(ws)
@@ -391,8 +415,8 @@ def convert(model: nn.Module) -> tuple[int, int]:
             setattr(parent, name, linear)
             done += 1
     norms = convert_norms(model)
-    log.info("model.quant=exact4: %d linears run on exact 4- or 8-bit blocks, %d left as they were; %d RMSNorms "
-             "run as one op", done, left, norms)
+    log.info("model.quant=exact4: %d linears run on exact 4- or 8-bit blocks or 16-bit floats, %d left as they were; "
+             "%d RMSNorms run as one op", done, left, norms)
     return done, left
 
 
@@ -597,7 +621,7 @@ def packed_rows(p: torch.Tensor, ids: torch.Tensor, k: int, offsets: bool) -> to
 def eight_bit(parts: tuple) -> tuple:
     """A file tensor's blocks as 8-bit ones: (q, d) and (q, d, c) 8-bit parts as they are; exact4's
     (q nibbles, d, c per 32) as (q int8, d, c per 16), the same fma(q, d, c) per weight."""
-    if parts[0].dtype == torch.int8:
+    if parts[0].dtype == torch.int8 or len(parts) == 1:  # 8-bit parts, or a 16-bit tensor (w16,)
         return parts
     q, d, c = parts
     n = q.shape[0]
@@ -616,6 +640,14 @@ class BlockHead(nn.Module):
         q = parts[0]
         self.out_features, self.in_features = q.shape
         self.offsets = len(parts) == 3
+        self.bits = 16 if len(parts) == 1 else 8  # (w16,): a file's F16 / BF16 tensor, 2 bytes a weight
+        if self.bits == 16:
+            bf16 = q.dtype == torch.bfloat16
+            self.register_buffer("p", pack16(q))
+            self.kernel = lambda x_MK, p, n: mm16(x_MK, p, n, bf16)
+            self.dtype16 = q.dtype
+            self.h8 = None
+            return
         kind = Exact8xLinear if self.offsets else Exact8Linear
         self.register_buffer("p", kind.pack(*parts))
         self.kernel = kind.kernel
@@ -633,9 +665,16 @@ class BlockHead(nn.Module):
         return y_MN.to(dtype).reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.bits == 16:  # [groups, blocks, 8 outputs, 32 weights] of 2 bytes: row n = (n // 8, :, n % 8, :)
+            flat = ids.reshape(-1).long()
+            p16 = self.p.view(torch.int16).view(self.p.shape[0], self.p.shape[1], 8, BLOCK)
+            w = p16[flat // 8, :, flat % 8, :].reshape(-1, self.in_features).view(self.dtype16).float()
+            return w.reshape(*ids.shape, self.in_features)
         return packed_rows(self.p, ids, self.in_features, self.offsets)
 
     def extra_repr(self) -> str:
+        if self.bits == 16:
+            return f"in_features={self.in_features}, out_features={self.out_features}, {self.dtype16} weights"
         return (f"in_features={self.in_features}, out_features={self.out_features}, exact 8-bit blocks"
                 f"{' with offsets' if self.offsets else ''}{', int8 greedy screen' if self.h8 and self.h8.screen else ''}")
 
@@ -659,4 +698,5 @@ class BlockEmbedding(nn.Module):
         return rows if self.embed_scale is None else rows * self.embed_scale.to(torch.float32)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, rows from exact 8-bit blocks"
+        kind = "16-bit floats" if self.source.bits == 16 else "exact 8-bit blocks"
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows from {kind}"

@@ -24,9 +24,9 @@ float32 rounding of an exact value:
 Where the blocks do not run (``model.quant=none``, a CPU without exact4's AVX-512 path, a non-CPU
 device) they are widened to those same float32 weights. The token embedding and the LM head in a
 kept format stay blocks as well (``_ends_from_blocks``: lp.kernels.exact4's ``BlockEmbedding`` and
-``BlockHead``, one copy for a tied pair). F16 / BF16 decoder linears keep their 2-byte floats
-(``Exact16Linear``: widened in the kernel, exact); an F16 / BF16 embedding or head, and the other
-formats (the IQ1-IQ3 codebooks, ...), are dequantized to float32 as transformers does (later: their own kernels), so the loaded model always
+``BlockHead``, one copy for a tied pair). F16 / BF16 tensors keep their 2-byte floats
+(``Exact16Linear`` and a 16-bit ``BlockHead``: widened in the kernel, exact); the other formats
+(the IQ1-IQ3 codebooks, ...) are dequantized to float32 as transformers does (later: their own kernels), so the loaded model always
 computes what ``from_pretrained(gguf_file=...)`` on the same file computes in float32, up to the
 kernels' summation order.
 
@@ -419,7 +419,7 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
         kind = t.tensor_type.name
         hf = mapping.get(t.name)
         owner = modules.get(hf.rsplit(".", 1)[0]) if hf else None
-        if hf in ends and kind in KEPT and KEPT[kind][2] != 16:  # a 16-bit embedding / head: float32 (for now)
+        if hf in ends and kind in KEPT:
             n, k = ends[hf].weight.shape
             size, per, bits = KEPT[kind]
             if k % per == 0 and t.data.size == n * k // per * size:
@@ -555,7 +555,7 @@ def _ends_from_blocks(model, file_blocks: dict, ends: dict, exact: bool) -> None
     tied = head is not None and emb is not None and head.weight is emb.weight
     if not exact:
         for hf, parts in file_blocks.items():
-            w = widen8(*parts) if parts[0].dtype == torch.int8 else widen(*parts)
+            w = parts[0].float() if len(parts) == 1 else widen8(*parts) if parts[0].dtype == torch.int8 else widen(*parts)
             ends[hf].weight = torch.nn.Parameter(w, requires_grad=False)
         if tied:
             head.weight = emb.weight

@@ -132,7 +132,9 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str 
     GGUF file: lp.model.gguf, float32 for ``dtype=auto``);
     ``quant`` != none quantizes its linears (lp.model.quant; int4 casts the model to bf16;
     ``auto``: exact4 where it changes no weight, none otherwise). ``dtype=auto`` with
-    ``quant=auto`` keeps float32 on an AMX CPU when the linears are exact 4-bit blocks."""
+    ``quant=auto`` keeps float32 on an AMX CPU when the linears are exact 4-bit blocks or 16-bit floats
+    (a bf16 checkpoint: its weights stay 2 bytes on lp's exact kernel, the products the float32
+    model's, so greedy output equals float32 ``generate`` whatever the CPU)."""
     from transformers import AutoModelForCausalLM
 
     from lp.model.gguf import gguf_file, load_gguf
@@ -151,8 +153,9 @@ def load_model(path: Path, dtype: str = "auto", device: str = "cpu", quant: str 
     if blocks_first:
         from lp.kernels import exact4
 
-        if exact4.has_blocks(model):
-            log.info("model.dtype=auto -> float32: its linears are exact 4-bit blocks (model.quant=auto runs them)")
+        if exact4.has_blocks(model) or exact4.has_16bit(model):
+            log.info("model.dtype=auto -> float32: its linears are exact 4-bit blocks or 16-bit floats (model.quant=auto "
+                     "runs them on lp's exact kernels: the float32 model's products, 2 bytes a weight or less)")
         else:
             model.to(torch_dtype)
     model.to(dev).eval()

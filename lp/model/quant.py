@@ -99,15 +99,18 @@ def resolve_auto(model, device: torch.device) -> tuple[str, str]:
         return "none", f"exact4 runs float32 models on the CPU (this one: {dtype} on {device.type})"
     from lp.kernels import exact4
 
-    if not exact4.has_blocks(model):
-        return "none", "no linear of this model holds exact 4-bit blocks"
+    blocks = exact4.has_blocks(model)
+    if not blocks and not exact4.has_16bit(model):
+        return "none", "no linear of this model holds exact 4-bit blocks or 16-bit floats"
     try:
         mod = exact4.extension()
     except ValueError as e:
         return "none", str(e)
     if not mod.avx512():
         return "none", "this CPU builds exact4's scalar loop only (no AVX-512): float32 linears are faster"
-    return "exact4", "its linears are exact 4-bit blocks: the same weights in 0.75 bytes each"
+    if blocks:
+        return "exact4", "its linears are exact 4-bit blocks: the same weights in 0.75 bytes each"
+    return "exact4", "its linears' weights are bf16 / fp16 values: the same weights in 2 bytes each"
 
 
 # ---------------------------------------------------------------------------
@@ -327,7 +330,7 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
         n, _ = exact4.convert(model)
         if n == 0:
             raise ValueError("model.quant=exact4: no linear of this model holds exact 4-bit blocks (a GGUF Q4_0 / "
-                             "Q4_1 model dequantized to float32 does); use model.quant=none")
+                             "Q4_1 model dequantized to float32 does) or 16-bit floats; use model.quant=none")
         model._lp_quant = scheme
         return scheme
     _untie_head(model)

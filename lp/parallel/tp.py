@@ -186,7 +186,7 @@ def load_sharded(path, dtype: str, device: str, tp_mesh, tokenizer: bool = True,
     if blocks_first:
         from lp.kernels import exact4
 
-        if _all_true(tp_mesh.get_group(), dev, not exact4.has_blocks(model)):
+        if _all_true(tp_mesh.get_group(), dev, not (exact4.has_blocks(model) or exact4.has_16bit(model))):
             model.to(torch_dtype)
         else:
             log.info("model.dtype=auto -> float32: its linears are exact 4-bit blocks (model.quant=auto runs them)")
