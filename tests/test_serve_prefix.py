@@ -180,7 +180,7 @@ def test_echo_bad_combinations_are_400(servers):
 
 
 @pytest.mark.slow
-def test_lm_eval_loglikelihood_equals_hf(servers, smollm2):
+def test_lm_eval_loglikelihood_equals_hf(servers, smollm2_dense, tmp_path):
     """lm-eval's ``local-completions`` model (echo + logprobs over token ids, what its
     loglikelihood tasks send) against this server == lm-eval's own HF model on the same
     requests: the log-likelihood of each continuation and whether it is greedy."""
@@ -190,12 +190,13 @@ def test_lm_eval_loglikelihood_equals_hf(servers, smollm2):
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    model, tok = smollm2
+    model, tok = smollm2_dense  # HFLM reads the embedding's weight: the file's weights as float32 parameters
+    tok.save_pretrained(tmp_path / "tok")  # the GGUF's tokenizer as files lm-eval's API model can load
     warm, _ = servers
     pairs = [("The capital of France is", " Paris"), ("The capital of France is", " a small village"),
              ("def add(a, b):\n    return", " a + b"), ("One, two, three,", " four")]
     reqs = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
-    served = LocalCompletionsAPI(base_url=warm.url + "/v1/completions", model="smollm2", tokenizer=tok.name_or_path,
+    served = LocalCompletionsAPI(base_url=warm.url + "/v1/completions", model="smollm2", tokenizer=str(tmp_path / "tok"),
                                  tokenizer_backend="huggingface", tokenized_requests=True, batch_size=1,
                                  max_retries=1)
     got = served.loglikelihood(reqs, disable_tqdm=True)
