@@ -80,15 +80,10 @@ def _quant_note(quant: str) -> str:
 
 
 def run(cfg: GenerateConfig) -> dict | None:
-    """Load the model, decode one prompt, report. Returns the result dict on rank 0."""
-    from transformers import TextStreamer
-
-    from lp.engine.decoder import LookaheadDecoder
-    from lp.model.runner import ModelRunner
-    from lp.model.loader import load_tokenizer, resolve_dtype, resolve_model_path
-    from lp.parallel.memory import decode_rows, plan_memory
+    """Load the model, decode one prompt, report. Returns the result dict on rank 0. Stages: the
+    prompt and the memory plan (``_prepare``), the weights, the decode (``_decode``), the report."""
     from lp.parallel.cpus import pin_worker
-    from lp.parallel.tp import check_tp_path, load_for
+    from lp.parallel.tp import load_for
 
     cfg.validate()
     rank, world, _ = torchrun_env()
@@ -99,41 +94,10 @@ def run(cfg: GenerateConfig) -> dict | None:
     group = init_worker_group(cfg.parallel, device)
     lead = rank == 0
     try:
-        path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
-        check_tp_path(path, cfg.parallel.tp, cfg.model.quant)  # heads vs parallel.tp, before any weights load
-        tokenizer = load_tokenizer(path)
-        if tokenizer is None:
-            raise ValueError(f"lp.generate needs a tokenizer in the model folder {path}")
-        if cfg.model.chat_template is not None:  # the model's own replaced (model.chat_template)
-            tokenizer.chat_template = chat_template_text(cfg.model.chat_template)
-        prompt_ids = build_prompt_ids(tokenizer, cfg)
-        # what this rank will hold, printed and checked before any weights load
-        plan = plan_memory(path, resolve_dtype(cfg.model.dtype, device), device, cfg.parallel.tp,
-                           max_len=len(prompt_ids) + cfg.decoding.max_new_tokens + decode_rows(cfg.decoding),
-                           step_rows=max(len(prompt_ids), decode_rows(cfg.decoding)),
-                           cuda_graphs=cfg.model.cuda_graphs, quant=cfg.model.quant)
-        if lead:
-            print("\n".join("[lp] " + line for line in plan.lines()), file=sys.stderr, flush=True)
-        plan.check()
+        path, tokenizer, prompt_ids = _prepare(cfg, device, lead)
         # the whole replica, or under parallel.tp > 1 only this rank's shards of it
         model, _ = load_for(path, cfg.model.dtype, str(device), cfg.model.quant, group, tokenizer=False)
-        eos = eos_ids(model, tokenizer)
-        streamer = TextStreamer(tokenizer, skip_prompt=True) if (lead and cfg.stream) else None
-        dcfg = cfg.decoding
-        if dcfg.mode == "hf":
-            ids, stats = _run_hf(model, tokenizer, prompt_ids, dcfg, eos, streamer)
-        else:  # lookahead, or ar: lp's own one-token steps on the same runner
-            on_step = _step_logger() if (lead and cfg.log_steps) else None
-            runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
-                                 linears=cfg.model.linears, compile=cfg.model.compile, fused=cfg.model.fused,
-                                 head=cfg.model.head)
-            decoder = LookaheadDecoder(runner, dcfg, group)
-            dcfg = decoder.cfg  # W/N/G resolved for the hardware (mode=ar: one-token steps)
-            res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)
-            ids, stats = res.output_ids, res.stats.summary()
-            if res.logprobs is not None:
-                stats["logprobs"] = [{"token": t.token, "logprob": t.logprob, "top": [list(x) for x in t.top]}
-                                     for t in res.logprobs]
+        ids, stats, dcfg = _decode(cfg, model, tokenizer, prompt_ids, group, lead)
     except WorkerFailure as e:
         print(f"[lp] rank {rank}: {e}; stopping this worker", file=sys.stderr, flush=True)
         os._exit(3)
@@ -162,6 +126,58 @@ def run(cfg: GenerateConfig) -> dict | None:
     }
     _report(cfg, dcfg, result)
     return result
+
+
+def _prepare(cfg: GenerateConfig, device, lead: bool):
+    """(model path, tokenizer, prompt ids): the path checked against parallel.tp and the memory this
+    rank will hold printed (on the lead) and checked, all before any weights load."""
+    from lp.model.loader import load_tokenizer, resolve_dtype, resolve_model_path
+    from lp.parallel.memory import decode_rows, plan_memory
+    from lp.parallel.tp import check_tp_path
+
+    path = resolve_model_path(cfg.model.name, cfg.model.path, cfg.model.cache_dir)
+    check_tp_path(path, cfg.parallel.tp, cfg.model.quant)  # heads vs parallel.tp, before any weights load
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"lp.generate needs a tokenizer in the model folder {path}")
+    if cfg.model.chat_template is not None:  # the model's own replaced (model.chat_template)
+        tokenizer.chat_template = chat_template_text(cfg.model.chat_template)
+    prompt_ids = build_prompt_ids(tokenizer, cfg)
+    plan = plan_memory(path, resolve_dtype(cfg.model.dtype, device), device, cfg.parallel.tp,
+                       max_len=len(prompt_ids) + cfg.decoding.max_new_tokens + decode_rows(cfg.decoding),
+                       step_rows=max(len(prompt_ids), decode_rows(cfg.decoding)),
+                       cuda_graphs=cfg.model.cuda_graphs, quant=cfg.model.quant)
+    if lead:
+        print("\n".join("[lp] " + line for line in plan.lines()), file=sys.stderr, flush=True)
+    plan.check()
+    return path, tokenizer, prompt_ids
+
+
+def _decode(cfg: GenerateConfig, model, tokenizer, prompt_ids: list[int], group, lead: bool):
+    """(output ids, stats, the decoding config as resolved) for one prompt: transformers' generate
+    (decoding.mode=hf) or lp's runner with lookahead or one-token (ar) steps."""
+    from transformers import TextStreamer
+
+    from lp.engine.decoder import LookaheadDecoder
+    from lp.model.runner import ModelRunner
+
+    eos = eos_ids(model, tokenizer)
+    streamer = TextStreamer(tokenizer, skip_prompt=True) if (lead and cfg.stream) else None
+    dcfg = cfg.decoding
+    if dcfg.mode == "hf":
+        ids, stats = _run_hf(model, tokenizer, prompt_ids, dcfg, eos, streamer)
+        return ids, stats, dcfg
+    on_step = _step_logger() if (lead and cfg.log_steps) else None
+    runner = ModelRunner(model, cfg.model.attention, cfg.model.cuda_graphs, small_rows=cfg.model.small_rows,
+                         linears=cfg.model.linears, compile=cfg.model.compile, fused=cfg.model.fused,
+                         head=cfg.model.head)
+    decoder = LookaheadDecoder(runner, dcfg, group)
+    res = decoder.generate(prompt_ids, eos, streamer=streamer, tokenizer=tokenizer, on_step=on_step)
+    stats = res.stats.summary()
+    if res.logprobs is not None:
+        stats["logprobs"] = [{"token": t.token, "logprob": t.logprob, "top": [list(x) for x in t.top]}
+                             for t in res.logprobs]
+    return res.output_ids, stats, decoder.cfg  # W/N/G resolved for the hardware (mode=ar: one-token steps)
 
 
 def _report(cfg: GenerateConfig, dcfg: DecodingConfig, result: dict) -> None:

@@ -1,6 +1,6 @@
 """Tiny random models of each family written as GGUF files, in any block format, for the tests.
 
-Contract: ``write_tiny_gguf(path, arch, kinds, tokenizer, seed, tie)`` writes a two-layer model of
+Contract: ``write_tiny_gguf(path, arch, kinds, tokenizer, seed, tie, dims)`` writes a two-layer model of
 llama.cpp architecture ``arch`` (``FAMILIES``: llama, qwen2, qwen3, gemma2, gemma3, phi3; ``OTHERS``:
 starcoder2, stablelm) whose every tensor
 the GGUF name map of transformers covers, and returns the file. ``kinds`` maps a tensor's role to
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
+TINY = {"hidden": 256, "ffn": 512, "heads": 4, "kv_heads": 2, "head_dim": 64, "layers": 2}
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 OTHERS = ("starcoder2", "stablelm")  # families lp runs on transformers' modules (LayerNorm, partial rotary, ...)
 
@@ -83,30 +83,30 @@ def tokenizer_fields(file, vocab: int | None = None) -> list[tuple[str, object, 
     return out
 
 
-def _header(w, arch: str, tokenizer) -> None:
-    w.add_block_count(LAYERS)
-    w.add_context_length(512)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+def _header(w, arch: str, tokenizer, dims: dict) -> None:
+    w.add_block_count(dims["layers"])
+    w.add_context_length(max(512, dims.get("context", 512)))
+    w.add_embedding_length(dims["hidden"])
+    w.add_feed_forward_length(dims["ffn"])
+    w.add_head_count(dims["heads"])
+    w.add_head_count_kv(dims["kv_heads"])
     if arch in ("starcoder2", "stablelm"):
         w.add_layer_norm_eps(1e-5)
     else:
         w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     if arch in ("gemma2", "gemma3", "qwen3"):
-        w.add_key_length(HEAD_DIM)
-        w.add_value_length(HEAD_DIM)
+        w.add_key_length(dims["head_dim"])
+        w.add_value_length(dims["head_dim"])
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(8)  # shorter than the tests' prompts: the window matters
     if arch == "phi3":
-        w.add_rope_dimension_count(HEAD_DIM)
+        w.add_rope_dimension_count(dims["head_dim"])
     for key, val, kind, sub in tokenizer:
         w.add_key_value(key, val, kind, sub)
 
 
-def _tensor_specs(path: Path, arch: str, tokenizer, tie: bool) -> list[tuple[str, tuple[int, ...]]]:
+def _tensor_specs(path: Path, arch: str, tokenizer, tie: bool, dims: dict) -> list[tuple[str, tuple[int, ...]]]:
     """(GGUF name, transformers shape) of every tensor transformers' name map reads for ``arch``."""
     import gguf
     from accelerate import init_empty_weights
@@ -116,7 +116,7 @@ def _tensor_specs(path: Path, arch: str, tokenizer, tie: bool) -> list[tuple[str
 
     probe = path.with_name(path.stem + ".header.gguf")
     w = gguf.GGUFWriter(str(probe), arch)
-    _header(w, arch, tokenizer)
+    _header(w, arch, tokenizer, dims)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -163,16 +163,18 @@ def random_blocks(kind: str, n: int, k: int, std: float, rng) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-def write_tiny_gguf(path, arch: str, kinds: dict, tokenizer, seed: int = 0, tie: bool = True) -> Path:
-    """The file (module doc)."""
+def write_tiny_gguf(path, arch: str, kinds: dict, tokenizer, seed: int = 0, tie: bool = True,
+                    dims: dict | None = None) -> Path:
+    """The file (module doc); ``dims`` (``TINY``'s keys) writes a model of another size."""
     import gguf
 
     assert arch in FAMILIES + OTHERS, arch
     path = Path(path)
     rng = np.random.default_rng(seed)
-    specs = _tensor_specs(path, arch, tokenizer, tie)
+    dims = TINY if dims is None else dims
+    specs = _tensor_specs(path, arch, tokenizer, tie, dims)
     w = gguf.GGUFWriter(str(path), arch)
-    _header(w, arch, tokenizer)
+    _header(w, arch, tokenizer, dims)
     for name, shape in specs:
         kind = _kind(name, kinds)
         if len(shape) == 1:

@@ -309,13 +309,20 @@ def _weight16(lin: nn.Module) -> torch.Tensor | None:
     if w16 is not None or lin.weight.is_meta:
         return w16
     w = lin.weight.detach()
-    if w.dtype != torch.float32 or w.dim() != 2 or w.device.type != "cpu" or w.shape[1] % BLOCK or not w.numel():
-        return None
-    for dtype in (torch.bfloat16, torch.float16):
-        w16 = w.to(dtype)
-        if torch.equal(w16.float(), w):  # -0.0, infs and nans compare as values: widen(w16) is w
-            return w16 if torch.equal(w16.float().view(torch.int32), w.view(torch.int32)) else None
-    return None
+    key = (w.data_ptr(), w._version)  # the check's answer is kept until the weight changes
+    seen = getattr(lin, "_lp_weight16_of", None)
+    if seen is not None and seen[0] == key:
+        return seen[1]
+    w16 = None
+    if w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu" and not w.shape[1] % BLOCK and w.numel():
+        for dtype in (torch.bfloat16, torch.float16):
+            w16 = w.to(dtype)
+            if torch.equal(w16.float(), w):  # -0.0, infs and nans compare as values: widen(w16) is w
+                w16 = w16 if torch.equal(w16.float().view(torch.int32), w.view(torch.int32)) else None
+                break
+            w16 = None
+    lin._lp_weight16_of = (key, w16)
+    return w16
 
 
 def has_16bit(model: nn.Module) -> bool:

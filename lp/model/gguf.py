@@ -365,55 +365,84 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     """(model, tokenizer or None) from a GGUF file (module doc). ``dtype``: the model's float dtype
     (None, ``model.dtype=auto``: float32, whose products the file's blocks give exactly); ``quant``:
     lp.model.quant's schemes, applied after loading (``auto`` runs the kept blocks on exact4);
-    ``cache_dir``: where the file's metadata is kept (``metadata_dir``; None: read from the file)."""
-    import json
-
-    from accelerate import init_empty_weights
-    from gguf import dequantize
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
-
+    ``cache_dir``: where the file's metadata is kept (``metadata_dir``; None: read from the file).
+    Stages: the model's config and empty modules, the file's tensors (kept as blocks or
+    dequantized), then the quantization scheme and the embedding's and head's ends."""
     dev = torch.device(device)
     torch_dtype = torch.float32 if dtype is None else dtype
     keep = dev.type == "cpu" and quant in ("auto", "exact4") and torch_dtype == torch.float32
-    folder, name = file.parent, file.name
+    model, info = _empty_model(file, cache_dir, tokenizer)
+    ends = _ends(model) if keep else {}  # the embedding's and head's weight names -> their module
+    file_blocks = _read_tensors(file, model, info, keep, ends)
+    _finish(file, model, quant, dev, file_blocks, ends)
+    if torch_dtype != torch.float32:
+        model.to(torch_dtype)
+    model.to(dev).eval()
+    model._lp_gguf = str(file)
+    model._lp_gguf_id = f"{file.name}:{file.stat().st_size}"  # lp.model.calibrate keys its t(Q) cache by it
+    tok = gguf_tokenizer(file, cache_dir) if tokenizer else None
+    _trim_heap()
+    return model, tok
+
+
+def _empty_model(file: Path, cache_dir: Path | None, tokenizer: bool):
+    """(float32 model on the meta device, info: the file's architecture, config dict and GGUF -> HF
+    tensor name map), read from the kept metadata when ``cache_dir`` holds it, else parsed from the
+    file and kept there (with the tokenizer's files when ``tokenizer``)."""
+    import json
+
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
     meta = metadata_dir(file, cache_dir) if cache_dir is not None else None
     known = meta is not None and (meta / "gguf.json").is_file()
     if known:
         config = AutoConfig.from_pretrained(meta)
         info = json.loads((meta / "gguf.json").read_text())
     else:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
     with init_empty_weights():
         try:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         except ValueError:  # a family without sdpa (Gemma 2's soft-capped attention): its eager kernel
             log.info("%s: transformers has no sdpa attention for %s; eager", file.name, type(config).__name__)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    if not known:
-        # the tensor processors read the config transformers parsed (the same keys as config.json);
-        # not load_gguf_checkpoint's second parse of the whole file
-        arch = file_fields(file, ("general.architecture",)).get("general.architecture")
-        if arch is None:
-            raise ValueError(f"{file}: no general.architecture field")
-        info = {"arch": arch, "config": config.to_dict()}
+    if known:
+        return model, info
+    # the tensor processors read the config transformers parsed (the same keys as config.json);
+    # not load_gguf_checkpoint's second parse of the whole file
+    arch = file_fields(file, ("general.architecture",)).get("general.architecture")
+    if arch is None:
+        raise ValueError(f"{file}: no general.architecture field")
+    info = {"arch": arch, "config": config.to_dict()}
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=info["config"])
+    info["mapping"] = get_gguf_hf_weights_map(model, processor)
+    if meta is not None:
+        def write(tmp: Path) -> None:
+            config.save_pretrained(tmp)
+            (tmp / "gguf.json").write_text(json.dumps(info, default=str))
+            if tokenizer:
+                gguf_tokenizer(file).save_pretrained(tmp)
+
+        _save_dir(meta, write)
+    return model, info
+
+
+def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict:
+    """Every tensor of the file into ``model``: with ``keep``, a decoder linear's KEPT blocks go on
+    the module as they are stored (rows in transformers' order; read by lp.kernels.exact4.convert)
+    and the embedding's and head's into the returned {hf name: blocks}; the rest dequantized and
+    processed as transformers' GGUF loader does."""
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
     parsed = {"config": info["config"], "tensors": {}}  # what the tensor processors may read
     processor = TENSOR_PROCESSORS.get(info["arch"], TensorProcessor)(config=info["config"])
-    if not known:
-        info["mapping"] = get_gguf_hf_weights_map(model, processor)
-        if meta is not None:
-            def write(tmp: Path) -> None:
-                config.save_pretrained(tmp)
-                (tmp / "gguf.json").write_text(json.dumps(info, default=str))
-                if tokenizer:
-                    gguf_tokenizer(file).save_pretrained(tmp)
-
-            _save_dir(meta, write)
     mapping = info["mapping"]
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
-    ends = _ends(model) if keep else {}  # the embedding's and head's weight names -> their module
-    file_blocks: dict = {}  # of those, the ones read as blocks
+    file_blocks: dict = {}
     kept = dequantized = 0
     for t in file_tensors(file):
         kind = t.tensor_type.name
@@ -434,9 +463,9 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
             if rows is not None and t.data.size == n * k // per * size:
                 parts = tuple(x[rows] for x in _read_blocks(t.data, kind, n, k, bits))
                 if bits == 16:
-                    owner._lp_weight16 = parts[0]  # read by lp.kernels.exact4.convert
+                    owner._lp_weight16 = parts[0]
                 elif bits == 8:
-                    owner._lp_blocks8 = parts  # read by lp.kernels.exact4.convert
+                    owner._lp_blocks8 = parts
                 else:
                     owner._lp_blocks = parts
                 kept += 1
@@ -451,6 +480,12 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     model.tie_weights()
     log.info("model.path=%s: %d tensors kept as their blocks (%s), %d dequantized to float32 (as "
              "transformers' GGUF loader does)", file, kept, " / ".join(KEPT), dequantized)
+    return file_blocks
+
+
+def _finish(file: Path, model, quant: str, dev: torch.device, file_blocks: dict, ends: dict) -> None:
+    """The quantization scheme over the loaded model, the embedding and head from their blocks,
+    blocks no kernel took widened to float32; a ValueError where a weight was never read."""
     scheme = "none"
     if quant != "none":
         from lp.model.quant import quantize
@@ -461,18 +496,10 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     if widened:
         log.info("model.quant=%s: %d linears' blocks widened to float32 (the weights transformers' GGUF loader "
                  "makes)", scheme, widened)
-    meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
-    if meta:
-        raise ValueError(f"{file}: the GGUF file holds no tensor for {meta[:4]}{' ...' if len(meta) > 4 else ''}: "
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if missing:
+        raise ValueError(f"{file}: the GGUF file holds no tensor for {missing[:4]}{' ...' if len(missing) > 4 else ''}: "
                          "transformers' GGUF name map does not cover this model")
-    if torch_dtype != torch.float32:
-        model.to(torch_dtype)
-    model.to(dev).eval()
-    model._lp_gguf = str(file)
-    model._lp_gguf_id = f"{file.name}:{file.stat().st_size}"  # lp.model.calibrate keys its t(Q) cache by it
-    tok = gguf_tokenizer(file, cache_dir) if tokenizer else None
-    _trim_heap()
-    return model, tok
 
 
 def _trim_heap() -> None:

@@ -265,25 +265,34 @@ torch::Tensor packed_mm(const char* name, torch::Tensor x, const torch::Tensor& 
   return y;
 }
 
-// the encoded blocks (q [N, K / per_byte]; d, c [N, K / 32]) in the kernel layout, zero-padded groups
-template <class W>
-at::Tensor pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor* c) {
-  TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && d.scalar_type() == torch::kFloat32 && d.dim() == 2,
-              "pack: q and d must be contiguous, d [N, K / 32] float32");
-  const int64_t N = d.size(0), blocks = d.size(1), groups = (N + kGroup - 1) / kGroup;
-  TORCH_CHECK(q.size(0) == N && q.numel() * (c ? 2 : 1) == N * blocks * kBlock, "pack: q does not match d");
-  at::Tensor p = torch::zeros({groups, blocks, W::kBytes}, torch::kUInt8);
-  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
-  const float* dp = d.data_ptr<float>();
-  const float* cp = c ? c->data_ptr<float>() : nullptr;
+// A [groups, blocks, bytes] tensor in the kernel layout (zero-padded groups), each chunk written by
+// fill(chunk, n, j, b): output n (the group's j-th) of K-block b. Every kind's pack walks this way.
+template <class Fill>
+at::Tensor pack_chunks(int64_t N, int64_t blocks, int64_t bytes, const Fill& fill) {
+  const int64_t groups = (N + kGroup - 1) / kGroup;
+  at::Tensor p = torch::zeros({groups, blocks, bytes}, torch::kUInt8);
   uint8_t* pp = p.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < blocks; ++b)
-        for (int j = 0; j < kGroup && g * kGroup + j < N; ++j)
-          W::pack(qp, dp, cp, pp + (g * blocks + b) * W::kBytes, g * kGroup + j, j, b, blocks);
+        for (int j = 0; j < kGroup && g * kGroup + j < N; ++j) fill(pp + (g * blocks + b) * bytes, g * kGroup + j, j, b);
   });
   return p;
+}
+
+// the encoded blocks (q [N, K / per_byte]; d, c [N, K / 32]) in the kernel layout
+template <class W>
+at::Tensor pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor* c) {
+  TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && d.scalar_type() == torch::kFloat32 && d.dim() == 2,
+              "pack: q and d must be contiguous, d [N, K / 32] float32");
+  const int64_t N = d.size(0), blocks = d.size(1);
+  TORCH_CHECK(q.size(0) == N && q.numel() * (c ? 2 : 1) == N * blocks * kBlock, "pack: q does not match d");
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  const float* cp = c ? c->data_ptr<float>() : nullptr;
+  return pack_chunks(N, blocks, W::kBytes, [&](uint8_t* chunk, int64_t n, int j, int64_t b) {
+    W::pack(qp, dp, cp, chunk, n, j, b, blocks);
+  });
 }
 
 }  // namespace
@@ -348,53 +357,37 @@ torch::Tensor exact16_mm(torch::Tensor x, torch::Tensor p, int64_t n, bool bf16)
   return bf16 ? packed_mm<Weights16<true>>("exact16_mm", x, p, n) : packed_mm<Weights16<false>>("exact16_mm", x, p, n);
 }
 
-// w [N, K] bfloat16 or float16 (K a multiple of 32) in Weights16's layout, zero-padded groups
+// w [N, K] bfloat16 or float16 (K a multiple of 32) in Weights16's layout
 at::Tensor exact16_pack(const at::Tensor& w) {
   TORCH_CHECK((w.scalar_type() == torch::kBFloat16 || w.scalar_type() == torch::kHalf) && w.dim() == 2 &&
                   w.is_contiguous() && w.size(1) % kBlock == 0,
               "exact16_pack: w bfloat16 or float16 [N, K], contiguous, K a multiple of 32");
-  const int64_t N = w.size(0), K = w.size(1), blocks = K / kBlock, groups = (N + kGroup - 1) / kGroup;
-  at::Tensor p = torch::zeros({groups, blocks, Weights16<true>::kBytes}, torch::kUInt8);
+  const int64_t K = w.size(1);
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
-  uint8_t* pp = p.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < blocks; ++b)
-        for (int j = 0; j < kGroup && g * kGroup + j < N; ++j) {
-          const int64_t n = g * kGroup + j;
-          std::memcpy(pp + (g * blocks + b) * Weights16<true>::kBytes + j * 64, wp + (n * K + b * kBlock) * 2, 64);
-        }
+  return pack_chunks(w.size(0), K / kBlock, Weights16<true>::kBytes, [&](uint8_t* chunk, int64_t n, int j, int64_t b) {
+    std::memcpy(chunk + j * 64, wp + (n * K + b * kBlock) * 2, 64);
   });
-  return p;
 }
 
-// (q [N, K] int8, D, C [N, K / 16] float32) in Weights8x's layout, zero-padded groups
+// (q [N, K] int8, D, C [N, K / 16] float32) in Weights8x's layout
 at::Tensor exact8x_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& c) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous() && d.scalar_type() == torch::kFloat32 &&
                   d.dim() == 2 && d.is_contiguous() && c.sizes() == d.sizes() && c.scalar_type() == torch::kFloat32 &&
                   c.is_contiguous() && q.size(0) == d.size(0) && q.size(1) == d.size(1) * 16 && q.size(1) % kBlock == 0,
               "exact8x_pack: q int8 [N, K], D and C float32 [N, K / 16], K a multiple of 32");
-  const int64_t N = q.size(0), K = q.size(1), blocks = K / kBlock, groups = (N + kGroup - 1) / kGroup;
-  at::Tensor p = torch::zeros({groups, blocks, Weights8x::kBytes}, torch::kUInt8);
+  const int64_t K = q.size(1), blocks = K / kBlock;
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
   const float* cp = c.data_ptr<float>();
-  uint8_t* pp = p.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < blocks; ++b)
-        for (int j = 0; j < kGroup && g * kGroup + j < N; ++j) {
-          const int64_t n = g * kGroup + j;
-          uint8_t* chunk = pp + (g * blocks + b) * Weights8x::kBytes;
-          std::memcpy(chunk + j * 32, qp + n * K + b * kBlock, 32);
-          float* s = reinterpret_cast<float*>(chunk + kGroup * 32);
-          s[j] = dp[n * 2 * blocks + 2 * b];
-          s[kGroup + j] = dp[n * 2 * blocks + 2 * b + 1];
-          s[2 * kGroup + j] = cp[n * 2 * blocks + 2 * b];
-          s[3 * kGroup + j] = cp[n * 2 * blocks + 2 * b + 1];
-        }
+  return pack_chunks(q.size(0), blocks, Weights8x::kBytes, [&](uint8_t* chunk, int64_t n, int j, int64_t b) {
+    std::memcpy(chunk + j * 32, qp + n * K + b * kBlock, 32);
+    float* s = reinterpret_cast<float*>(chunk + kGroup * 32);
+    const int64_t h = n * 2 * blocks + 2 * b;  // output n's two half-blocks of block b
+    s[j] = dp[h];
+    s[kGroup + j] = dp[h + 1];
+    s[2 * kGroup + j] = cp[h];
+    s[3 * kGroup + j] = cp[h + 1];
   });
-  return p;
 }
 
 // The blocks of w [N, K] float32 in one pass (lp.kernels.exact4.encode's torch-side check, same
