@@ -61,6 +61,7 @@ def extension():
     torch.library.register_fake("lp_exact4::mm8")(_mm8_shape)
     torch.library.register_fake("lp_exact4::mm8x")(_mm8_shape)
     torch.library.register_fake("lp_exact4::mm16")(lambda x, p, n, bf16: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("lp_exact4::mmq")(lambda x, p, n, kind: x.new_empty(x.shape[0], n))
     torch.library.register_fake("lp_exact4::rms_norm")(lambda x, w, eps: torch.empty_like(x))
     return mod
 
@@ -145,6 +146,7 @@ def has_blocks(model: nn.Module) -> bool:
     head = _head(model)
     return any(_plain(m) and m is not head and (getattr(m, "_lp_blocks", None) is not None
                                                 or getattr(m, "_lp_blocks8", None) is not None
+                                                or getattr(m, "_lp_blocksq", None) is not None
                                                 or getattr(m, "_lp_weight16", None) is not None
                                                 or (not m.weight.is_meta and _blocks(_local(m.weight.detach())) is not None))
                for m in model.modules())
@@ -401,13 +403,13 @@ def _plain(m) -> bool:
     return is_linear(m) and m.weight.dtype == torch.float32 and (m.bias is None or m.bias.dtype == torch.float32)
 
 
-def convert(model: nn.Module) -> tuple[int, int]:
-    """Swap the linears whose weights encode exactly (see module doc); (converted, left)."""
+def convert(model: nn.Module, first=()) -> tuple[int, int]:
+    """Swap the linears whose weights encode exactly (see module doc); (converted, left).
+    ``first``: makers tried before this module's (``ExactQLinear.of``: lp.kernels.exactq, which
+    builds on this module)."""
     head = _head(model)
-
-    done = fuse_siblings(model, Exact4Linear.of, accept=_plain)
-    done += fuse_siblings(model, Exact8Linear.of, accept=_plain)
-    done += fuse_siblings(model, Exact16Linear.of, accept=_plain)
+    makers = (*first, Exact4Linear.of, Exact8Linear.of, Exact16Linear.of)
+    done = sum(fuse_siblings(model, make, accept=_plain) for make in makers)
     left = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -415,7 +417,7 @@ def convert(model: nn.Module) -> tuple[int, int]:
                 continue
             linear = None
             if _plain(child) and child is not head:
-                linear = Exact4Linear.of([child]) or Exact8Linear.of([child]) or Exact16Linear.of([child])
+                linear = next((m for m in (make([child]) for make in makers) if m is not None), None)
             if linear is None:
                 left += 1
                 continue

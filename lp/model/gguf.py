@@ -54,6 +54,9 @@ KEPT = {"Q4_0": (18, 32, 4), "Q4_1": (20, 32, 4), "Q4_K": (144, SUPER, 4), "Q8_0
         "Q5_1": (24, 32, 8), "Q5_K": (176, SUPER, 8), "Q6_K": (210, SUPER, 8), "Q2_K": (84, SUPER, 8),
         "Q3_K": (110, SUPER, 8), "IQ4_NL": (18, 32, 8), "IQ4_XS": (136, SUPER, 8), "F16": (64, 32, 16),
         "BF16": (64, 32, 16)}
+# held as the file codes them (lp.kernels.exactq); Q4_K stays exact4 (6 bits a weight, not exactq's 4.75):
+# its table-driven loads ran 1.1-1.3x faster at 1-2 rows, the steps that stream the weights (bench/results/gguf_formats)
+QKINDS = {"Q5_0": 4, "Q5_1": 4, "Q5_K": 6, "Q6_K": 7}
 SCALED8 = ("Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS")  # 8-bit kinds w = q * d per 32 (the others: fma(q, D, C) per 16)
 # IQ4_NL / IQ4_XS's sixteen 4-bit code values (gguf.quants.IQ4_NL.kvalues)
 IQ4_VALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.int8)
@@ -219,6 +222,45 @@ def blocks8_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tenso
         low = np.concatenate([raw[..., 6:22] & 0x0F, raw[..., 6:22] >> 4], axis=-1)
         q = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
     return torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)), torch.from_numpy(d)
+
+
+def blocksq_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """A Q5_0, Q5_1, Q4_K, Q5_K or Q6_K tensor's codes as lp.kernels.exactq's parts (its module
+    doc): the unsigned q [N, K] uint8 and the scales as the file codes them, so that widenq (and
+    the kernel) give gguf.dequantize's float32 weights bit for bit."""
+    size, per, _ = KEPT[kind]
+    raw = np.ascontiguousarray(data).reshape(n * (k // per), size)
+    if kind in ("Q5_0", "Q5_1"):
+        if kind == "Q5_0":
+            q8, d = blocks8_of(data, kind, n, k)
+            q = (q8.numpy().astype(np.int16) + 16).astype(np.uint8)
+            parts = (d.numpy(), -16.0 * d.numpy())  # exact: a power of two times a float16 value
+        else:
+            q8, big_d, big_c = blocks8x_of(data, kind, n, k)
+            q = q8.numpy().astype(np.uint8)
+            parts = (big_d.numpy()[:, ::2], big_c.numpy()[:, ::2])
+        return (torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
+                *(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32).reshape(n, k // BLOCK)) for x in parts))
+    d = _f16(raw[:, 208:210]) if kind == "Q6_K" else _f16(raw[:, 0:2])
+    if kind == "Q6_K":
+        q8 = blocks8x_of(data, kind, n, k)[0].numpy()
+        q = (q8.astype(np.int16) + 32).astype(np.uint8)
+        sc = raw[:, 192:208].copy().view(np.int8)
+        return (torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
+                torch.from_numpy(np.ascontiguousarray(sc).reshape(n, k // 16)),
+                torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32).reshape(n, k // SUPER)))
+    sc, mn = _scale_min(raw[:, 4:16])
+    nm = -_f16(raw[:, 2:4])
+    if kind == "Q4_K":
+        qs = raw[:, 16:144].reshape(-1, 4, 32)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # sub-blocks 2j (low), 2j + 1 (high)
+    else:
+        q = blocks8x_of(data, kind, n, k)[0].numpy().astype(np.uint8)
+    return (torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(n, k)),
+            torch.from_numpy(np.ascontiguousarray(sc, dtype=np.uint8).reshape(n, k // BLOCK)),
+            torch.from_numpy(np.ascontiguousarray(mn, dtype=np.uint8).reshape(n, k // BLOCK)),
+            torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32).reshape(n, k // SUPER)),
+            torch.from_numpy(np.ascontiguousarray(nm, dtype=np.float32).reshape(n, k // SUPER)))
 
 
 def _row_permutation(processor, name: str, n: int, mapping: dict, parsed: dict) -> np.ndarray | None:
@@ -461,6 +503,10 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
             size, per, bits = KEPT[kind]
             rows = _row_permutation(processor, t.name, n, mapping, parsed)
             if rows is not None and t.data.size == n * k // per * size:
+                if kind in QKINDS:  # lp.kernels.exactq: the file's codes, at about its size
+                    owner._lp_blocksq = (QKINDS[kind], tuple(x[rows] for x in blocksq_of(t.data, kind, n, k)))
+                    kept += 1
+                    continue
                 parts = tuple(x[rows] for x in _read_blocks(t.data, kind, n, k, bits))
                 if bits == 16:
                     owner._lp_weight16 = parts[0]
@@ -616,14 +662,17 @@ def _assign(model, hf: str, value: torch.Tensor) -> None:
 def _widen_left(model) -> int:
     """Every linear still holding file blocks (not run on exact4) gets their float32 weights."""
     from lp.kernels.exact4 import widen, widen8
+    from lp.kernels.exactq import widenq
 
     count = 0
     for m in model.modules():
         blocks = m.__dict__.pop("_lp_blocks", None)
         blocks8 = m.__dict__.pop("_lp_blocks8", None)
+        blocksq = m.__dict__.pop("_lp_blocksq", None)
         w16 = m.__dict__.pop("_lp_weight16", None)
-        if isinstance(m, torch.nn.Linear) and m.weight.is_meta and (blocks or blocks8 or w16 is not None):
-            w = widen(*blocks) if blocks else widen8(*blocks8) if blocks8 else w16.float()
+        if isinstance(m, torch.nn.Linear) and m.weight.is_meta and (blocks or blocks8 or blocksq or w16 is not None):
+            w = (widen(*blocks) if blocks else widen8(*blocks8) if blocks8 else widenq(*blocksq) if blocksq
+                 else w16.float())
             m.weight = torch.nn.Parameter(w, requires_grad=False)
             count += 1
     return count

@@ -53,12 +53,17 @@ struct Clock {
   }
 };
 
+struct NoPrep {};
+
 // How a chunk's output j forms its block's 32 weights: lanes 0-15 (w0) and 16-31 (w1).
 struct Weights4 {
   static constexpr int64_t kBytes = kGroup * 16 + 2 * kGroup * 4;
   static constexpr int kKind = 0;  // its row of g_tile
+  static constexpr int64_t kSuper = 1;  // blocks of 32 per entry of the packed tensor
+  using Prep = NoPrep;  // what a block's loads share (the K-quant kinds: its 8 outputs' scales)
+  static inline NoPrep prep(const uint8_t*, int) { return {}; }
 #if defined(__AVX512F__)
-  static inline void load(const uint8_t* chunk, int j, __m512& w0, __m512& w1) {
+  static inline void load(const uint8_t* chunk, int, int j, const NoPrep&, __m512& w0, __m512& w1) {
     const float* d = reinterpret_cast<const float*>(chunk + kGroup * 16);
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     // the block's 16 possible weights fma(q, d, c), picked by each nibble (permutexvar reads an
@@ -69,7 +74,7 @@ struct Weights4 {
     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
   }
 #endif
-  static inline void load(const uint8_t* chunk, int j, float* w0, float* w1) {
+  static inline void load(const uint8_t* chunk, int, int j, const NoPrep&, float* w0, float* w1) {
     const float* d = reinterpret_cast<const float*>(chunk + kGroup * 16);
     for (int l = 0; l < 16; ++l) {
       const uint8_t byte = chunk[j * 16 + l];
@@ -88,15 +93,18 @@ struct Weights4 {
 struct Weights8 {
   static constexpr int64_t kBytes = kGroup * 32 + kGroup * 4;
   static constexpr int kKind = 1;
+  static constexpr int64_t kSuper = 1;
+  using Prep = NoPrep;
+  static inline NoPrep prep(const uint8_t*, int) { return {}; }
 #if defined(__AVX512F__)
-  static inline void load(const uint8_t* chunk, int j, __m512& w0, __m512& w1) {
+  static inline void load(const uint8_t* chunk, int, int j, const NoPrep&, __m512& w0, __m512& w1) {
     const __m512 dv = _mm512_set1_ps(reinterpret_cast<const float*>(chunk + kGroup * 32)[j]);
     const __m128i* qb = reinterpret_cast<const __m128i*>(chunk + j * 32);
     w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb))), dv);
     w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb + 1))), dv);
   }
 #endif
-  static inline void load(const uint8_t* chunk, int j, float* w0, float* w1) {
+  static inline void load(const uint8_t* chunk, int, int j, const NoPrep&, float* w0, float* w1) {
     const float dv = reinterpret_cast<const float*>(chunk + kGroup * 32)[j];
     const int8_t* qb = reinterpret_cast<const int8_t*>(chunk + j * 32);
     for (int l = 0; l < 16; ++l) {
@@ -119,8 +127,11 @@ struct Weights8 {
 struct Weights8x {
   static constexpr int64_t kBytes = kGroup * 32 + 4 * kGroup * 4;
   static constexpr int kKind = 2;
+  static constexpr int64_t kSuper = 1;
+  using Prep = NoPrep;
+  static inline NoPrep prep(const uint8_t*, int) { return {}; }
 #if defined(__AVX512F__)
-  static inline void load(const uint8_t* chunk, int j, __m512& w0, __m512& w1) {
+  static inline void load(const uint8_t* chunk, int, int j, const NoPrep&, __m512& w0, __m512& w1) {
     const float* s = reinterpret_cast<const float*>(chunk + kGroup * 32);
     const __m128i* qb = reinterpret_cast<const __m128i*>(chunk + j * 32);
     w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb))), _mm512_set1_ps(s[j]),
@@ -129,7 +140,7 @@ struct Weights8x {
                          _mm512_set1_ps(s[kGroup + j]), _mm512_set1_ps(s[3 * kGroup + j]));
   }
 #endif
-  static inline void load(const uint8_t* chunk, int j, float* w0, float* w1) {
+  static inline void load(const uint8_t* chunk, int, int j, const NoPrep&, float* w0, float* w1) {
     const float* s = reinterpret_cast<const float*>(chunk + kGroup * 32);
     const int8_t* qb = reinterpret_cast<const int8_t*>(chunk + j * 32);
     for (int l = 0; l < 16; ++l) {
@@ -153,12 +164,15 @@ void tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, 
   for (int j = 0; j < NB; ++j)
     for (int i = 0; i < MT; ++i) acc[j][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* chunk = group + b * W::kBytes;
+    const uint8_t* chunk = group + (b / W::kSuper) * W::kBytes;  // the entry holding block b
+    const int r = static_cast<int>(b % W::kSuper);
     if (prefetch)
-      for (int64_t line = 0; line < W::kBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetch + line, _MM_HINT_T0);
+      for (int64_t line = 0; line < W::kBytes / W::kSuper; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk) + r * (W::kBytes / W::kSuper) + kPrefetch + line,
+                     _MM_HINT_T0);
     __m512 w0[NB], w1[NB];
-    for (int j = 0; j < NB; ++j) W::load(chunk, s + j, w0[j], w1[j]);
+    const typename W::Prep pr = W::prep(chunk, r);
+    for (int j = 0; j < NB; ++j) W::load(chunk, r, s + j, pr, w0[j], w1[j]);
     for (int i = 0; i < MT; ++i) {
       const float* xr = x + (m0 + i) * K + b * kBlock;
       const __m512 xa = _mm512_loadu_ps(xr), xb = _mm512_loadu_ps(xr + 16);
@@ -176,7 +190,9 @@ void tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, 
       for (int l = 0; l < 16; ++l) acc[i][l] = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
       float w0[16], w1[16];
-      W::load(group + b * W::kBytes, s + j, w0, w1);
+      const uint8_t* e = group + (b / W::kSuper) * W::kBytes;
+      const int r = static_cast<int>(b % W::kSuper);
+      W::load(e, r, s + j, W::prep(e, r), w0, w1);
       for (int i = 0; i < MT; ++i) {
         const float* xr = x + (m0 + i) * K + b * kBlock;
         for (int l = 0; l < 16; ++l) acc[i][l] = std::fma(xr[16 + l], w1[l], std::fma(xr[l], w0[l], acc[i][l]));
@@ -200,8 +216,9 @@ void tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, 
 // each row's loads, even where their accumulators spill (2 rows: ~20% less time at 8 outputs
 // than at 4). Whatever NB, each output's sum runs in the same order: only speed depends on it.
 // set_tile overrides an entry (the benchmark).
-int g_tile[4][kRowTile + 1] = {{0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2},
-                               {0, 8, 8, 8, 8, 4, 4, 4, 2}};
+int g_tile[8][kRowTile + 1] = {{0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2},
+                               {0, 8, 8, 8, 8, 4, 4, 4, 2}, {0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 4, 4, 4, 4, 2},
+                               {0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 4, 4, 4, 4, 2}};
 
 // every row tile over one group, the group's chunks read from memory once (prefetched on the
 // first pass, in L1 for the others)
@@ -248,7 +265,8 @@ torch::Tensor packed_mm(const char* name, torch::Tensor x, const torch::Tensor& 
   TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(2) == W::kBytes,
               name, ": p must be a packed [groups, blocks, ", W::kBytes, "] uint8 tensor");
   const int64_t M = x.size(0), K = x.size(1), groups = p.size(0);
-  TORCH_CHECK(K % kBlock == 0 && p.size(1) == K / kBlock && N > 0 && (N + kGroup - 1) / kGroup == groups,
+  TORCH_CHECK(K % (kBlock * W::kSuper) == 0 && p.size(1) == K / (kBlock * W::kSuper) && N > 0 &&
+                  (N + kGroup - 1) / kGroup == groups,
               name, ": shapes do not match");
   x = x.contiguous();
   at::Tensor y = torch::empty({M, N}, x.options());
@@ -315,12 +333,15 @@ template <bool kBf16>
 struct Weights16 {
   static constexpr int64_t kBytes = kGroup * 64;
   static constexpr int kKind = 3;
+  static constexpr int64_t kSuper = 1;
+  using Prep = NoPrep;
+  static inline NoPrep prep(const uint8_t*, int) { return {}; }
 #if defined(__AVX512F__)
   static inline __m512 widen(const __m256i h) {
     if constexpr (kBf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
   }
-  static inline void load(const uint8_t* chunk, int j, __m512& w0, __m512& w1) {
+  static inline void load(const uint8_t* chunk, int, int j, const NoPrep&, __m512& w0, __m512& w1) {
     const __m256i* qb = reinterpret_cast<const __m256i*>(chunk + j * 64);
     w0 = widen(_mm256_loadu_si256(qb));
     w1 = widen(_mm256_loadu_si256(qb + 1));
@@ -335,7 +356,7 @@ struct Weights16 {
     }
     return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
   }
-  static inline void load(const uint8_t* chunk, int j, float* w0, float* w1) {
+  static inline void load(const uint8_t* chunk, int, int j, const NoPrep&, float* w0, float* w1) {
     const uint16_t* qb = reinterpret_cast<const uint16_t*>(chunk + j * 64);
     for (int l = 0; l < 16; ++l) {
       w0[l] = one(qb[l]);
@@ -343,6 +364,158 @@ struct Weights16 {
     }
   }
 };
+
+// GGUF's 5- and 6-bit and K-quant blocks at about the file's size (issue 50): q unsigned in
+// 0..2^(4 + HI) - 1 as its low nibble (byte l of a block: weight l | weight l + 16 << 4) and HI bit
+// planes (bit l of plane p's word: weight l's bit 4 + p), and the scales as the file codes them:
+//   MODE 0 (Q5_0, Q5_1): w = fma(q, D, C), D and C float32 per 32 (Q5_0: C = -16 D; Q5_1: d, m);
+//   MODE 1 (Q4_K, Q5_K): w = fma(q, d * sc, nm * mn), d and nm = -dmin float32 per 256, the 6-bit
+//     sc and mn per 32 (d * sc and nm * mn exact: 11 x 6 bits);
+//   MODE 2 (Q6_K): w = (q - 32) * (d * sc), d float32 per 256, sc int8 per 16 (d * sc exact).
+// In each, the float32 product or fma rounds once, as gguf.dequantize's one rounding does (q * D is
+// exact in every case), so the weights are bit for bit transformers' float32 ones.
+// Entry of the packed tensor (group of 8 outputs, kSuper blocks): a header (MODE 1: d[8], nm[8];
+// MODE 2: d[8]; MODE 0: none), then per block 8 x 16 nibble bytes, HI x 8 plane words, the scales
+// (MODE 0: D[8], C[8] float32; MODE 1: sc[8], mn[8] uint8; MODE 2: sc[8] (lanes 0-15), sc[8] (16-31)).
+template <int HI, int MODE>
+struct WeightsQ {
+  static constexpr int64_t kSuper = MODE == 0 ? 1 : 8;
+  static constexpr int64_t kHead = MODE == 0 ? 0 : (MODE == 1 ? 2 * kGroup * 4 : kGroup * 4);
+  static constexpr int64_t kScales = MODE == 0 ? 2 * kGroup * 4 : 2 * kGroup;
+  static constexpr int64_t kBlockBytes = kGroup * 16 + HI * kGroup * 4 + kScales;
+  static constexpr int64_t kBytes = kHead + kSuper * kBlockBytes;
+  static constexpr int kKind = MODE == 0 ? 4 : (MODE == 1 ? 5 + HI : 7);  // 4 Q5_0/1, 5 Q4_K, 6 Q5_K, 7 Q6_K
+  static_assert(HI != 0 || MODE == 1, "4-bit q: MODE 1 only (one D and C a block)");
+
+  // the block's 8 outputs' D and C for lanes 0-15 and 16-31 (MODE 2: C unused), formed at once
+  // (lanes 0-7 of each; output j's picked by a permute in load)
+  struct Prep {
+#if defined(__AVX512F__)
+    __m512 D0, D1, C0, C1;
+#endif
+    float d0[kGroup], d1[kGroup], c0[kGroup], c1[kGroup];  // the scalar path's
+  };
+  static inline Prep prep(const uint8_t* e, int r) {
+    Prep p;
+    const uint8_t* sc = e + kHead + r * kBlockBytes + kGroup * 16 + HI * kGroup * 4;
+    const float* head = reinterpret_cast<const float*>(e);
+#if defined(__AVX512F__)
+    auto bytes8 = [](const uint8_t* at, bool sign) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
+      return _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+    };
+    auto floats8 = [](const void* at) { return _mm512_castps256_ps512(_mm256_loadu_ps(reinterpret_cast<const float*>(at))); };
+    if constexpr (MODE == 0) {
+      p.D0 = p.D1 = floats8(sc);
+      p.C0 = p.C1 = floats8(sc + kGroup * 4);
+    } else if constexpr (MODE == 1) {
+      p.D0 = p.D1 = _mm512_mul_ps(floats8(head), bytes8(sc, false));
+      p.C0 = p.C1 = _mm512_mul_ps(floats8(head + kGroup), bytes8(sc + kGroup, false));
+    } else {
+      p.D0 = _mm512_mul_ps(floats8(head), bytes8(sc, true));
+      p.D1 = _mm512_mul_ps(floats8(head), bytes8(sc + kGroup, true));
+      p.C0 = p.C1 = _mm512_setzero_ps();
+    }
+#else
+    for (int j = 0; j < kGroup; ++j) {
+      if constexpr (MODE == 0) {
+        p.d0[j] = p.d1[j] = reinterpret_cast<const float*>(sc)[j];
+        p.c0[j] = p.c1[j] = reinterpret_cast<const float*>(sc)[kGroup + j];
+      } else if constexpr (MODE == 1) {
+        p.d0[j] = p.d1[j] = head[j] * static_cast<float>(sc[j]);
+        p.c0[j] = p.c1[j] = head[kGroup + j] * static_cast<float>(sc[kGroup + j]);
+      } else {
+        const int8_t* s8 = reinterpret_cast<const int8_t*>(sc);
+        p.d0[j] = head[j] * static_cast<float>(s8[j]);
+        p.d1[j] = head[j] * static_cast<float>(s8[kGroup + j]);
+        p.c0[j] = p.c1[j] = 0.0f;
+      }
+    }
+#endif
+    return p;
+  }
+  static inline uint32_t plane(const uint8_t* blk, int p, int j) {
+    uint32_t v;
+    std::memcpy(&v, blk + kGroup * 16 + (p * kGroup + j) * 4, 4);
+    return v;
+  }
+#if defined(__AVX512F__)
+  static inline void load(const uint8_t* e, int r, int j, const Prep& pr, __m512& w0, __m512& w1) {
+    const uint8_t* blk = e + kHead + r * kBlockBytes;
+    const __m512i lane = _mm512_set1_epi32(j);
+    const __m512 D0 = _mm512_permutexvar_ps(lane, pr.D0), C0 = _mm512_permutexvar_ps(lane, pr.C0);
+    const __m512 D1 = MODE == 2 ? _mm512_permutexvar_ps(lane, pr.D1) : D0, C1 = C0;
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + j * 16)));
+    if constexpr (HI == 0) {  // Weights4's table: the block's 16 weights fma(q, D, C), picked by each nibble
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 table = _mm512_fmadd_ps(iota, D0, C0);
+      w0 = _mm512_permutexvar_ps(v, table);
+      w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+    } else {
+      __m512i q0 = _mm512_and_si512(v, _mm512_set1_epi32(0x0f)), q1 = _mm512_srli_epi32(v, 4);
+      for (int p = 0; p < HI; ++p) {
+        const uint32_t h = plane(blk, p, j);
+        const __m512i bit = _mm512_set1_epi32(16 << p);
+        q0 = _mm512_mask_or_epi32(q0, static_cast<__mmask16>(h & 0xffff), q0, bit);
+        q1 = _mm512_mask_or_epi32(q1, static_cast<__mmask16>(h >> 16), q1, bit);
+      }
+      if constexpr (MODE == 2) {
+        const __m512i off = _mm512_set1_epi32(32);
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, off)), D0);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, off)), D1);
+      } else {
+        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), D0, C0);
+        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), D1, C1);
+      }
+    }
+  }
+#endif
+  static inline void load(const uint8_t* e, int r, int j, const Prep& pr, float* w0, float* w1) {
+    const uint8_t* blk = e + kHead + r * kBlockBytes;
+    const float D[2] = {pr.d0[j], pr.d1[j]}, C[2] = {pr.c0[j], pr.c1[j]};
+    uint32_t h[2] = {HI > 0 ? plane(blk, 0, j) : 0u, HI > 1 ? plane(blk, 1, j) : 0u};
+    for (int l = 0; l < 16; ++l) {
+      const uint8_t byte = blk[j * 16 + l];
+      int q0 = byte & 0x0f, q1 = byte >> 4;
+      for (int p = 0; p < HI; ++p) {
+        q0 |= static_cast<int>((h[p] >> l) & 1u) << (4 + p);
+        q1 |= static_cast<int>((h[p] >> (16 + l)) & 1u) << (4 + p);
+      }
+      if constexpr (MODE == 2) {
+        w0[l] = static_cast<float>(q0 - 32) * D[0];
+        w1[l] = static_cast<float>(q1 - 32) * D[1];
+      } else {
+        w0[l] = std::fma(static_cast<float>(q0), D[0], C[0]);
+        w1[l] = std::fma(static_cast<float>(q1), D[1], C[1]);
+      }
+    }
+  }
+};
+
+// y = x @ W.T for W packed in WeightsQ's layout (lp.kernels.exact4.packq); kind 4..7 as kKind
+torch::Tensor exactq_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind) {
+  switch (kind) {
+    case 4: return packed_mm<WeightsQ<1, 0>>("exactq_mm", x, p, n);
+    case 5: return packed_mm<WeightsQ<0, 1>>("exactq_mm", x, p, n);
+    case 6: return packed_mm<WeightsQ<1, 1>>("exactq_mm", x, p, n);
+    case 7: return packed_mm<WeightsQ<2, 2>>("exactq_mm", x, p, n);
+    default: TORCH_CHECK(false, "exactq_mm: kind must be 4 (Q5_0 / Q5_1), 5 (Q4_K), 6 (Q5_K) or 7 (Q6_K), got ", kind);
+  }
+}
+
+std::vector<int64_t> exactq_layout(int64_t kind) {
+  auto of = [](auto w) {
+    using W = decltype(w);
+    return std::vector<int64_t>{W::kSuper, W::kHead, W::kBlockBytes, W::kBytes};
+  };
+  switch (kind) {
+    case 4: return of(WeightsQ<1, 0>{});
+    case 5: return of(WeightsQ<0, 1>{});
+    case 6: return of(WeightsQ<1, 1>{});
+    case 7: return of(WeightsQ<2, 2>{});
+    default: TORCH_CHECK(false, "exactq_layout: kind must be 4..7, got ", kind);
+  }
+}
 
 at::Tensor exact8_pack(const at::Tensor& q, const at::Tensor& d) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8, "exact8_pack: q int8 [N, K], d float32 [N, K / 32]");
@@ -987,6 +1160,7 @@ TORCH_LIBRARY(lp_exact4, m) {
   m.def("mm8(Tensor x, Tensor p, int n) -> Tensor");
   m.def("mm8x(Tensor x, Tensor p, int n) -> Tensor");
   m.def("mm16(Tensor x, Tensor p, int n, bool bf16) -> Tensor");
+  m.def("mmq(Tensor x, Tensor p, int n, int kind) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("attn_in(Tensor h, Tensor ln_w, float eps, Tensor p_qkv, int heads, int kv_heads, int head_dim, Tensor cos, "
         "Tensor sin) -> Tensor[]");
@@ -1003,6 +1177,7 @@ TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
   m.impl("mm8", &exact8_mm);
   m.impl("mm8x", &exact8x_mm);
   m.impl("mm16", &exact16_mm);
+  m.impl("mmq", &exactq_mm);
   m.impl("rms_norm", &rms_norm);
 #if defined(__AVX512F__)
   m.impl("attn_in", &attn_in);
@@ -1016,6 +1191,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack8", &exact8_pack, "exact 8-bit blocks (q, d) in the kernel layout");
   m.def("pack8x", &exact8x_pack, "exact 8-bit blocks (q, D, C per 16 weights) in the kernel layout");
   m.def("pack16", &exact16_pack, "bfloat16 / float16 weights in the kernel layout");
+  m.def("layoutq", &exactq_layout, "(blocks an entry, header bytes, block bytes, entry bytes) of exactq kind 4..7");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
@@ -1027,16 +1203,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(ok, logits [M, vocab]): the greedy head through the screen, -inf where proved below the maximum");
   m.def("vnni", &exact8_vnni, "whether this build runs the screen on AVX-512 VNNI");
   m.def("set_tile", [](int kind, int rows, int outputs) {
-    TORCH_CHECK(kind >= 0 && kind < 4 && rows >= 1 && rows <= kRowTile &&
+    TORCH_CHECK(kind >= 0 && kind < 8 && rows >= 1 && rows <= kRowTile &&
                     (outputs == 1 || outputs == 2 || outputs == 4 || outputs == 8),
-                "set_tile: kind 0 (exact4), 1 (exact8), 2 (exact8x) or 3 (exact16), rows 1..8, outputs 1, 2, 4 or 8");
+                "set_tile: kind 0 (exact4), 1 (exact8), 2 (exact8x), 3 (exact16), 4..7 (exactq), rows 1..8, outputs 1, 2, 4 or 8");
     g_tile[kind][rows] = outputs;
   }, "outputs per tile for a tile of `rows` rows (benchmarks)");
   m.def("tiles", []() {
     std::vector<std::vector<int>> t;
     for (const auto& row : g_tile) t.emplace_back(row + 1, row + kRowTile + 1);
     return t;
-  }, "outputs per tile for 1..8 rows, exact4, exact8, exact8x, exact16");
+  }, "outputs per tile for 1..8 rows, exact4, exact8, exact8x, exact16, exactq 4..7");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "the kernels' software prefetch on or off (benchmarks)");
   m.def("parallel_width", &exact4_parallel_width, "threads the kernel's parallel_for runs on");
   m.def("set_clock", [](bool on) {

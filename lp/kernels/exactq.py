@@ -1,0 +1,143 @@
+"""GGUF's 5- and 6-bit and K-quant blocks run at about the file's size (issue 50, item 1).
+
+Contract: a linear whose ``_lp_blocksq`` holds ``(kind, parts)`` (lp.model.gguf reads them from the
+file: ``KINDS``) becomes an ``ExactQLinear`` whose products are those of the float32 weights
+``widenq(kind, parts)`` gives, which are bit for bit what ``gguf.dequantize`` makes of the file
+(each weight one float32 rounding of an exact value: csrc/lp_exact4.cpp's ``WeightsQ``). Parts, N
+output rows, K inputs, B = K / 32 blocks, S = K / 256 super-blocks, q the unsigned code:
+
+* kind 4, Q5_0 / Q5_1: (q uint8 [N, K], D, C float32 [N, B]): w = fma(q, D, C);
+* kind 5 / 6, Q4_K / Q5_K: (q, sc, mn uint8 [N, B], d, nm float32 [N, S]): w = fma(q, d sc, nm mn);
+* kind 7, Q6_K: (q, sc int8 [N, 2 B], d float32 [N, S]): w = (q - 32) (d sc), a scale per 16.
+
+``packq(kind, parts)`` lays them out for ``mmq``: per group of 8 outputs and super-block, the
+codes as the file holds them (a nibble and 1-2 bit planes a weight, the 6- or 8-bit scale codes,
+the super-block's float32 scales once): Q4_K 4.75 bits a weight (file 4.5), Q5_K 5.75 (5.5), Q6_K
+6.625 (6.5625), Q5_0 / Q5_1 7 (5.5 / 6), against 6 to 12 in lp's 4- and 8-bit kinds. The kernel's
+tiles, chains and summation order are the other kinds': a row's result depends on that row only.
+
+Why: a Q4_K_M file's Q6_K and Q5_0 tensors held at 9-12 bits a weight made lp hold 1.3-1.8x the
+file and read that much more per step (one-row steps run at the memory's bandwidth: a 0.5B
+model's step 1.6x llama.cpp's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lp.kernels.exact4 import Exact4Linear, _unit_rows, extension
+
+KINDS = {"Q5_0": 4, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+HI = {4: 1, 5: 0, 6: 1, 7: 2}  # bit planes above the nibble
+GROUP, BLOCK = 8, 32
+
+
+def mmq(x_MK: torch.Tensor, p: torch.Tensor, n: int, kind: int) -> torch.Tensor:
+    """``x @ W.T`` [M, n] for float32 ``x`` [M, K] and W packed by ``packq``."""
+    return torch.ops.lp_exact4.mmq(x_MK, p, n, kind)
+
+
+def widenq(kind: int, parts: tuple) -> torch.Tensor:
+    """The float32 weights [N, K] of ``parts`` (module doc), each product exact, one rounding."""
+    q = parts[0].to(torch.float32)
+    n, k = q.shape
+    if kind == 4:
+        D, C = (t.repeat_interleave(BLOCK, dim=1) for t in parts[1:3])
+        return q * D + C  # q * D exact: the add is the one rounding, as the kernel's fma
+    if kind in (5, 6):
+        sc, mn, d, nm = parts[1:]
+        D = (d.repeat_interleave(8, dim=1) * sc.float()).repeat_interleave(BLOCK, dim=1)
+        C = (nm.repeat_interleave(8, dim=1) * mn.float()).repeat_interleave(BLOCK, dim=1)
+        return q * D + C
+    sc, d = parts[1:]
+    D = (d.repeat_interleave(16, dim=1) * sc.float()).repeat_interleave(16, dim=1)
+    return (q - 32) * D
+
+
+def packq(kind: int, parts: tuple) -> torch.Tensor:
+    """``parts`` in ``mmq``'s layout: uint8 [groups, entries, entry bytes] (csrc ``WeightsQ``)."""
+    supers, head, block_bytes, entry_bytes = extension().layoutq(kind)
+    q = parts[0]
+    n, k = q.shape
+    g = -(-n // GROUP)
+    pad = g * GROUP - n
+    b = k // BLOCK
+    s = b // supers
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [groups, 8, ...], zero rows padded."""
+        if pad:
+            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+        return t.reshape(g, GROUP, *t.shape[1:])
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        """[N, B, x] -> bytes [groups, S, supers, 8 * x * itemsize] (outputs inner)."""
+        t = grouped(t).reshape(g, GROUP, s, supers, -1).permute(0, 2, 3, 1, 4).contiguous()
+        return t.view(torch.uint8).reshape(g, s, supers, -1)
+
+    q_NB32 = q.reshape(n, b, BLOCK)
+    nib = (q_NB32[..., :16] & 0x0F) | ((q_NB32[..., 16:] & 0x0F) << 4)
+    pieces = [per_block(nib)]
+    bits = (1 << torch.arange(BLOCK, dtype=torch.int64))
+    for p in range(HI[kind]):
+        word = (((q_NB32.to(torch.int64) >> (4 + p)) & 1) * bits).sum(-1).to(torch.int32)
+        pieces.append(per_block(word.unsqueeze(-1)))
+    if kind == 4:
+        pieces += [per_block(parts[1].unsqueeze(-1)), per_block(parts[2].unsqueeze(-1))]
+    elif kind in (5, 6):
+        pieces += [per_block(parts[1].unsqueeze(-1)), per_block(parts[2].unsqueeze(-1))]
+    else:  # the scale of weights 0-15 of every output, then of 16-31
+        sc = parts[1].reshape(n, b, 2)
+        pieces += [per_block(sc[..., 0:1].contiguous()), per_block(sc[..., 1:2].contiguous())]
+    blocks = torch.cat(pieces, dim=-1)
+    assert blocks.shape[-1] == block_bytes, (blocks.shape, block_bytes)
+    entry = [blocks.reshape(g, s, supers * block_bytes)]
+    if head:
+        heads = [grouped(t).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(g, s, -1)
+                 for t in parts[3 if kind in (5, 6) else 2:]]
+        entry = heads + entry
+    out = torch.cat(entry, dim=-1).contiguous()
+    assert out.shape[-1] == entry_bytes, (out.shape, entry_bytes)
+    return out
+
+
+class ExactQLinear(Exact4Linear):
+    """``y = x @ W.T`` for float32 ``x`` with W held as GGUF's own codes (module doc), run by
+    ``mmq``; siblings of one kind stacked as ``Exact4Linear``'s."""
+
+    bits = 6
+
+    def __init__(self, linears: list[nn.Linear], p: torch.Tensor, kind: int):
+        super().__init__(linears, p)
+        self.qkind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x_MK = x.reshape(-1, self.in_features)
+        if dtype != torch.float32:
+            x_MK = x_MK.float()
+        y_MN = mmq(x_MK, self.p, self.out_features, self.qkind)
+        if self.b is not None:
+            y_MN += self.b
+        if dtype != torch.float32:
+            y_MN = y_MN.to(dtype)
+        return y_MN.reshape(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def of(cls, linears: list[nn.Linear]) -> ExactQLinear | None:
+        """The siblings' codes stacked, packed and checked through the kernel on unit rows against
+        ``widenq``; None unless every sibling holds ``_lp_blocksq`` of one kind."""
+        codes = [getattr(lin, "_lp_blocksq", None) for lin in linears]
+        if any(c is None for c in codes) or len({c[0] for c in codes}) != 1:
+            return None
+        kind = codes[0][0]
+        parts = tuple(torch.cat([c[1][i] for c in codes]) for i in range(len(codes[0][1])))
+        p = packq(kind, parts)
+        idx, unit_RK = _unit_rows(parts[0].shape[1])
+        if not torch.equal(mmq(unit_RK, p, parts[0].shape[0], kind), widenq(kind, parts)[:, idx].t()):
+            return None
+        return cls(linears, p, kind)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr().replace(f"exact {self.bits}-bit weights", f"GGUF codes (kind {self.qkind})")

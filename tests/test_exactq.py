@@ -1,0 +1,78 @@
+"""GGUF's codes held as the file stores them (lp.kernels.exactq): exact, rows alone, near file size.
+
+For each kind (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) random blocks, as a file holds them, are read by
+lp.model.gguf.blocksq_of and packed by packq:
+
+* widenq's float32 weights are gguf.dequantize's bit for bit (the reference transformers' GGUF
+  loader uses), and the kernel on unit rows gives back those weights (its layout and arithmetic);
+* the kernel's rows: any number of rows (1-20, every tile shape) gives each row the bits it gets
+  alone; the product is the float64 product of those weights up to float32 summation;
+* the packed bytes are within 7% of the file's for every kind but Q5_0 / Q5_1 (their float32
+  scale and offset per 32: 7 bits a weight against 5.5 / 6).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.gguf_tiny import random_blocks
+
+KINDS = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    from lp.kernels.exact4 import extension
+
+    return extension()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exactq_is_dequantize_bit_for_bit_and_rows_alone(kind, ext):
+    import gguf
+
+    from lp.kernels.exactq import KINDS as IDS
+    from lp.kernels.exactq import mmq, packq, widenq
+    from lp.model.gguf import blocksq_of
+
+    rng = np.random.default_rng(7)
+    for n, k in ((13, 512), (40, 768)):  # 13: a padded group of outputs
+        raw = random_blocks(kind, n, k, 0.05, rng)
+        ref = np.ascontiguousarray(gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[kind]).reshape(n, k),
+                                   dtype=np.float32)
+        parts = blocksq_of(raw, kind, n, k)
+        w = widenq(IDS[kind], parts)
+        assert torch.equal(w.view(torch.int32), torch.from_numpy(ref).view(torch.int32)), kind
+        p = packq(IDS[kind], parts)
+        unit = torch.eye(k)[:: max(1, k // 97)]
+        assert torch.equal(mmq(unit, p, n, IDS[kind]), w[:, :: max(1, k // 97)].t())
+        x = torch.randn(20, k, generator=torch.Generator().manual_seed(n))
+        alone = torch.cat([mmq(x[i:i + 1], p, n, IDS[kind]) for i in range(20)])
+        for m in (2, 3, 5, 8, 9, 20):
+            assert torch.equal(mmq(x[:m], p, n, IDS[kind]), alone[:m]), (kind, m)
+        torch.testing.assert_close(alone.double(), x.double() @ w.double().t(), rtol=0, atol=2e-5)
+        file_bytes = raw.size
+        if n % 8 == 0:
+            ratio = p.numel() / file_bytes
+            assert ratio < (1.3 if kind in ("Q5_0", "Q5_1") else 1.07), (kind, ratio)
+
+
+def test_exactq_linear_takes_siblings_of_one_kind_only(ext):
+    from lp.kernels.exactq import KINDS as IDS
+    from lp.kernels.exactq import ExactQLinear, widenq
+    from lp.model.gguf import blocksq_of
+
+    rng = np.random.default_rng(3)
+    lins = []
+    for kind in ("Q6_K", "Q6_K", "Q5_K"):
+        lin = torch.nn.Linear(512, 16, bias=False)
+        lin._lp_blocksq = (IDS[kind], blocksq_of(random_blocks(kind, 16, 512, 0.05, rng), kind, 16, 512))
+        lins.append(lin)
+    assert ExactQLinear.of(lins) is None  # Q6_K with Q5_K: one packed kind per module
+    fused = ExactQLinear.of(lins[:2])
+    assert fused is not None and fused.splits == [16, 16]
+    x = torch.randn(3, 512)
+    w = torch.cat([widenq(*lin._lp_blocksq) for lin in lins[:2]])
+    torch.testing.assert_close(fused(x).double(), x.double() @ w.double().t(), rtol=0, atol=2e-5)
