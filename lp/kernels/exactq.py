@@ -17,8 +17,8 @@ the super-block's float32 scales once): Q4_K 4.75 bits a weight (file 4.5), Q5_K
 tiles, chains and summation order are the other kinds': a row's result depends on that row only.
 
 Why: a Q4_K_M file's Q6_K and Q5_0 tensors held at 9-12 bits a weight made lp hold 1.3-1.8x the
-file and read that much more per step (one-row steps run at the memory's bandwidth: a 0.5B
-model's step 1.6x llama.cpp's).
+file. Fewer bytes do not make a one-row product faster here (it is bound by instructions, not by
+memory: bench/results/gguf_formats/exactq_kernels.md); Q4_K stays exact4 for that reason.
 """
 
 from __future__ import annotations
@@ -83,9 +83,7 @@ def packq(kind: int, parts: tuple) -> torch.Tensor:
     for p in range(HI[kind]):
         word = (((q_NB32.to(torch.int64) >> (4 + p)) & 1) * bits).sum(-1).to(torch.int32)
         pieces.append(per_block(word.unsqueeze(-1)))
-    if kind == 4:
-        pieces += [per_block(parts[1].unsqueeze(-1)), per_block(parts[2].unsqueeze(-1))]
-    elif kind in (5, 6):
+    if kind != 7:  # (D, C) float32 or (sc, mn) codes per block
         pieces += [per_block(parts[1].unsqueeze(-1)), per_block(parts[2].unsqueeze(-1))]
     else:  # the scale of weights 0-15 of every output, then of 16-31
         sc = parts[1].reshape(n, b, 2)
@@ -111,18 +109,7 @@ class ExactQLinear(Exact4Linear):
     def __init__(self, linears: list[nn.Linear], p: torch.Tensor, kind: int):
         super().__init__(linears, p)
         self.qkind = kind
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x_MK = x.reshape(-1, self.in_features)
-        if dtype != torch.float32:
-            x_MK = x_MK.float()
-        y_MN = mmq(x_MK, self.p, self.out_features, self.qkind)
-        if self.b is not None:
-            y_MN += self.b
-        if dtype != torch.float32:
-            y_MN = y_MN.to(dtype)
-        return y_MN.reshape(*x.shape[:-1], self.out_features)
+        self.kernel = lambda x_MK, p, n: mmq(x_MK, p, n, kind)  # Exact4Linear.forward calls it
 
     @classmethod
     def of(cls, linears: list[nn.Linear]) -> ExactQLinear | None:

@@ -15,6 +15,9 @@ float32 rounding of an exact value:
 
 * 4-bit, ``fma(q, d, c)`` (``Exact4Linear``): Q4_1 ``d * q + m``; Q4_0 ``d * (q - 8)`` (c = -8 d);
   Q4_K ``(d * scale) * q - dmin * min`` per 32 weights (d * scale and dmin * min are exact);
+* the file's codes (lp.kernels.exactq's ``ExactQLinear``, ``blocksq_of``): Q5_0 ``d * (q - 16)``,
+  Q5_1 ``d * q + m``, Q5_K as Q4_K with 5-bit q, Q6_K ``(d * scale) * (q - 32)`` (a decoder
+  linear; the embedding and head in these formats take the 8-bit kinds below);
 * 8-bit, ``q * d`` (``Exact8Linear``): Q8_0 ``d * q``; Q5_0 ``d * (q - 16)``; IQ4_NL ``d * value``
   (q the code's int8 value); IQ4_XS ``(d * (scale - 32)) * value`` per 32;
 * 8-bit, ``fma(q, D, C)`` per 16 weights (``Exact8xLinear``): Q6_K ``(d * scale) * q``; Q5_K as
@@ -43,6 +46,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lp.kernels.exactq import KINDS
+
 log = logging.getLogger(__name__)
 
 BLOCK = 32
@@ -56,7 +61,7 @@ KEPT = {"Q4_0": (18, 32, 4), "Q4_1": (20, 32, 4), "Q4_K": (144, SUPER, 4), "Q8_0
         "BF16": (64, 32, 16)}
 # held as the file codes them (lp.kernels.exactq); Q4_K stays exact4 (6 bits a weight, not exactq's 4.75):
 # its table-driven loads ran 1.1-1.3x faster at 1-2 rows, the steps that stream the weights (bench/results/gguf_formats)
-QKINDS = {"Q5_0": 4, "Q5_1": 4, "Q5_K": 6, "Q6_K": 7}
+QKINDS = {kind: kid for kind, kid in KINDS.items() if kind != "Q4_K"}
 SCALED8 = ("Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS")  # 8-bit kinds w = q * d per 32 (the others: fma(q, D, C) per 16)
 # IQ4_NL / IQ4_XS's sixteen 4-bit code values (gguf.quants.IQ4_NL.kvalues)
 IQ4_VALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.int8)
