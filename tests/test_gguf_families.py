@@ -32,6 +32,7 @@ Q4_K_M = {"attn": "Q4_K", "ffn": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 CASES = [(arch, "Q4_K_M") for arch in FAMILIES + OTHERS] + [("qwen2", kind) for kind in FORMATS] + \
         [("llama", "F16"), ("llama", "BF16")]
+CPP_STACK = ("llama", "qwen2")  # families lp.kernels.fused runs as its C++ layers (the others: its loop)
 TIED = ("qwen3",)  # as its small real models are; the others write an output tensor (a tied random model repeats its input token: a weak check)
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
 
@@ -56,6 +57,7 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     from lp.config import DecodingConfig
     from lp.engine.decoder import LookaheadDecoder
     from lp.kernels.exact4 import BlockHead, Exact4Linear, extension
+    from lp.kernels.fused import FusedDecoder
     from lp.model.gguf import KEPT
     from lp.model.loader import load_model
     from lp.model.runner import ModelRunner
@@ -107,6 +109,8 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
         assert runner.fused is None and type(ref.model.layers[0]).__name__ in runner.fused_why
     elif kept and extension().avx512():
         assert runner.fused is not None, runner.fused_why  # lp's own stack (C++ or its layer loop), bit-equal
+        if arch in CPP_STACK:  # its C++ layers, whatever the mix of kernel kinds, with q/k/v biases
+            assert isinstance(runner.fused, FusedDecoder), runner.fused
     eos = ref.generation_config.eos_token_id  # generate stops there: lp too
     out = LookaheadDecoder(runner, DecodingConfig(max_new_tokens=32)).generate(ids, eos_token_ids=eos).output_ids
     assert_equal_or_tie(ref, ids, out, ref_tokens, what=f"{arch} {fmt}")
@@ -114,6 +118,8 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
         prompts = [ids, ids[5:], ids[:9] * 2]
         for prompt, got in zip(prompts, batch_outputs(runner, DecodingConfig(max_new_tokens=16), prompts, eos)):
             assert_equal_or_tie(ref, prompt, got, hf_greedy(ref, prompt, 16), what=f"{arch} {fmt} batched")
+        if arch in CPP_STACK and extension().avx512():  # as one decoder_paged call a step
+            assert runner.fused.paged_calls > 0
 
     dense, _ = load_model(file, "auto", quant="none", tokenizer=False)
     for name, p in ref.named_parameters():

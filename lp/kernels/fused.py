@@ -1,11 +1,14 @@
-"""A Llama-style exact4 model's decoder stack in two C++ calls a layer, instead of transformers'
-module tree: the same operations on the same kernels, so the same bits, checked when built.
+"""A Llama- or Qwen2-style model's decoder stack on lp's exact kernels in two C++ calls a layer,
+instead of transformers' module tree: the same operations on the same kernels, so the same bits,
+checked when built.
 
 Contract: ``build(model)`` returns a ``FusedDecoder`` for a model whose every decoder layer is
-Llama's (``LlamaDecoderLayer``: pre-norm attention and gated-SiLU MLP, rotary embeddings, no
-biases) with its norms ``lp.kernels.exact4.FusedRMSNorm``, q/k/v one ``Exact4Linear``, gate/up one,
-o and down one each (what ``model.quant=exact4`` makes of lp's SmolLM2), on an AVX-512 build,
-with ""; else (None, the reason). Calling it takes the arguments lp's steps give the
+Llama's or Qwen2's (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``: pre-norm attention and
+gated-SiLU MLP, rotary embeddings, no sliding window; biases on q/k/v only) with its norms
+``lp.kernels.exact4.FusedRMSNorm`` and every decoder linear on one of lp's exact kernels
+(``kernel_kind``: exact4, exact8, exact8x, exact16, exactq; siblings fused into one product or
+not, each product of its own kind: a GGUF Q4_K_M file's Q4_K q/k beside its Q6_K v), on an
+AVX-512 build, with ""; else (None, the reason). Calling it takes the arguments lp's steps give the
 model's public forward (``input_ids``, ``position_ids``, ``attention_mask``, the cache as
 ``past_key_values`` or ``cache``, ``use_cache``, ``logits_to_keep``, the attention function's
 extra keywords) and returns an object whose ``logits`` are what that forward returns.
@@ -23,13 +26,16 @@ prompt and tree step and says whether every logit and cached key and value is bi
 runner keeps the fused stack only when it is (a transformers version whose layer computes
 anything differently falls back to its own forward).
 
-Other layers (``LayerLoop``, ``build``'s second choice): Llama layers the C++ stack does not take
-(8-bit blocks, biases), Qwen2, Qwen3, Gemma 3 and Phi-3 layers run as lp's own Python loop over each
+Other layers (``LayerLoop``, ``build``'s second choice): Llama and Qwen2 layers the C++ stack does
+not take (a linear off lp's kernels, a head size not a multiple of 32), Qwen3, Gemma 3 and Phi-3 layers run as lp's own Python loop over each
 layer's modules, the same ops as transformers' forward without its module plumbing, under the
 same ``agrees`` check.
 
 Why: one decode step of SmolLM2 runs ~25 small ops a layer through nn.Module calls, decorators
 and keyword plumbing; at one row that costs several ms of a ~13 ms step (bench/results/step_cost).
+On a Qwen2.5-0.5B-shaped Q4_K_M file (Q5_0, Q8_0, Q6_K linears) one row's step took 26.4 ms
+through the layer loop and 19.5-20.4 ms as decoder_paged; a Llama-3.2-1B shape (Q4_K, Q6_K) 46.5
+and 40.0 (bench/results/gguf_formats/fused_mixed.md).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-LAYERS = ("LlamaDecoderLayer",)
+LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
 
 
 @dataclass
@@ -49,13 +55,13 @@ class _Layer:
     attn: torch.nn.Module
     ln1: torch.Tensor
     eps1: float
-    qkv: torch.Tensor
-    o: torch.Tensor
     ln2: torch.Tensor
     eps2: float
-    gate_up: torch.Tensor
     inter: int
-    down: torch.Tensor
+    qkv: list  # the q/k/v products, in order: (packed weights, outputs, kernel kind, bias or None) each
+    o: tuple
+    gate_up: list  # the gate/up products, in order
+    down: tuple
 
 
 class _Out:
@@ -65,24 +71,66 @@ class _Out:
         self.logits = logits
 
 
-def _fused_parts(parts) -> object | None:
-    """The one Exact4Linear behind sibling linears ``parts`` (SharedInputParts 0, 1, ... in order)."""
-    from lp.kernels.exact4 import Exact4Linear
+def kernel_kind(lin) -> int | None:
+    """The kernel a linear module of lp.kernels runs, as lp_exact4's fused stack names it: 0 exact4,
+    1 exact8, 2 exact8x, 3 exact16 float16, 8 exact16 bfloat16, 4..7 exactq; None for any other."""
+    from lp.kernels.exact4 import Exact4Linear, Exact8Linear, Exact8xLinear, Exact16Linear
+    from lp.kernels.exactq import ExactQLinear
+
+    kinds = {Exact4Linear: 0, Exact8Linear: 1, Exact8xLinear: 2}
+    if type(lin) in kinds:
+        return kinds[type(lin)]
+    if type(lin) is Exact16Linear:
+        return 8 if lin.bf16 else 3
+    if type(lin) is ExactQLinear:
+        return lin.qkind
+    return None
+
+
+def _products(mods) -> tuple[list, list[int]] | None:
+    """(the products that compute sibling linears ``mods`` side by side, each module's width): one
+    per kernel linear, whole (a linear of its own, or SharedInputParts 0, 1, ... of one fused
+    owner, in order); None where any is not one of lp's kernel linears."""
     from lp.kernels.linears import SharedInputPart
 
-    if not all(type(p) is SharedInputPart for p in parts):
-        return None
-    owner = parts[0].fused[0]
-    if type(owner) is not Exact4Linear or len(owner.splits) != len(parts):
-        return None
-    if any(p.fused[0] is not owner or p.part != i for i, p in enumerate(parts)):
-        return None
-    return owner
+    out, widths, i = [], [], 0
+    while i < len(mods):
+        m = mods[i]
+        if type(m) is SharedInputPart:
+            owner = m.fused[0]
+            group = mods[i:i + len(owner.splits)]
+            if len(group) != len(owner.splits) or any(
+                    type(g) is not SharedInputPart or g.fused[0] is not owner or g.part != j for j, g in enumerate(group)):
+                return None
+            widths += list(owner.splits)
+            i += len(group)
+        else:
+            owner = m
+            if len(getattr(owner, "splits", ())) != 1:
+                return None
+            widths.append(owner.out_features)
+            i += 1
+        kind = kernel_kind(owner)
+        if kind is None:
+            return None
+        out.append((owner.p, owner.out_features, kind, owner.b))
+    return out, widths
+
+
+def _lists(products) -> tuple[list, list[int], list]:
+    """lp_exact4's (p, meta, b) lists of products: meta (outputs, kind, bias index or -1) each."""
+    ps, meta, bs = [], [], []
+    for p, n, kind, b in products:
+        ps.append(p)
+        meta += [n, kind, len(bs) if b is not None else -1]
+        if b is not None:
+            bs.append(b)
+    return ps, meta, bs
 
 
 def _plan(model) -> tuple[list[_Layer], str]:
     from lp.kernels import exact4
-    from lp.kernels.exact4 import Exact4Linear, FusedRMSNorm
+    from lp.kernels.exact4 import FusedRMSNorm
 
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -109,29 +157,30 @@ def _plan(model) -> tuple[list[_Layer], str]:
         attn, mlp = layer.self_attn, layer.mlp
         if any(hasattr(attn, n) for n in ("q_norm", "k_norm", "sinks")):
             return [], "attention with q/k norms or sinks"
-        qkv = _fused_parts([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = _fused_parts([mlp.gate_proj, mlp.up_proj])
+        if getattr(attn, "sliding_window", None):
+            return [], "a sliding-window attention layer"
+        qkv = _products([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = _products([mlp.gate_proj, mlp.up_proj])
+        o, down = _products([attn.o_proj]), _products([mlp.down_proj])
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if qkv is None or gate_up is None:
-            return [], "q/k/v or gate/up not one exact4 linear each"
-        if type(attn.o_proj) is not Exact4Linear or type(mlp.down_proj) is not Exact4Linear:
-            return [], "o or down not an exact4 linear"
-        if any(lin.b is not None for lin in (qkv, gate_up, attn.o_proj, mlp.down_proj)):
-            return [], "linears with biases (the fused kernels add none)"
+        if qkv is None or gate_up is None or o is None or down is None:
+            return [], "a decoder linear not on one of lp's exact kernels"
+        if any(b is not None for _, _, _, b in o[0] + down[0] + gate_up[0]):
+            return [], "o, gate, up or down with a bias (the fused stack adds q/k/v biases only)"
         if not all(type(n) is FusedRMSNorm for n in norms):
             return [], "norms not one-op RMSNorms"
         if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
             return [], f"activation {type(mlp.act_fn).__name__}"
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         d = attn.head_dim
-        if d % 32 or qkv.splits != [heads * d, kv_heads * d, kv_heads * d]:
+        if d % 32 or qkv[1] != [heads * d, kv_heads * d, kv_heads * d]:
             return [], "head size not a multiple of 32, or q/k/v widths not the heads'"
-        inter = gate_up.splits[0]
-        if gate_up.splits != [inter, inter]:
+        inter = gate_up[1][0]
+        if gate_up[1] != [inter, inter]:
             return [], "gate and up of different widths"
-        plan.append(_Layer(attn, norms[0].weight.detach(), float(norms[0].variance_epsilon), qkv.p,
-                           attn.o_proj.p, norms[1].weight.detach(), float(norms[1].variance_epsilon),
-                           gate_up.p, inter, mlp.down_proj.p))
+        plan.append(_Layer(attn, norms[0].weight.detach(), float(norms[0].variance_epsilon),
+                           norms[1].weight.detach(), float(norms[1].variance_epsilon), inter,
+                           qkv[0], o[0][0], gate_up[0], down[0][0]))
     return plan, ""
 
 
@@ -146,10 +195,13 @@ class FusedDecoder:
         self.heads = self.config.num_attention_heads
         self.kv_heads = self.config.num_key_value_heads
         self._functions = ALL_ATTENTION_FUNCTIONS
-        # decoder_paged's per-layer lists (one C++ call for the whole stack on the paged pool)
-        self._lists = ([ly.ln1 for ly in layers], [ly.eps1 for ly in layers], [ly.qkv for ly in layers],
-                       [ly.o for ly in layers], [ly.ln2 for ly in layers], [ly.eps2 for ly in layers],
-                       [ly.gate_up for ly in layers], [ly.down for ly in layers])
+        # each layer's product lists for attn_in and out_mlp, and decoder_paged's lists (one C++ call
+        # for the whole stack on the paged pool: every layer's products in order, two counts a layer)
+        self._calls = [(_lists(ly.qkv), _lists([ly.o, *ly.gate_up, ly.down])) for ly in layers]
+        every = _lists([prod for ly in layers for prod in (*ly.qkv, ly.o, *ly.gate_up, ly.down)])
+        self._lists = ([ly.ln1 for ly in layers], [ly.eps1 for ly in layers], [ly.ln2 for ly in layers],
+                       [ly.eps2 for ly in layers], *every,
+                       [c for ly in layers for c in (len(ly.qkv), len(ly.gate_up))])
         a = layers[0].attn
         inters = {ly.inter for ly in layers}
         same = (len(inters) == 1 and all(ly.attn.head_dim == a.head_dim and ly.attn.scaling == a.scaling
@@ -196,13 +248,13 @@ class FusedDecoder:
             self.paged_calls += 1
             return self._head(h, logits_to_keep)
         attention = self._attention()
-        for ly in self.layers:
+        for ly, (qkv, rest) in zip(self.layers, self._calls):
             a = ly.attn
-            q, k, v = ops.attn_in(h, ly.ln1, ly.eps1, ly.qkv, heads, kv_heads, a.head_dim, cos, sin)
+            q, k, v = ops.attn_in(h, ly.ln1, ly.eps1, *qkv, heads, kv_heads, a.head_dim, cos, sin)
             k, v = cache.update(k, v, a.layer_idx)
             out, _ = attention(a, q, k, v, attention_mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
                                use_cache=use_cache, **kwargs)
-            h = ops.out_mlp(h, out, ly.o, ly.ln2, ly.eps2, ly.gate_up, ly.inter, ly.down)
+            h = ops.out_mlp(h, out, *rest, ly.ln2, ly.eps2, ly.inter)
         return self._head(h, logits_to_keep)
 
     def _head(self, h, logits_to_keep):

@@ -713,16 +713,18 @@ torch::Tensor rms_norm(torch::Tensor x, const torch::Tensor& w, double eps) {
   return y;
 }
 
-// Llama-style decoder layers in two calls per layer (lp.kernels.fused), each the very operations of the
-// transformers module it stands for, on the same kernels, so the same bits:
-//   attn_in:  rms_norm, the fused q/k/v product (exact4), rotary embedding of q and k as torch's
-//             eager `q * cos + rotate_half(q) * sin` (two products and a sum, each rounded: the
-//             embedded-rounding intrinsics below are never contracted into a fused multiply-add);
-//             q, k, v returned as [1, H, Q, D] views of [1, Q, H, D] buffers (the strides of the
-//             module's own q and k after the rotation)
-//   out_mlp:  the attention output's product (o), the residual sum, rms_norm, the fused gate/up
-//             product, at::silu(gate) * up, the down product, the residual sum (ATen's own kernels
-//             for silu, mul and add).
+// Decoder layers of the Llama / Qwen2 shape in two calls per layer (lp.kernels.fused), each the very
+// operations of the transformers module it stands for, on the same kernels, so the same bits:
+//   attn_in:  rms_norm, the q/k/v products (one fused product, or one per group of siblings of one
+//             kernel kind, each with its bias where it has one, side by side), rotary embedding of
+//             q and k as torch's eager `q * cos + rotate_half(q) * sin` (two products and a sum,
+//             each rounded: the embedded-rounding intrinsics below are never contracted into a
+//             fused multiply-add); q, k, v returned as [1, H, Q, D] views of [1, Q, H, D] buffers
+//             (the strides of the module's own q and k after the rotation)
+//   out_mlp:  the attention output's product (o), the residual sum, rms_norm, the gate/up products,
+//             at::silu(gate) * up, the down product, the residual sum (ATen's own kernels for
+//             silu, mul and add).
+// A layer's products come as lists: p (packed weights), meta (n, kind, bias index or -1 each), b.
 #if defined(__AVX512F__)
 namespace {
 // out[d] = x[d] * c[d] + rot[d] * s[d], rot = cat(-x[D/2:], x[:D/2]); D a multiple of 32
@@ -780,11 +782,55 @@ void write_slots(at::Tensor& pool, const torch::Tensor& write, const torch::Tens
       std::memcpy(dst + (h * P + slot) * D, src + (t * heads + h) * D, sizeof(float) * D);
   }
 }
+
+// One product of a layer: y = x @ W.T on the kernel of its kind (lp.kernels.fused.KERNEL_KINDS:
+// 0 exact4, 1 exact8, 2 exact8x, 3 exact16 float16, 8 exact16 bfloat16, 4..7 exactq), then
+// `y += b` where it has a bias (the linear module's own in-place add: one rounding)
+struct Lin {
+  const at::Tensor* p;
+  int64_t n, kind;
+  const at::Tensor* b;  // nullptr: no bias
+};
+
+torch::Tensor kernel_mm(const torch::Tensor& x, const torch::Tensor& p, int64_t n, int64_t kind) {
+  switch (kind) {
+    case 0: return exact4_mm(x, p, n);
+    case 1: return exact8_mm(x, p, n);
+    case 2: return exact8x_mm(x, p, n);
+    case 3: return exact16_mm(x, p, n, false);
+    case 8: return exact16_mm(x, p, n, true);
+    default: return exactq_mm(x, p, n, kind);  // 4..7, else its error
+  }
+}
+
+// the products of one input (q | k | v, gate | up, or a single one), side by side along the outputs
+at::Tensor products(const at::Tensor& x, const Lin* lin, size_t count) {
+  std::vector<at::Tensor> ys;
+  for (size_t i = 0; i < count; ++i) {
+    at::Tensor y = kernel_mm(x, *lin[i].p, lin[i].n, lin[i].kind);
+    if (lin[i].b != nullptr) y.add_(*lin[i].b);
+    ys.push_back(std::move(y));
+  }
+  return ys.size() == 1 ? ys[0] : at::cat(ys, 1);
+}
+
+// lists p, meta (n, kind, bias index or -1 per product), b into Lin views
+std::vector<Lin> lins_of(at::TensorList p, at::IntArrayRef meta, at::TensorList b) {
+  TORCH_CHECK(meta.size() == 3 * p.size(), "fused stack: meta must hold (n, kind, bias index) per product");
+  std::vector<Lin> out;
+  for (size_t i = 0; i < p.size(); ++i) {
+    const int64_t bi = meta[3 * i + 2];
+    TORCH_CHECK(bi < static_cast<int64_t>(b.size()), "fused stack: a bias index outside the biases");
+    out.push_back({&p[i], meta[3 * i], meta[3 * i + 1], bi < 0 ? nullptr : &b[bi]});
+  }
+  return out;
+}
 }  // namespace
 
-std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, double eps, const torch::Tensor& p_qkv,
-                                   int64_t heads, int64_t kv_heads, int64_t head_dim, torch::Tensor cos,
-                                   torch::Tensor sin) {
+namespace {
+std::vector<torch::Tensor> attn_in_lins(torch::Tensor h, const torch::Tensor& ln_w, double eps, const Lin* lin,
+                                        size_t count, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                        torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1, "attn_in: h must be [1, Q, H]");
   TORCH_CHECK(head_dim % 32 == 0, "attn_in: head_dim must be a multiple of 32");
   const int64_t Q = h.size(1), D = head_dim, N = (heads + 2 * kv_heads) * D;
@@ -795,7 +841,8 @@ std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, d
   Clock clock;
   const at::Tensor x = rms_norm(h, ln_w, eps);
   clock.lap(0);
-  const at::Tensor y = exact4_mm(x.view({Q, h.size(2)}), p_qkv, N);
+  const at::Tensor y = products(x.view({Q, h.size(2)}), lin, count);
+  TORCH_CHECK(y.size(1) == N && y.is_contiguous(), "attn_in: the q/k/v products must give heads + 2 kv_heads heads");
   clock.lap(1);
   at::Tensor q = torch::empty({1, Q, heads, D}, h.options());
   at::Tensor k = torch::empty({1, Q, kv_heads, D}, h.options());
@@ -817,51 +864,77 @@ std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, d
   return {q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)};
 }
 
-torch::Tensor out_mlp(const torch::Tensor& h, const torch::Tensor& attn, const torch::Tensor& p_o,
-                      const torch::Tensor& ln_w, double eps, const torch::Tensor& p_gu, int64_t inter,
-                      const torch::Tensor& p_down) {
+// lin: o, the gate/up products (gu of them), down
+torch::Tensor out_mlp_lins(const torch::Tensor& h, const torch::Tensor& attn, const Lin* lin, size_t gu,
+                           const torch::Tensor& ln_w, double eps, int64_t inter) {
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1, "out_mlp: h must be [1, Q, H]");
   const int64_t Q = h.size(1), H = h.size(2);
   Clock clock;
   const at::Tensor a = attn.reshape({Q, -1}).contiguous();
-  const at::Tensor h1 = exact4_mm(a, p_o, H).view({1, Q, H});
+  const at::Tensor h1 = products(a, lin, 1).view({1, Q, H});
   clock.lap(5);
   add_into(h, h1);  // h1 = h + o(a): at::add's sum (alpha 1), in o's fresh buffer
   clock.lap(6);
   const at::Tensor x = rms_norm(h1, ln_w, eps);
   clock.lap(0);
-  const at::Tensor gu = exact4_mm(x.view({Q, H}), p_gu, 2 * inter);
+  const at::Tensor g = products(x.view({Q, H}), lin + 1, gu);
+  TORCH_CHECK(g.size(1) == 2 * inter, "out_mlp: the gate/up products must give 2 x inter outputs");
   clock.lap(7);
-  const at::Tensor m = at::mul(at::silu(gu.slice(1, 0, inter)), gu.slice(1, inter, 2 * inter));
+  const at::Tensor m = at::mul(at::silu(g.slice(1, 0, inter)), g.slice(1, inter, 2 * inter));
   clock.lap(8);
-  at::Tensor out = exact4_mm(m, p_down, H).view({1, Q, H});
+  at::Tensor out = products(m, lin + 1 + gu, 1).view({1, Q, H});
   clock.lap(9);
   add_into(h1, out);
   clock.lap(6);
   return out;
+}
+}  // namespace
+
+std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, double eps, at::TensorList p,
+                                   at::IntArrayRef meta, at::TensorList b, int64_t heads, int64_t kv_heads,
+                                   int64_t head_dim, torch::Tensor cos, torch::Tensor sin) {
+  const std::vector<Lin> lin = lins_of(p, meta, b);
+  TORCH_CHECK(!lin.empty(), "attn_in: no q/k/v product");
+  return attn_in_lins(h, ln_w, eps, lin.data(), lin.size(), heads, kv_heads, head_dim, cos, sin);
+}
+
+torch::Tensor out_mlp(const torch::Tensor& h, const torch::Tensor& attn, at::TensorList p, at::IntArrayRef meta,
+                      at::TensorList b, const torch::Tensor& ln_w, double eps, int64_t inter) {
+  const std::vector<Lin> lin = lins_of(p, meta, b);
+  TORCH_CHECK(lin.size() >= 3, "out_mlp: products o, gate/up (one or more), down");
+  return out_mlp_lins(h, attn, lin.data(), lin.size() - 2, ln_w, eps, inter);
 }
 
 // Every decoder layer of a batched step on the paged pool (lp.model.paged, gather=False) in one
 // call: per layer attn_in, the pool's write (index_copy_ of k and v at the step's slots, as
 // PagedCache.update), lp_attention::paged through the dispatcher (lp.kernels.attention's
 // batch_sdpa_forward: the same op, arguments and order), out_mlp. The same operations as the
-// per-layer Python loop of lp.kernels.fused, without ~4 Python calls a layer.
-torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<double> eps1, at::TensorList qkv,
-                            at::TensorList o, at::TensorList ln2, at::ArrayRef<double> eps2, at::TensorList gate_up,
-                            at::TensorList down, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+// per-layer Python loop of lp.kernels.fused, without ~4 Python calls a layer. p / meta / b: every
+// layer's products in order (its q/k/v ones, o, its gate/up ones, down); counts: per layer the
+// number of q/k/v products and of gate/up products.
+torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<double> eps1, at::TensorList ln2,
+                            at::ArrayRef<double> eps2, at::TensorList p, at::IntArrayRef meta, at::TensorList b,
+                            at::IntArrayRef counts, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
                             const torch::Tensor& cos, const torch::Tensor& sin, at::TensorList keys,
                             at::TensorList values, const torch::Tensor& write, const torch::Tensor& spans,
                             const torch::Tensor& masks, const torch::Tensor& slots, double scale, int64_t max_rows) {
   const size_t L = ln1.size();
-  TORCH_CHECK(eps1.size() == L && qkv.size() == L && o.size() == L && ln2.size() == L && eps2.size() == L &&
-                  gate_up.size() == L && down.size() == L && keys.size() == L && values.size() == L,
-              "decoder_paged: one entry per layer in every list");
+  TORCH_CHECK(eps1.size() == L && ln2.size() == L && eps2.size() == L && counts.size() == 2 * L &&
+                  keys.size() == L && values.size() == L,
+              "decoder_paged: one entry per layer in every list (two counts a layer)");
+  const std::vector<Lin> lin = lins_of(p, meta, b);
+  size_t used = 0;
+  for (size_t l = 0; l < L; ++l) used += counts[2 * l] + counts[2 * l + 1] + 2;
+  TORCH_CHECK(used == lin.size(), "decoder_paged: the counts do not match the products");
   static auto paged = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("lp_attention::paged", "")
                           .typed<at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                             at::Tensor, at::Tensor, double, bool, int64_t)>();
+  const Lin* cur = lin.data();
   for (size_t l = 0; l < L; ++l) {
-    auto qkv_l = attn_in(h, ln1[l], eps1[l], qkv[l], heads, kv_heads, head_dim, cos, sin);
+    const size_t nqkv = counts[2 * l], ngu = counts[2 * l + 1];
+    auto qkv_l = attn_in_lins(h, ln1[l], eps1[l], cur, nqkv, heads, kv_heads, head_dim, cos, sin);
+    cur += nqkv;
     at::Tensor pool_k = keys[l], pool_v = values[l];
     Clock clock;
     write_slots(pool_k, write, qkv_l[1]);
@@ -870,7 +943,8 @@ torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<do
     const at::Tensor out = paged.call(qkv_l[0], pool_k.unsqueeze(0), pool_v.unsqueeze(0), spans, masks, slots, scale,
                                       false, max_rows);
     clock.lap(4);
-    h = out_mlp(h, out, o[l], ln2[l], eps2[l], gate_up[l], inter, down[l]);
+    h = out_mlp_lins(h, out, cur, ngu, ln2[l], eps2[l], inter);
+    cur += ngu + 2;
   }
   return h;
 }
@@ -1162,12 +1236,12 @@ TORCH_LIBRARY(lp_exact4, m) {
   m.def("mm16(Tensor x, Tensor p, int n, bool bf16) -> Tensor");
   m.def("mmq(Tensor x, Tensor p, int n, int kind) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
-  m.def("attn_in(Tensor h, Tensor ln_w, float eps, Tensor p_qkv, int heads, int kv_heads, int head_dim, Tensor cos, "
-        "Tensor sin) -> Tensor[]");
-  m.def("out_mlp(Tensor h, Tensor attn, Tensor p_o, Tensor ln_w, float eps, Tensor p_gu, int inter, Tensor p_down) "
+  m.def("attn_in(Tensor h, Tensor ln_w, float eps, Tensor[] p, int[] meta, Tensor[] b, int heads, int kv_heads, "
+        "int head_dim, Tensor cos, Tensor sin) -> Tensor[]");
+  m.def("out_mlp(Tensor h, Tensor attn, Tensor[] p, int[] meta, Tensor[] b, Tensor ln_w, float eps, int inter) "
         "-> Tensor");
-  m.def("decoder_paged(Tensor h, Tensor[] ln1, float[] eps1, Tensor[] qkv, Tensor[] o, Tensor[] ln2, float[] eps2, "
-        "Tensor[] gate_up, Tensor[] down, int heads, int kv_heads, int head_dim, int inter, Tensor cos, Tensor sin, "
+  m.def("decoder_paged(Tensor h, Tensor[] ln1, float[] eps1, Tensor[] ln2, float[] eps2, Tensor[] p, int[] meta, "
+        "Tensor[] b, int[] counts, int heads, int kv_heads, int head_dim, int inter, Tensor cos, Tensor sin, "
         "Tensor(a!)[] keys, Tensor(b!)[] values, Tensor write, Tensor spans, Tensor masks, Tensor slots, float scale, "
         "int max_rows) -> Tensor");
 }
