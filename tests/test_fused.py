@@ -108,3 +108,22 @@ def test_where_it_does_not_apply(tiny_factory, q4_llama):
     assert not layers and "head size" in why  # not the C++ layers: lp's loop over the modules instead
     stack, why = fused_stack.build(narrow)
     assert isinstance(stack, fused_stack.LayerLoop) and why == ""
+
+
+def test_a_refused_cpp_stack_falls_back_to_the_layer_loop(q4_llama, monkeypatch):
+    """A C++ stack that differs from the model's forward (here: a layer's eps changed) gives way to
+    lp's loop over the layers' modules, which is still checked and kept."""
+    model = copy.deepcopy(q4_llama)
+    model.__dict__.pop("_lp_fused_agrees", None)
+    plan = fused_stack._plan
+
+    def skewed(m):
+        layers, why = plan(m)
+        layers[-1].eps2 *= 4
+        return layers, why
+
+    monkeypatch.setattr(fused_stack, "_plan", skewed)
+    runner = ModelRunner(model)
+    assert isinstance(runner.fused, fused_stack.LayerLoop), runner.fused_why
+    assert LookaheadDecoder(runner, DecodingConfig(max_new_tokens=12)).generate(REPETITIVE_PROMPT).output_ids == \
+        hf_greedy(model, REPETITIVE_PROMPT, 12)

@@ -1,10 +1,11 @@
-"""A Llama- or Qwen2-style model's decoder stack on lp's exact kernels in two C++ calls a layer,
+"""A Llama-, Qwen2- or Qwen3-style model's decoder stack on lp's exact kernels in two C++ calls a layer,
 instead of transformers' module tree: the same operations on the same kernels, so the same bits,
 checked when built.
 
 Contract: ``build(model)`` returns a ``FusedDecoder`` for a model whose every decoder layer is
-Llama's or Qwen2's (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``: pre-norm attention and
-gated-SiLU MLP, rotary embeddings, no sliding window; biases on q/k/v only) with its norms
+Llama's, Qwen2's or Qwen3's (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``:
+pre-norm attention and gated-SiLU MLP, rotary embeddings, no sliding window; biases on q/k/v only;
+Qwen3's RMSNorm of each q and k head before the rotation) with its norms
 ``lp.kernels.exact4.FusedRMSNorm`` and every decoder linear on one of lp's exact kernels
 (``kernel_kind``: exact4, exact8, exact8x, exact16, exactq; siblings fused into one product or
 not, each product of its own kind: a GGUF Q4_K_M file's Q4_K q/k beside its Q6_K v), on an
@@ -27,7 +28,7 @@ runner keeps the fused stack only when it is (a transformers version whose layer
 anything differently falls back to its own forward).
 
 Other layers (``LayerLoop``, ``build``'s second choice): Llama and Qwen2 layers the C++ stack does
-not take (a linear off lp's kernels, a head size not a multiple of 32), Qwen3, Gemma 3 and Phi-3 layers run as lp's own Python loop over each
+not take (a linear off lp's kernels, a head size not a multiple of 32), Gemma 2 / 3 and Phi-3 layers run as lp's own Python loop over each
 layer's modules, the same ops as transformers' forward without its module plumbing, under the
 same ``agrees`` check.
 
@@ -47,7 +48,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 
 
 @dataclass
@@ -62,6 +63,8 @@ class _Layer:
     o: tuple
     gate_up: list  # the gate/up products, in order
     down: tuple
+    qk_norm: tuple = ()  # Qwen3: (q norm weight, k norm weight), their eps in qk_eps
+    qk_eps: tuple = ()
 
 
 class _Out:
@@ -155,8 +158,12 @@ def _plan(model) -> tuple[list[_Layer], str]:
         if type(layer).__name__ not in LAYERS:
             return [], f"decoder layer {type(layer).__name__} (fused: {', '.join(LAYERS)})"
         attn, mlp = layer.self_attn, layer.mlp
-        if any(hasattr(attn, n) for n in ("q_norm", "k_norm", "sinks")):
-            return [], "attention with q/k norms or sinks"
+        if hasattr(attn, "sinks"):
+            return [], "attention with sinks"
+        qk = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+        if any(n is not None for n in qk) and not all(type(n) is FusedRMSNorm and tuple(n.weight.shape) == (attn.head_dim,)
+                                                       for n in qk):
+            return [], "q/k norms not one-op RMSNorms over a head"
         if getattr(attn, "sliding_window", None):
             return [], "a sliding-window attention layer"
         qkv = _products([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -180,7 +187,11 @@ def _plan(model) -> tuple[list[_Layer], str]:
             return [], "gate and up of different widths"
         plan.append(_Layer(attn, norms[0].weight.detach(), float(norms[0].variance_epsilon),
                            norms[1].weight.detach(), float(norms[1].variance_epsilon), inter,
-                           qkv[0], o[0][0], gate_up[0], down[0][0]))
+                           qkv[0], o[0][0], gate_up[0], down[0][0],
+                           tuple(n.weight.detach() for n in qk) if qk[0] is not None else (),
+                           tuple(float(n.variance_epsilon) for n in qk) if qk[0] is not None else ()))
+    if len({bool(ly.qk_norm) for ly in plan}) > 1:
+        return [], "q/k norms on some layers only"
     return plan, ""
 
 
@@ -197,11 +208,13 @@ class FusedDecoder:
         self._functions = ALL_ATTENTION_FUNCTIONS
         # each layer's product lists for attn_in and out_mlp, and decoder_paged's lists (one C++ call
         # for the whole stack on the paged pool: every layer's products in order, two counts a layer)
-        self._calls = [(_lists(ly.qkv), _lists([ly.o, *ly.gate_up, ly.down])) for ly in layers]
+        self._calls = [((*_lists(ly.qkv),), (*_lists([ly.o, *ly.gate_up, ly.down]),), (list(ly.qk_norm), list(ly.qk_eps)))
+                       for ly in layers]
         every = _lists([prod for ly in layers for prod in (*ly.qkv, ly.o, *ly.gate_up, ly.down)])
         self._lists = ([ly.ln1 for ly in layers], [ly.eps1 for ly in layers], [ly.ln2 for ly in layers],
                        [ly.eps2 for ly in layers], *every,
-                       [c for ly in layers for c in (len(ly.qkv), len(ly.gate_up))])
+                       [c for ly in layers for c in (len(ly.qkv), len(ly.gate_up))],
+                       [w for ly in layers for w in ly.qk_norm], [e for ly in layers for e in ly.qk_eps])
         a = layers[0].attn
         inters = {ly.inter for ly in layers}
         same = (len(inters) == 1 and all(ly.attn.head_dim == a.head_dim and ly.attn.scaling == a.scaling
@@ -248,9 +261,9 @@ class FusedDecoder:
             self.paged_calls += 1
             return self._head(h, logits_to_keep)
         attention = self._attention()
-        for ly, (qkv, rest) in zip(self.layers, self._calls):
+        for ly, (qkv, rest, qk) in zip(self.layers, self._calls):
             a = ly.attn
-            q, k, v = ops.attn_in(h, ly.ln1, ly.eps1, *qkv, heads, kv_heads, a.head_dim, cos, sin)
+            q, k, v = ops.attn_in(h, ly.ln1, ly.eps1, *qkv, heads, kv_heads, a.head_dim, cos, sin, *qk)
             k, v = cache.update(k, v, a.layer_idx)
             out, _ = attention(a, q, k, v, attention_mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
                                use_cache=use_cache, **kwargs)
@@ -463,16 +476,24 @@ class LayerLoop:
         return _Out(logits)
 
 
+def candidates(model) -> tuple[list, str]:
+    """(the stacks that fit the model, best first: the fused C++ stack where every layer fits, lp's
+    loop over the layers' modules where that does; why the C++ stack does not fit, or "")."""
+    stacks = []
+    layers, why = _plan(model)
+    if layers:
+        stacks.append(FusedDecoder(model, layers))
+    loop, why_not = _loop_plan(model)
+    if loop:
+        stacks.append(LayerLoop(model, loop))
+    return stacks, why if layers or loop else f"{why}; and not lp's layer loop: {why_not}"
+
+
 def build(model) -> tuple[FusedDecoder | LayerLoop | None, str]:
     """(the fused stack, "") where every layer fits, else lp's loop over the layers' modules where
     that fits, else (None, why neither does)."""
-    layers, why = _plan(model)
-    if layers:
-        return FusedDecoder(model, layers), ""
-    loop, why_not = _loop_plan(model)
-    if loop:
-        return LayerLoop(model, loop), ""
-    return None, f"{why}; and not lp's layer loop: {why_not}"
+    stacks, why = candidates(model)
+    return (stacks[0], "") if stacks else (None, why)
 
 
 @torch.inference_mode()

@@ -284,17 +284,23 @@ class ModelRunner:
             from lp.kernels import fused as fused_stack
             from lp.model.kv import PackedCache
 
-            stack, self.fused_why = fused_stack.build(model)
-            if stack is not None:
-                # the check's verdict, kept on the model per attention and head (a second runner over
-                # the same model, as tests and benches build, skips its two forwards)
+            stacks, self.fused_why = fused_stack.candidates(model)
+            refused = []
+            for stack in stacks:  # the first that is bit-equal to the model's forward (C++ layers, else the loop)
+                # the check's verdict, kept on the model per stack, attention and head (a second runner
+                # over the same model, as tests and benches build, skips its two forwards)
                 seen = model.__dict__.setdefault("_lp_fused_agrees", {})
-                key = (self.attention, type(model.get_output_embeddings()).__name__)
+                key = (type(stack).__name__, self.attention, type(model.get_output_embeddings()).__name__)
                 if key not in seen:
                     seen[key] = fused_stack.agrees(model, stack, self._check_run, lambda: PackedCache(16))
                 if seen[key]:
                     self.fused, self.fused_why = stack, ""
-                else:
+                    break
+                refused.append(type(stack).__name__)
+            if refused:
+                log.info("decoder stack: %s refused: its logits differ from the model's own forward in this "
+                         "transformers version", ", ".join(refused))
+                if self.fused is None:
                     self.fused_why = "its logits differ from the model's own forward in this transformers version"
         if fused == "on" and self.fused is None:
             raise ValueError(f"model.fused=on: this model cannot run fused steps ({self.fused_why}); use auto or off")

@@ -713,10 +713,11 @@ torch::Tensor rms_norm(torch::Tensor x, const torch::Tensor& w, double eps) {
   return y;
 }
 
-// Decoder layers of the Llama / Qwen2 shape in two calls per layer (lp.kernels.fused), each the very
+// Decoder layers of the Llama / Qwen2 / Qwen3 shape in two calls per layer (lp.kernels.fused), each the very
 // operations of the transformers module it stands for, on the same kernels, so the same bits:
 //   attn_in:  rms_norm, the q/k/v products (one fused product, or one per group of siblings of one
-//             kernel kind, each with its bias where it has one, side by side), rotary embedding of
+//             kernel kind, each with its bias where it has one, side by side), Qwen3's q and k norms
+//             (rms_norm over each head), rotary embedding of
 //             q and k as torch's eager `q * cos + rotate_half(q) * sin` (two products and a sum,
 //             each rounded: the embedded-rounding intrinsics below are never contracted into a
 //             fused multiply-add); q, k, v returned as [1, H, Q, D] views of [1, Q, H, D] buffers
@@ -828,9 +829,11 @@ std::vector<Lin> lins_of(at::TensorList p, at::IntArrayRef meta, at::TensorList 
 }  // namespace
 
 namespace {
+// qn, kn: Qwen3's q and k norms (RMSNorm over each head's D values, before the rotation), or nullptr
 std::vector<torch::Tensor> attn_in_lins(torch::Tensor h, const torch::Tensor& ln_w, double eps, const Lin* lin,
                                         size_t count, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                        torch::Tensor cos, torch::Tensor sin) {
+                                        torch::Tensor cos, torch::Tensor sin, const at::Tensor* qn,
+                                        const at::Tensor* kn, double q_eps, double k_eps) {
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1, "attn_in: h must be [1, Q, H]");
   TORCH_CHECK(head_dim % 32 == 0, "attn_in: head_dim must be a multiple of 32");
   const int64_t Q = h.size(1), D = head_dim, N = (heads + 2 * kv_heads) * D;
@@ -844,6 +847,17 @@ std::vector<torch::Tensor> attn_in_lins(torch::Tensor h, const torch::Tensor& ln
   const at::Tensor y = products(x.view({Q, h.size(2)}), lin, count);
   TORCH_CHECK(y.size(1) == N && y.is_contiguous(), "attn_in: the q/k/v products must give heads + 2 kv_heads heads");
   clock.lap(1);
+  // rows the rotation reads: head i of token t at src + t * stride + i * D
+  const float* q_src = y.data_ptr<float>();
+  const float* k_src = q_src + heads * D;
+  int64_t q_stride = N, k_stride = N;
+  at::Tensor qy, ky;
+  if (qn != nullptr) {
+    qy = rms_norm(y.slice(1, 0, heads * D).reshape({Q, heads, D}), *qn, q_eps);
+    ky = rms_norm(y.slice(1, heads * D, (heads + kv_heads) * D).reshape({Q, kv_heads, D}), *kn, k_eps);
+    q_src = qy.data_ptr<float>(), q_stride = heads * D;
+    k_src = ky.data_ptr<float>(), k_stride = kv_heads * D;
+  }
   at::Tensor q = torch::empty({1, Q, heads, D}, h.options());
   at::Tensor k = torch::empty({1, Q, kv_heads, D}, h.options());
   at::Tensor v = torch::empty({1, Q, kv_heads, D}, h.options());
@@ -855,9 +869,10 @@ std::vector<torch::Tensor> attn_in_lins(torch::Tensor h, const torch::Tensor& ln
   float* vp = v.data_ptr<float>();
   for (int64_t t = 0; t < Q; ++t) {
     const float* row = yp + t * N;
-    for (int64_t i = 0; i < heads; ++i) rope_row(row + i * D, cp + t * D, sp + t * D, qp + (t * heads + i) * D, D);
+    for (int64_t i = 0; i < heads; ++i)
+      rope_row(q_src + t * q_stride + i * D, cp + t * D, sp + t * D, qp + (t * heads + i) * D, D);
     for (int64_t i = 0; i < kv_heads; ++i)
-      rope_row(row + (heads + i) * D, cp + t * D, sp + t * D, kp + (t * kv_heads + i) * D, D);
+      rope_row(k_src + t * k_stride + i * D, cp + t * D, sp + t * D, kp + (t * kv_heads + i) * D, D);
     std::memcpy(vp + t * kv_heads * D, row + (heads + kv_heads) * D, sizeof(float) * kv_heads * D);
   }
   clock.lap(2);
@@ -892,10 +907,16 @@ torch::Tensor out_mlp_lins(const torch::Tensor& h, const torch::Tensor& attn, co
 
 std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, double eps, at::TensorList p,
                                    at::IntArrayRef meta, at::TensorList b, int64_t heads, int64_t kv_heads,
-                                   int64_t head_dim, torch::Tensor cos, torch::Tensor sin) {
+                                   int64_t head_dim, torch::Tensor cos, torch::Tensor sin, at::TensorList qk_norm,
+                                   at::ArrayRef<double> qk_eps) {
   const std::vector<Lin> lin = lins_of(p, meta, b);
   TORCH_CHECK(!lin.empty(), "attn_in: no q/k/v product");
-  return attn_in_lins(h, ln_w, eps, lin.data(), lin.size(), heads, kv_heads, head_dim, cos, sin);
+  TORCH_CHECK((qk_norm.empty() && qk_eps.empty()) || (qk_norm.size() == 2 && qk_eps.size() == 2),
+              "attn_in: qk_norm and qk_eps hold the q and k norms' (or nothing)");
+  const bool norms = !qk_norm.empty();
+  return attn_in_lins(h, ln_w, eps, lin.data(), lin.size(), heads, kv_heads, head_dim, cos, sin,
+                      norms ? &qk_norm[0] : nullptr, norms ? &qk_norm[1] : nullptr, norms ? qk_eps[0] : 0.0,
+                      norms ? qk_eps[1] : 0.0);
 }
 
 torch::Tensor out_mlp(const torch::Tensor& h, const torch::Tensor& attn, at::TensorList p, at::IntArrayRef meta,
@@ -914,7 +935,8 @@ torch::Tensor out_mlp(const torch::Tensor& h, const torch::Tensor& attn, at::Ten
 // number of q/k/v products and of gate/up products.
 torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<double> eps1, at::TensorList ln2,
                             at::ArrayRef<double> eps2, at::TensorList p, at::IntArrayRef meta, at::TensorList b,
-                            at::IntArrayRef counts, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+                            at::IntArrayRef counts, at::TensorList qk_norm, at::ArrayRef<double> qk_eps,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
                             const torch::Tensor& cos, const torch::Tensor& sin, at::TensorList keys,
                             at::TensorList values, const torch::Tensor& write, const torch::Tensor& spans,
                             const torch::Tensor& masks, const torch::Tensor& slots, double scale, int64_t max_rows) {
@@ -922,6 +944,9 @@ torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<do
   TORCH_CHECK(eps1.size() == L && ln2.size() == L && eps2.size() == L && counts.size() == 2 * L &&
                   keys.size() == L && values.size() == L,
               "decoder_paged: one entry per layer in every list (two counts a layer)");
+  TORCH_CHECK((qk_norm.empty() && qk_eps.empty()) || (qk_norm.size() == 2 * L && qk_eps.size() == 2 * L),
+              "decoder_paged: qk_norm and qk_eps hold two a layer (or nothing)");
+  const bool norms = !qk_norm.empty();
   const std::vector<Lin> lin = lins_of(p, meta, b);
   size_t used = 0;
   for (size_t l = 0; l < L; ++l) used += counts[2 * l] + counts[2 * l + 1] + 2;
@@ -933,7 +958,9 @@ torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<do
   const Lin* cur = lin.data();
   for (size_t l = 0; l < L; ++l) {
     const size_t nqkv = counts[2 * l], ngu = counts[2 * l + 1];
-    auto qkv_l = attn_in_lins(h, ln1[l], eps1[l], cur, nqkv, heads, kv_heads, head_dim, cos, sin);
+    auto qkv_l = attn_in_lins(h, ln1[l], eps1[l], cur, nqkv, heads, kv_heads, head_dim, cos, sin,
+                              norms ? &qk_norm[2 * l] : nullptr, norms ? &qk_norm[2 * l + 1] : nullptr,
+                              norms ? qk_eps[2 * l] : 0.0, norms ? qk_eps[2 * l + 1] : 0.0);
     cur += nqkv;
     at::Tensor pool_k = keys[l], pool_v = values[l];
     Clock clock;
@@ -1237,11 +1264,11 @@ TORCH_LIBRARY(lp_exact4, m) {
   m.def("mmq(Tensor x, Tensor p, int n, int kind) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("attn_in(Tensor h, Tensor ln_w, float eps, Tensor[] p, int[] meta, Tensor[] b, int heads, int kv_heads, "
-        "int head_dim, Tensor cos, Tensor sin) -> Tensor[]");
+        "int head_dim, Tensor cos, Tensor sin, Tensor[] qk_norm, float[] qk_eps) -> Tensor[]");
   m.def("out_mlp(Tensor h, Tensor attn, Tensor[] p, int[] meta, Tensor[] b, Tensor ln_w, float eps, int inter) "
         "-> Tensor");
   m.def("decoder_paged(Tensor h, Tensor[] ln1, float[] eps1, Tensor[] ln2, float[] eps2, Tensor[] p, int[] meta, "
-        "Tensor[] b, int[] counts, int heads, int kv_heads, int head_dim, int inter, Tensor cos, Tensor sin, "
+        "Tensor[] b, int[] counts, Tensor[] qk_norm, float[] qk_eps, int heads, int kv_heads, int head_dim, int inter, Tensor cos, Tensor sin, "
         "Tensor(a!)[] keys, Tensor(b!)[] values, Tensor write, Tensor spans, Tensor masks, Tensor slots, float scale, "
         "int max_rows) -> Tensor");
 }
