@@ -8,7 +8,8 @@ lp.model.gguf.blocksq_of and packed by packq:
 * the kernel's rows: any number of rows (1-20, every tile shape) gives each row the bits it gets
   alone; the product is the float64 product of those weights up to float32 summation;
 * the packed bytes are within 7% of the file's for every kind but Q5_0 / Q5_1 (their float32
-  scale and offset per 32: 7 bits a weight against 5.5 / 6).
+  scale and offset per 32: 7 bits a weight against 5.5 / 6) and Q6_K as bytes (kind 8: 8.6 bits
+  against 6.56), which also gives back a row's weights (``rows8``: a Q6_K embedding's lookup).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 from tests.gguf_tiny import random_blocks
 
 KINDS = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# (format, exactq kind): Q6_K both as a nibble and two bit planes (7) and as bytes (8: what it runs on)
+CASES = [(kind, None) for kind in KINDS] + [("Q6_K", 7)]
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +32,15 @@ def ext():
     return extension()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_exactq_is_dequantize_bit_for_bit_and_rows_alone(kind, ext):
+@pytest.mark.parametrize("kind,kid", CASES, ids=[f"{k}-{i}" if i else k for k, i in CASES])
+def test_exactq_is_dequantize_bit_for_bit_and_rows_alone(kind, kid, ext):
     import gguf
 
     from lp.kernels.exactq import KINDS as IDS
-    from lp.kernels.exactq import mmq, packq, widenq
+    from lp.kernels.exactq import mmq, packq, rows8, widenq
     from lp.model.gguf import blocksq_of
+
+    IDS = {**IDS, kind: kid or IDS[kind]}
 
     rng = np.random.default_rng(7)
     for n, k in ((13, 512), (40, 768)):  # 13: a padded group of outputs
@@ -48,6 +53,9 @@ def test_exactq_is_dequantize_bit_for_bit_and_rows_alone(kind, ext):
         p = packq(IDS[kind], parts)
         unit = torch.eye(k)[:: max(1, k // 97)]
         assert torch.equal(mmq(unit, p, n, IDS[kind]), w[:, :: max(1, k // 97)].t())
+        if IDS[kind] == 8:  # a Q6_K embedding's rows, read back from the packed entries
+            ids = torch.tensor([[0, n - 1], [5, 5], [n // 2, 1]])
+            assert torch.equal(rows8(p, ids, k).view(torch.int32), w[ids].view(torch.int32))
         x = torch.randn(20, k, generator=torch.Generator().manual_seed(n))
         alone = torch.cat([mmq(x[i:i + 1], p, n, IDS[kind]) for i in range(20)])
         for m in (2, 3, 5, 8, 9, 20):
@@ -56,7 +64,7 @@ def test_exactq_is_dequantize_bit_for_bit_and_rows_alone(kind, ext):
         file_bytes = raw.size
         if n % 8 == 0:
             ratio = p.numel() / file_bytes
-            assert ratio < (1.3 if kind in ("Q5_0", "Q5_1") else 1.07), (kind, ratio)
+            assert ratio < (1.35 if IDS[kind] == 8 else 1.3 if kind in ("Q5_0", "Q5_1") else 1.07), (kind, ratio)
 
 
 def test_exactq_linear_takes_siblings_of_one_kind_only(ext):

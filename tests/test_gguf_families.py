@@ -88,6 +88,11 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
             emb = model.get_input_embeddings()
             every = torch.arange(emb.num_embeddings)
             assert torch.equal(emb(every), ref.get_input_embeddings().weight)
+        if fmt == "Q6_K":  # embedding and head held as exactq's kind 8, rows widened bit for bit
+            head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+            assert head.qkind == 8 and all(m.qkind == 8 for m in kernels)
+            every = torch.arange(emb.num_embeddings)
+            assert torch.equal(emb(every), ref.get_input_embeddings().weight)
         if arch == "qwen2":
             assert all(m.b is not None for m in kernels if len(m.splits) == 3)  # q/k/v biases on the kernel
     elif not kept:

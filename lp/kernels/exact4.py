@@ -630,7 +630,9 @@ def packed_rows(p: torch.Tensor, ids: torch.Tensor, k: int, offsets: bool) -> to
 def eight_bit(parts: tuple) -> tuple:
     """A file tensor's blocks as 8-bit ones: (q, d) and (q, d, c) 8-bit parts as they are; exact4's
     (q nibbles, d, c per 32) as (q int8, d, c per 16), the same fma(q, d, c) per weight."""
-    if parts[0].dtype == torch.int8 or len(parts) == 1:  # 8-bit parts, or a 16-bit tensor (w16,)
+    from lp.kernels.exactq import QParts
+
+    if isinstance(parts, QParts) or parts[0].dtype == torch.int8 or len(parts) == 1:  # 8-bit or exactq parts, or (w16,)
         return parts
     q, d, c = parts
     n = q.shape[0]
@@ -646,6 +648,17 @@ class BlockHead(nn.Module):
 
     def __init__(self, parts: tuple, screen: bool = True):
         super().__init__()
+        from lp.kernels.exactq import QParts, mmq, packq
+
+        self.qkind = None
+        if isinstance(parts, QParts):  # a Q6_K tensor: lp.kernels.exactq's kind 8, 1.08 bytes a weight
+            self.qkind, qparts = parts
+            assert self.qkind == 8, self.qkind
+            self.out_features, self.in_features = qparts[0].shape
+            self.offsets, self.bits, self.h8 = True, 8, None
+            self.register_buffer("p", packq(self.qkind, qparts))
+            self.kernel = lambda x_MK, p, n: mmq(x_MK, p, n, 8)
+            return
         q = parts[0]
         self.out_features, self.in_features = q.shape
         self.offsets = len(parts) == 3
@@ -674,6 +687,10 @@ class BlockHead(nn.Module):
         return y_MN.to(dtype).reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qkind is not None:
+            from lp.kernels.exactq import rows8
+
+            return rows8(self.p, ids, self.in_features)
         if self.bits == 16:  # [groups, blocks, 8 outputs, 32 weights] of 2 bytes: row n = (n // 8, :, n % 8, :)
             flat = ids.reshape(-1).long()
             p16 = self.p.view(torch.int16).view(self.p.shape[0], self.p.shape[1], 8, BLOCK)
@@ -684,6 +701,8 @@ class BlockHead(nn.Module):
     def extra_repr(self) -> str:
         if self.bits == 16:
             return f"in_features={self.in_features}, out_features={self.out_features}, {self.dtype16} weights"
+        if self.qkind is not None:
+            return f"in_features={self.in_features}, out_features={self.out_features}, GGUF codes (kind {self.qkind})"
         return (f"in_features={self.in_features}, out_features={self.out_features}, exact 8-bit blocks"
                 f"{' with offsets' if self.offsets else ''}{', int8 greedy screen' if self.h8 and self.h8.screen else ''}")
 

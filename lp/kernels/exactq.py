@@ -8,17 +8,23 @@ output rows, K inputs, B = K / 32 blocks, S = K / 256 super-blocks, q the unsign
 
 * kind 4, Q5_0 / Q5_1: (q uint8 [N, K], D, C float32 [N, B]): w = fma(q, D, C);
 * kind 5 / 6, Q4_K / Q5_K: (q, sc, mn uint8 [N, B], d, nm float32 [N, S]): w = fma(q, d sc, nm mn);
-* kind 7, Q6_K: (q, sc int8 [N, 2 B], d float32 [N, S]): w = (q - 32) (d sc), a scale per 16.
+* kind 7, Q6_K: (q, sc int8 [N, 2 B], d float32 [N, S]): w = (q - 32) (d sc), a scale per 16;
+* kind 8, Q6_K as bytes: kind 7's parts and weights, q - 32 packed as an int8 a weight (what Q6_K
+  runs on: ``KINDS``).
 
 ``packq(kind, parts)`` lays them out for ``mmq``: per group of 8 outputs and super-block, the
 codes as the file holds them (a nibble and 1-2 bit planes a weight, the 6- or 8-bit scale codes,
 the super-block's float32 scales once): Q4_K 4.75 bits a weight (file 4.5), Q5_K 5.75 (5.5), Q6_K
-6.625 (6.5625), Q5_0 / Q5_1 7 (5.5 / 6), against 6 to 12 in lp's 4- and 8-bit kinds. The kernel's
+6.625 (6.5625; kind 8: 8.625), Q5_0 / Q5_1 7 (5.5 / 6), against 6 to 12 in lp's 4- and 8-bit kinds. The kernel's
 tiles, chains and summation order are the other kinds': a row's result depends on that row only.
 
 Why: a Q4_K_M file's Q6_K and Q5_0 tensors held at 9-12 bits a weight made lp hold 1.3-1.8x the
 file. Fewer bytes do not make a one-row product faster here (it is bound by instructions, not by
-memory: bench/results/gguf_formats/exactq_kernels.md); Q4_K stays exact4 for that reason.
+memory: bench/results/gguf_formats/exactq_kernels.md); Q4_K stays exact4 for that reason, and Q6_K
+runs as kind 8, whose bytes decode as exact8's do: at 1-2 rows 0.67-0.75 ms against kind 7's
+0.94-1.01 and exact8x's 0.80-0.92 on a [4864, 2048] matrix, as fast or faster at 4-16 rows, in 1.08
+bytes a weight (kind 7: 0.83, exact8x: 1.5). A Q6_K embedding / LM head (Llama 3.2's, Qwen3's) is
+held as kind 8 too (``QHead``), not as exact8x.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from torch import nn
 
 from lp.kernels.exact4 import Exact4Linear, _unit_rows, extension
 
-KINDS = {"Q5_0": 4, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
-HI = {4: 1, 5: 0, 6: 1, 7: 2}  # bit planes above the nibble
+KINDS = {"Q5_0": 4, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 8}
+HI = {4: 1, 5: 0, 6: 1, 7: 2, 8: 0}  # bit planes above the nibble (8: none, the codes are bytes)
 GROUP, BLOCK = 8, 32
 
 
@@ -77,13 +83,16 @@ def packq(kind: int, parts: tuple) -> torch.Tensor:
         return t.view(torch.uint8).reshape(g, s, supers, -1)
 
     q_NB32 = q.reshape(n, b, BLOCK)
-    nib = (q_NB32[..., :16] & 0x0F) | ((q_NB32[..., 16:] & 0x0F) << 4)
-    pieces = [per_block(nib)]
+    if kind == 8:  # q - 32 as int8, one a weight
+        pieces = [per_block((q_NB32.to(torch.int16) - 32).to(torch.int8))]
+    else:
+        nib = (q_NB32[..., :16] & 0x0F) | ((q_NB32[..., 16:] & 0x0F) << 4)
+        pieces = [per_block(nib)]
     bits = (1 << torch.arange(BLOCK, dtype=torch.int64))
     for p in range(HI[kind]):
         word = (((q_NB32.to(torch.int64) >> (4 + p)) & 1) * bits).sum(-1).to(torch.int32)
         pieces.append(per_block(word.unsqueeze(-1)))
-    if kind != 7:  # (D, C) float32 or (sc, mn) codes per block
+    if kind not in (7, 8):  # (D, C) float32 or (sc, mn) codes per block
         pieces += [per_block(parts[1].unsqueeze(-1)), per_block(parts[2].unsqueeze(-1))]
     else:  # the scale of weights 0-15 of every output, then of 16-31
         sc = parts[1].reshape(n, b, 2)
@@ -128,3 +137,27 @@ class ExactQLinear(Exact4Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr().replace(f"exact {self.bits}-bit weights", f"GGUF codes (kind {self.qkind})")
+
+
+class QParts(tuple):
+    """(kind, parts): a GGUF file's embedding or head tensor read as exactq parts (lp.model.gguf)."""
+
+    def __new__(cls, kind: int, parts: tuple):
+        return super().__new__(cls, (kind, parts))
+
+
+def rows8(p: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The float32 weight rows ``ids`` of a kind-8 packed tensor (``packq(8, ...)``), read from its
+    entries with the kernel's arithmetic ((q - 32) times the exact d * sc): [*ids.shape, k]."""
+    supers, head, block_bytes, _ = extension().layoutq(8)
+    flat = ids.reshape(-1).long()
+    n, s = flat.shape[0], p.shape[1]
+    entry = p[flat // GROUP]  # [n, S, entry bytes]
+    j = (flat % GROUP)[:, None, None]
+    d = torch.gather(entry, 2, (4 * j + torch.arange(4)[None, None, :]).expand(n, s, 4)).contiguous().view(torch.float32)
+    blocks = entry[:, :, head:].reshape(n, s, supers, block_bytes)
+    jb = j[..., None]
+    codes = torch.gather(blocks, 3, (jb * BLOCK + torch.arange(BLOCK)).expand(n, s, supers, BLOCK)).view(torch.int8)
+    sc = torch.gather(blocks, 3, (GROUP * BLOCK + jb + torch.tensor([0, GROUP])).expand(n, s, supers, 2)).view(torch.int8)
+    D = (d[..., None] * sc.float()).repeat_interleave(16, dim=3)  # [n, S, supers, 32]: d * sc, exact
+    return (codes.float() * D).reshape(*ids.shape, k)

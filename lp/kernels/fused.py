@@ -76,7 +76,7 @@ class _Out:
 
 def kernel_kind(lin) -> int | None:
     """The kernel a linear module of lp.kernels runs, as lp_exact4's fused stack names it: 0 exact4,
-    1 exact8, 2 exact8x, 3 exact16 float16, 8 exact16 bfloat16, 4..7 exactq; None for any other."""
+    1 exact8, 2 exact8x, 3 exact16 float16, 16 exact16 bfloat16, 4..8 exactq; None for any other."""
     from lp.kernels.exact4 import Exact4Linear, Exact8Linear, Exact8xLinear, Exact16Linear
     from lp.kernels.exactq import ExactQLinear
 
@@ -84,7 +84,7 @@ def kernel_kind(lin) -> int | None:
     if type(lin) in kinds:
         return kinds[type(lin)]
     if type(lin) is Exact16Linear:
-        return 8 if lin.bf16 else 3
+        return 16 if lin.bf16 else 3
     if type(lin) is ExactQLinear:
         return lin.qkind
     return None

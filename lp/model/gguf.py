@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lp.kernels.exactq import KINDS
+from lp.kernels.exactq import KINDS, QParts
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ KEPT = {"Q4_0": (18, 32, 4), "Q4_1": (20, 32, 4), "Q4_K": (144, SUPER, 4), "Q8_0
 # held as the file codes them (lp.kernels.exactq); Q4_K stays exact4 (6 bits a weight, not exactq's 4.75):
 # its table-driven loads ran 1.1-1.3x faster at 1-2 rows, the steps that stream the weights (bench/results/gguf_formats)
 QKINDS = {kind: kid for kind, kid in KINDS.items() if kind != "Q4_K"}
+QHEAD = ("Q6_K",)  # embedding / head formats held as exactq parts (kind 8: lp.kernels.exact4.BlockHead)
 SCALED8 = ("Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS")  # 8-bit kinds w = q * d per 32 (the others: fma(q, D, C) per 16)
 # IQ4_NL / IQ4_XS's sixteen 4-bit code values (gguf.quants.IQ4_NL.kvalues)
 IQ4_VALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.int8)
@@ -499,7 +500,8 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
             n, k = ends[hf].weight.shape
             size, per, bits = KEPT[kind]
             if k % per == 0 and t.data.size == n * k // per * size:
-                file_blocks[hf] = _read_blocks(t.data, kind, n, k, bits)
+                file_blocks[hf] = (QParts(QKINDS[kind], blocksq_of(t.data, kind, n, k)) if kind in QHEAD
+                                   else _read_blocks(t.data, kind, n, k, bits))
                 kept += 1
                 continue
         if (keep and kind in KEPT and hf.endswith(".weight") and type(owner) is torch.nn.Linear
@@ -624,6 +626,7 @@ def _ends_from_blocks(model, file_blocks: dict, ends: dict, exact: bool) -> None
     ``BlockEmbedding`` / ``BlockHead`` (a tied pair sharing one packed copy), else given the float32
     weights those blocks widen to (tied again)."""
     from lp.kernels.exact4 import BlockEmbedding, BlockHead, eight_bit, widen, widen8
+    from lp.kernels.exactq import widenq
 
     if not file_blocks:
         return
@@ -633,7 +636,8 @@ def _ends_from_blocks(model, file_blocks: dict, ends: dict, exact: bool) -> None
     tied = head is not None and emb is not None and head.weight is emb.weight
     if not exact:
         for hf, parts in file_blocks.items():
-            w = parts[0].float() if len(parts) == 1 else widen8(*parts) if parts[0].dtype == torch.int8 else widen(*parts)
+            w = (widenq(*parts) if isinstance(parts, QParts) else parts[0].float() if len(parts) == 1
+                 else widen8(*parts) if parts[0].dtype == torch.int8 else widen(*parts))
             ends[hf].weight = torch.nn.Parameter(w, requires_grad=False)
         if tied:
             head.weight = emb.weight

@@ -216,9 +216,9 @@ void tile(const float* x, const uint8_t* group, float* y, int64_t K, int64_t N, 
 // each row's loads, even where their accumulators spill (2 rows: ~20% less time at 8 outputs
 // than at 4). Whatever NB, each output's sum runs in the same order: only speed depends on it.
 // set_tile overrides an entry (the benchmark).
-int g_tile[8][kRowTile + 1] = {{0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2},
+int g_tile[9][kRowTile + 1] = {{0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2},
                                {0, 8, 8, 8, 8, 4, 4, 4, 2}, {0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 4, 4, 4, 4, 2},
-                               {0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 4, 4, 4, 4, 2}};
+                               {0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 4, 4, 4, 4, 2}, {0, 8, 8, 8, 8, 4, 4, 4, 2}};
 
 // every row tile over one group, the group's chunks read from memory once (prefetched on the
 // first pass, in L1 for the others)
@@ -371,21 +371,25 @@ struct Weights16 {
 //   MODE 0 (Q5_0, Q5_1): w = fma(q, D, C), D and C float32 per 32 (Q5_0: C = -16 D; Q5_1: d, m);
 //   MODE 1 (Q4_K, Q5_K): w = fma(q, d * sc, nm * mn), d and nm = -dmin float32 per 256, the 6-bit
 //     sc and mn per 32 (d * sc and nm * mn exact: 11 x 6 bits);
-//   MODE 2 (Q6_K): w = (q - 32) * (d * sc), d float32 per 256, sc int8 per 16 (d * sc exact).
+//   MODE 2 (Q6_K): w = (q - 32) * (d * sc), d float32 per 256, sc int8 per 16 (d * sc exact);
+//   MODE 3 (Q6_K as bytes, HI 0): MODE 2's weights with q - 32 held as an int8 a weight (byte l of a
+//     block: weight l) instead of a nibble and two planes: 8.6 bits a weight, decoded as exact8's.
 // In each, the float32 product or fma rounds once, as gguf.dequantize's one rounding does (q * D is
 // exact in every case), so the weights are bit for bit transformers' float32 ones.
 // Entry of the packed tensor (group of 8 outputs, kSuper blocks): a header (MODE 1: d[8], nm[8];
-// MODE 2: d[8]; MODE 0: none), then per block 8 x 16 nibble bytes, HI x 8 plane words, the scales
-// (MODE 0: D[8], C[8] float32; MODE 1: sc[8], mn[8] uint8; MODE 2: sc[8] (lanes 0-15), sc[8] (16-31)).
+// MODE 2, 3: d[8]; MODE 0: none), then per block 8 x 16 nibble bytes (MODE 3: 8 x 32 int8 codes), HI x
+// 8 plane words, the scales (MODE 0: D[8], C[8] float32; MODE 1: sc[8], mn[8] uint8; MODE 2, 3: sc[8]
+// (lanes 0-15), sc[8] (16-31)).
 template <int HI, int MODE>
 struct WeightsQ {
   static constexpr int64_t kSuper = MODE == 0 ? 1 : 8;
   static constexpr int64_t kHead = MODE == 0 ? 0 : (MODE == 1 ? 2 * kGroup * 4 : kGroup * 4);
   static constexpr int64_t kScales = MODE == 0 ? 2 * kGroup * 4 : 2 * kGroup;
-  static constexpr int64_t kBlockBytes = kGroup * 16 + HI * kGroup * 4 + kScales;
+  static constexpr int64_t kCodes = MODE == 3 ? kGroup * 32 : kGroup * 16 + HI * kGroup * 4;  // before the scales
+  static constexpr int64_t kBlockBytes = kCodes + kScales;
   static constexpr int64_t kBytes = kHead + kSuper * kBlockBytes;
-  static constexpr int kKind = MODE == 0 ? 4 : (MODE == 1 ? 5 + HI : 7);  // 4 Q5_0/1, 5 Q4_K, 6 Q5_K, 7 Q6_K
-  static_assert(HI != 0 || MODE == 1, "4-bit q: MODE 1 only (one D and C a block)");
+  static constexpr int kKind = MODE == 0 ? 4 : (MODE == 1 ? 5 + HI : 4 + MODE);  // 4 Q5_0/1, 5 Q4_K, 6 Q5_K, 7 Q6_K, 8 Q6_K bytes
+  static_assert(HI != 0 || MODE == 1 || MODE == 3, "4-bit q: MODE 1 only (one D and C a block)");
 
   // the block's 8 outputs' D and C for lanes 0-15 and 16-31 (MODE 2: C unused), formed at once
   // (lanes 0-7 of each; output j's picked by a permute in load)
@@ -397,7 +401,7 @@ struct WeightsQ {
   };
   static inline Prep prep(const uint8_t* e, int r) {
     Prep p;
-    const uint8_t* sc = e + kHead + r * kBlockBytes + kGroup * 16 + HI * kGroup * 4;
+    const uint8_t* sc = e + kHead + r * kBlockBytes + kCodes;
     const float* head = reinterpret_cast<const float*>(e);
 #if defined(__AVX512F__)
     auto bytes8 = [](const uint8_t* at, bool sign) {
@@ -411,7 +415,7 @@ struct WeightsQ {
     } else if constexpr (MODE == 1) {
       p.D0 = p.D1 = _mm512_mul_ps(floats8(head), bytes8(sc, false));
       p.C0 = p.C1 = _mm512_mul_ps(floats8(head + kGroup), bytes8(sc + kGroup, false));
-    } else {
+    } else {  // MODE 2, 3
       p.D0 = _mm512_mul_ps(floats8(head), bytes8(sc, true));
       p.D1 = _mm512_mul_ps(floats8(head), bytes8(sc + kGroup, true));
       p.C0 = p.C1 = _mm512_setzero_ps();
@@ -444,7 +448,14 @@ struct WeightsQ {
     const uint8_t* blk = e + kHead + r * kBlockBytes;
     const __m512i lane = _mm512_set1_epi32(j);
     const __m512 D0 = _mm512_permutexvar_ps(lane, pr.D0), C0 = _mm512_permutexvar_ps(lane, pr.C0);
-    const __m512 D1 = MODE == 2 ? _mm512_permutexvar_ps(lane, pr.D1) : D0, C1 = C0;
+    const __m512 D1 = MODE >= 2 ? _mm512_permutexvar_ps(lane, pr.D1) : D0, C1 = C0;
+    if constexpr (MODE == 3) {  // the codes as bytes: exact8's decode
+      (void)C1;
+      const __m128i* qb = reinterpret_cast<const __m128i*>(blk + j * 32);
+      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb))), D0);
+      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb + 1))), D1);
+      return;
+    }
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + j * 16)));
     if constexpr (HI == 0) {  // Weights4's table: the block's 16 weights fma(q, D, C), picked by each nibble
       const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -473,6 +484,14 @@ struct WeightsQ {
   static inline void load(const uint8_t* e, int r, int j, const Prep& pr, float* w0, float* w1) {
     const uint8_t* blk = e + kHead + r * kBlockBytes;
     const float D[2] = {pr.d0[j], pr.d1[j]}, C[2] = {pr.c0[j], pr.c1[j]};
+    if constexpr (MODE == 3) {
+      const int8_t* qb = reinterpret_cast<const int8_t*>(blk + j * 32);
+      for (int l = 0; l < 16; ++l) {
+        w0[l] = static_cast<float>(qb[l]) * D[0];
+        w1[l] = static_cast<float>(qb[16 + l]) * D[1];
+      }
+      return;
+    }
     uint32_t h[2] = {HI > 0 ? plane(blk, 0, j) : 0u, HI > 1 ? plane(blk, 1, j) : 0u};
     for (int l = 0; l < 16; ++l) {
       const uint8_t byte = blk[j * 16 + l];
@@ -492,14 +511,15 @@ struct WeightsQ {
   }
 };
 
-// y = x @ W.T for W packed in WeightsQ's layout (lp.kernels.exact4.packq); kind 4..7 as kKind
+// y = x @ W.T for W packed in WeightsQ's layout (lp.kernels.exactq.packq); kind 4..8 as kKind
 torch::Tensor exactq_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind) {
   switch (kind) {
     case 4: return packed_mm<WeightsQ<1, 0>>("exactq_mm", x, p, n);
     case 5: return packed_mm<WeightsQ<0, 1>>("exactq_mm", x, p, n);
     case 6: return packed_mm<WeightsQ<1, 1>>("exactq_mm", x, p, n);
     case 7: return packed_mm<WeightsQ<2, 2>>("exactq_mm", x, p, n);
-    default: TORCH_CHECK(false, "exactq_mm: kind must be 4 (Q5_0 / Q5_1), 5 (Q4_K), 6 (Q5_K) or 7 (Q6_K), got ", kind);
+    case 8: return packed_mm<WeightsQ<0, 3>>("exactq_mm", x, p, n);
+    default: TORCH_CHECK(false, "exactq_mm: kind must be 4 (Q5_0 / Q5_1), 5 (Q4_K), 6 (Q5_K), 7 (Q6_K) or 8 (Q6_K as bytes), got ", kind);
   }
 }
 
@@ -513,7 +533,8 @@ std::vector<int64_t> exactq_layout(int64_t kind) {
     case 5: return of(WeightsQ<0, 1>{});
     case 6: return of(WeightsQ<1, 1>{});
     case 7: return of(WeightsQ<2, 2>{});
-    default: TORCH_CHECK(false, "exactq_layout: kind must be 4..7, got ", kind);
+    case 8: return of(WeightsQ<0, 3>{});
+    default: TORCH_CHECK(false, "exactq_layout: kind must be 4..8, got ", kind);
   }
 }
 
@@ -785,7 +806,7 @@ void write_slots(at::Tensor& pool, const torch::Tensor& write, const torch::Tens
 }
 
 // One product of a layer: y = x @ W.T on the kernel of its kind (lp.kernels.fused.KERNEL_KINDS:
-// 0 exact4, 1 exact8, 2 exact8x, 3 exact16 float16, 8 exact16 bfloat16, 4..7 exactq), then
+// 0 exact4, 1 exact8, 2 exact8x, 3 exact16 float16, 16 exact16 bfloat16, 4..8 exactq), then
 // `y += b` where it has a bias (the linear module's own in-place add: one rounding)
 struct Lin {
   const at::Tensor* p;
@@ -799,8 +820,8 @@ torch::Tensor kernel_mm(const torch::Tensor& x, const torch::Tensor& p, int64_t 
     case 1: return exact8_mm(x, p, n);
     case 2: return exact8x_mm(x, p, n);
     case 3: return exact16_mm(x, p, n, false);
-    case 8: return exact16_mm(x, p, n, true);
-    default: return exactq_mm(x, p, n, kind);  // 4..7, else its error
+    case 16: return exact16_mm(x, p, n, true);
+    default: return exactq_mm(x, p, n, kind);  // 4..8, else its error
   }
 }
 
@@ -1292,7 +1313,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack8", &exact8_pack, "exact 8-bit blocks (q, d) in the kernel layout");
   m.def("pack8x", &exact8x_pack, "exact 8-bit blocks (q, D, C per 16 weights) in the kernel layout");
   m.def("pack16", &exact16_pack, "bfloat16 / float16 weights in the kernel layout");
-  m.def("layoutq", &exactq_layout, "(blocks an entry, header bytes, block bytes, entry bytes) of exactq kind 4..7");
+  m.def("layoutq", &exactq_layout, "(blocks an entry, header bytes, block bytes, entry bytes) of exactq kind 4..8");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
@@ -1304,16 +1325,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(ok, logits [M, vocab]): the greedy head through the screen, -inf where proved below the maximum");
   m.def("vnni", &exact8_vnni, "whether this build runs the screen on AVX-512 VNNI");
   m.def("set_tile", [](int kind, int rows, int outputs) {
-    TORCH_CHECK(kind >= 0 && kind < 8 && rows >= 1 && rows <= kRowTile &&
+    TORCH_CHECK(kind >= 0 && kind < 9 && rows >= 1 && rows <= kRowTile &&
                     (outputs == 1 || outputs == 2 || outputs == 4 || outputs == 8),
-                "set_tile: kind 0 (exact4), 1 (exact8), 2 (exact8x), 3 (exact16), 4..7 (exactq), rows 1..8, outputs 1, 2, 4 or 8");
+                "set_tile: kind 0 (exact4), 1 (exact8), 2 (exact8x), 3 (exact16), 4..8 (exactq), rows 1..8, outputs 1, 2, 4 or 8");
     g_tile[kind][rows] = outputs;
   }, "outputs per tile for a tile of `rows` rows (benchmarks)");
   m.def("tiles", []() {
     std::vector<std::vector<int>> t;
     for (const auto& row : g_tile) t.emplace_back(row + 1, row + kRowTile + 1);
     return t;
-  }, "outputs per tile for 1..8 rows, exact4, exact8, exact8x, exact16, exactq 4..7");
+  }, "outputs per tile for 1..8 rows, exact4, exact8, exact8x, exact16, exactq 4..8");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "the kernels' software prefetch on or off (benchmarks)");
   m.def("parallel_width", &exact4_parallel_width, "threads the kernel's parallel_for runs on");
   m.def("set_clock", [](bool on) {
