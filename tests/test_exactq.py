@@ -84,3 +84,33 @@ def test_exactq_linear_takes_siblings_of_one_kind_only(ext):
     x = torch.randn(3, 512)
     w = torch.cat([widenq(*lin._lp_blocksq) for lin in lins[:2]])
     torch.testing.assert_close(fused(x).double(), x.double() @ w.double().t(), rtol=0, atol=2e-5)
+
+
+def test_a_q6_k_head_is_screened_exactly(ext):
+    """A Q6_K LM head (BlockHead over exactq's kind 8) gets the greedy int8 screen: its finite
+    entries are the exact head's logits bit for bit, its argmax the exact head's, and it keeps few
+    tokens; the embedding's rows read from the same bytes are the file's weights."""
+    from lp.kernels.exact4 import BlockHead, BlockEmbedding
+    from lp.kernels.exactq import QParts, widenq
+    from lp.model.gguf import blocksq_of
+
+    if not ext.vnni():
+        pytest.skip("the screen runs on AVX-512 VNNI")
+    rng = np.random.default_rng(3)
+    v, k = 1003, 512
+    raw = random_blocks("Q6_K", v, k, 0.05, rng)
+    parts = blocksq_of(raw, "Q6_K", v, k)
+    head = BlockHead(QParts(8, parts))
+    assert head.h8 is not None and head.h8.screen is not None
+    w = widenq(8, parts)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1)) * 3
+    exact = head.h8.logits(x)
+    assert torch.equal(exact, torch.cat([head.h8.logits(x[i:i + 1]) for i in range(6)]))
+    torch.testing.assert_close(exact.double(), x.double() @ w.double().t(), rtol=0, atol=1e-4)
+    got = head.h8.argmax_logits(x)
+    assert head.h8.screened == 1
+    kept = torch.isfinite(got)
+    assert torch.equal(got[kept], exact[kept]) and torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert kept.sum(-1).max() < v // 4, kept.sum(-1)
+    emb = BlockEmbedding(head)
+    assert torch.equal(emb(torch.tensor([[0, 7, v - 1]])), w[[0, 7, v - 1]][None])

@@ -538,8 +538,11 @@ class Head8:
     by the first index, is ``logits(x)``'s bit for bit, and every finite entry is its logit. On
     SmolLM2 chat rows 1-66 tokens are kept (median 3)."""
 
-    def __init__(self, p: torch.Tensor, vocab: int, q: torch.Tensor | None = None, d: torch.Tensor | None = None):
-        self.p, self.vocab = p, vocab
+    def __init__(self, p: torch.Tensor, vocab: int, q: torch.Tensor | None = None, d: torch.Tensor | None = None,
+                 kind: int = 1):
+        # kind: p's kernel, 1 (exact8, ``pack8``) or 8 (exactq's Q6_K as bytes; q the codes - 32 and
+        # d the exact scale per 16 weights)
+        self.p, self.vocab, self.kind = p, vocab, kind
         self.calls = 0  # forwards it answered (tests read it)
         self.screened = 0  # of them, through the screen
         ext = extension()
@@ -550,6 +553,10 @@ class Head8:
         if x_MK.shape[0] > HEAD8_MAX_ROWS or x_MK.dtype != torch.float32:
             return None
         self.calls += 1
+        if self.kind == 8:
+            from lp.kernels.exactq import mmq
+
+            return mmq(x_MK, self.p, self.vocab, 8).reshape(*x.shape[:-1], self.vocab)
         return mm8(x_MK, self.p, self.vocab).reshape(*x.shape[:-1], self.vocab)
 
     def argmax_logits(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -559,7 +566,7 @@ class Head8:
         M = x_MK.shape[0]
         if self.screen is None or not SCREEN_ROWS[0] <= M <= SCREEN_ROWS[1] or x_MK.dtype != torch.float32:
             return self.logits(x)
-        ok, y_MV = extension().screen8_logits(x_MK, *self.screen, self.p, self.vocab)
+        ok, y_MV = extension().screen8_logits(x_MK, *self.screen, self.p, self.vocab, self.kind)
         if not ok:  # a row that is not finite: the plain head says what it says
             return self.logits(x)
         self.calls += 1
@@ -655,9 +662,14 @@ class BlockHead(nn.Module):
             self.qkind, qparts = parts
             assert self.qkind == 8, self.qkind
             self.out_features, self.in_features = qparts[0].shape
-            self.offsets, self.bits, self.h8 = True, 8, None
+            self.offsets, self.bits = True, 8
             self.register_buffer("p", packq(self.qkind, qparts))
             self.kernel = lambda x_MK, p, n: mmq(x_MK, p, n, 8)
+            self.h8 = None
+            if screen:  # the greedy screen over its exact weights: codes - 32 and d * sc per 16
+                q, sc, d = qparts
+                D16 = d.repeat_interleave(16, dim=1) * sc.float()  # exact
+                self.h8 = Head8(self.p, self.out_features, (q.to(torch.int16) - 32).to(torch.int8), D16, kind=8)
             return
         q = parts[0]
         self.out_features, self.in_features = q.shape

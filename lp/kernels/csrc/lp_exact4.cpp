@@ -1115,8 +1115,9 @@ bool exact8_vnni() {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> exact8_screen_pack(const at::Tensor& q, const at::Tensor& d) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous() && d.dim() == 2 &&
                   d.scalar_type() == torch::kFloat32 && d.is_contiguous() && q.size(1) % kBlock == 0 &&
-                  d.size(0) == q.size(0) && d.size(1) == q.size(1) / kBlock,
-              "exact8_screen_pack: q [V, K] int8 and d [V, K / 32] float32, contiguous");
+                  d.size(0) == q.size(0) && (d.size(1) == q.size(1) / kBlock || d.size(1) == q.size(1) / 16),
+              "exact8_screen_pack: q [V, K] int8 and d [V, K / 32] (or [V, K / 16]) float32, contiguous");
+  const int64_t per = q.size(1) / d.size(1);  // weights a scale: 32 (Q8_0), 16 (Q6_K as bytes)
   const int64_t V = q.size(0), K = q.size(1), G = (V + kScreenTokens - 1) / kScreenTokens;
   at::Tensor w = torch::full({G, K / 4, kScreenTokens, 4}, 128, torch::kUInt8);
   at::Tensor D = torch::empty({V}, torch::kFloat32), wabs = torch::empty({V}, torch::kFloat32),
@@ -1130,7 +1131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> exact8_screen_pack(co
     for (int64_t v = v0; v < v1; ++v) {
       float amax = 0.0f;
       for (int64_t k = 0; k < K; ++k) {
-        wf[k] = static_cast<float>(qp[v * K + k]) * dp[v * (K / kBlock) + k / kBlock];  // exact
+        wf[k] = static_cast<float>(qp[v * K + k]) * dp[v * (K / per) + k / per];  // exact
         amax = std::max(amax, std::fabs(wf[k]));
       }
       const float Dv = amax / 127.0f, safe = Dv > 0.0f ? Dv : 1.0f;
@@ -1219,16 +1220,19 @@ std::tuple<bool, at::Tensor, at::Tensor> exact8_screen(torch::Tensor x, const at
 // kernel (the packed head p, as exact8_mm runs it: the same bits) over every group of 8 tokens that
 // holds a token some row keeps (upper >= the row's largest lower), -inf everywhere else.
 // (ok, logits [M, vocab]); ok false (nothing computed) where a row of x is not finite.
-std::tuple<bool, at::Tensor> exact8_screen_logits(torch::Tensor x, const at::Tensor& w, const at::Tensor& D,
-                                                 const at::Tensor& wabs, const at::Tensor& werr, const at::Tensor& p,
-                                                 int64_t vocab) {
+// kind: the packed head's kernel, 1 (exact8: pack8) or 8 (exactq's Q6_K as bytes: packq)
+template <class W>
+std::tuple<bool, at::Tensor> screen_logits(torch::Tensor x, const at::Tensor& w, const at::Tensor& D,
+                                           const at::Tensor& wabs, const at::Tensor& werr, const at::Tensor& p,
+                                           int64_t vocab) {
   auto [ok, upper, lower] = exact8_screen(x, w, D, wabs, werr);
   if (!ok) return {false, at::Tensor()};
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), V = D.size(0);
   TORCH_CHECK(V == vocab && p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() &&
-                  p.size(0) == (vocab + kGroup - 1) / kGroup && p.size(1) == K / kBlock && p.size(2) == Weights8::kBytes,
-              "exact8_screen_logits: p is not the packed head (pack8) of this screen");
+                  p.size(0) == (vocab + kGroup - 1) / kGroup && p.size(1) == K / (kBlock * W::kSuper) &&
+                  p.size(2) == W::kBytes,
+              "exact8_screen_logits: p is not the packed head (pack8 / packq) of this screen");
   const float* up = upper.data_ptr<float>();
   const float* lowp = lower.data_ptr<float>();
   std::vector<uint8_t> keep(p.size(0), 0);  // a group some row keeps a token of (M x V compares: both threads)
@@ -1245,14 +1249,22 @@ std::tuple<bool, at::Tensor> exact8_screen_logits(torch::Tensor x, const at::Ten
   const float* xp = x.data_ptr<float>();
   const uint8_t* pp = p.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t group_bytes = p.size(1) * Weights8::kBytes;
+  const int64_t group_bytes = p.size(1) * W::kBytes;
   at::parallel_for(0, static_cast<int64_t>(groups.size()), 4, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = groups[i];
-      group_all_rows<Weights8>(xp, pp + g * group_bytes, yp, K, vocab, M, g * kGroup, false);
+      group_all_rows<W>(xp, pp + g * group_bytes, yp, K, vocab, M, g * kGroup, false);
     }
   });
   return {true, y};
+}
+
+std::tuple<bool, at::Tensor> exact8_screen_logits(torch::Tensor x, const at::Tensor& w, const at::Tensor& D,
+                                                 const at::Tensor& wabs, const at::Tensor& werr, const at::Tensor& p,
+                                                 int64_t vocab, int64_t kind) {
+  TORCH_CHECK(kind == 1 || kind == 8, "exact8_screen_logits: kind must be 1 (exact8) or 8 (Q6_K as bytes)");
+  return kind == 1 ? screen_logits<Weights8>(x, w, D, wabs, werr, p, vocab)
+                   : screen_logits<WeightsQ<0, 3>>(x, w, D, wabs, werr, p, vocab);
 }
 
 bool exact4_avx512() {
