@@ -32,7 +32,7 @@ Q4_K_M = {"attn": "Q4_K", "ffn": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 CASES = [(arch, "Q4_K_M") for arch in FAMILIES + OTHERS] + [("qwen2", kind) for kind in FORMATS] + \
         [("llama", "F16"), ("llama", "BF16")]
-CPP_STACK = ("llama", "qwen2", "qwen3")  # families lp.kernels.fused runs as its C++ layers (the others: its loop)
+CPP_STACK = ("llama", "qwen2", "qwen3", "gemma3")  # families lp.kernels.fused runs as its C++ layers (the others: its loop)
 TIED = ("qwen3",)  # as its small real models are; the others write an output tensor (a tied random model repeats its input token: a weak check)
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
 

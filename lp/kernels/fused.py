@@ -1,11 +1,13 @@
-"""A Llama-, Qwen2- or Qwen3-style model's decoder stack on lp's exact kernels in two C++ calls a layer,
+"""A Llama-, Qwen2-, Qwen3- or Gemma-3-style model's decoder stack on lp's exact kernels in two C++ calls a layer,
 instead of transformers' module tree: the same operations on the same kernels, so the same bits,
 checked when built.
 
 Contract: ``build(model)`` returns a ``FusedDecoder`` for a model whose every decoder layer is
-Llama's, Qwen2's or Qwen3's (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``:
-pre-norm attention and gated-SiLU MLP, rotary embeddings, no sliding window; biases on q/k/v only;
-Qwen3's RMSNorm of each q and k head before the rotation) with its norms
+Llama's, Qwen2's, Qwen3's or Gemma 3's (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``,
+``Qwen3DecoderLayer``, ``Gemma3DecoderLayer``: pre-norm attention and a gated MLP, SiLU or GELU-tanh,
+rotary embeddings; biases on q/k/v only; Qwen3's and Gemma 3's RMSNorm of each q and k head before
+the rotation; Gemma 3's sandwich norms, its sliding-window layers with their own rotary table, no
+soft caps) with its norms
 ``lp.kernels.exact4.FusedRMSNorm`` and every decoder linear on one of lp's exact kernels
 (``kernel_kind``: exact4, exact8, exact8x, exact16, exactq; siblings fused into one product or
 not, each product of its own kind: a GGUF Q4_K_M file's Q4_K q/k beside its Q6_K v), on an
@@ -28,7 +30,7 @@ runner keeps the fused stack only when it is (a transformers version whose layer
 anything differently falls back to its own forward).
 
 Other layers (``LayerLoop``, ``build``'s second choice): Llama and Qwen2 layers the C++ stack does
-not take (a linear off lp's kernels, a head size not a multiple of 32), Gemma 2 / 3 and Phi-3 layers run as lp's own Python loop over each
+not take (a linear off lp's kernels, a head size not a multiple of 32), Gemma 2 (soft caps) and Phi-3 layers run as lp's own Python loop over each
 layer's modules, the same ops as transformers' forward without its module plumbing, under the
 same ``agrees`` check.
 
@@ -48,7 +50,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Gemma3DecoderLayer")
 
 
 @dataclass
@@ -63,8 +65,13 @@ class _Layer:
     o: tuple
     gate_up: list  # the gate/up products, in order
     down: tuple
-    qk_norm: tuple = ()  # Qwen3: (q norm weight, k norm weight), their eps in qk_eps
+    qk_norm: tuple = ()  # Qwen3, Gemma 3: (q norm weight, k norm weight), their eps in qk_eps
     qk_eps: tuple = ()
+    post: tuple = ()  # Gemma 3's sandwich: (post-attention norm weight, post-feedforward one), eps in post_eps
+    post_eps: tuple = ()
+    sliding: bool = False  # a sliding-window layer (its window, its rotary table)
+    gelu: bool = False  # gelu(gate, "tanh"), not silu(gate)
+    type: str = "full_attention"  # its config.layer_types entry
 
 
 class _Out:
@@ -140,10 +147,9 @@ def _plan(model) -> tuple[list[_Layer], str]:
     if layers is None or not len(layers):
         return [], "no decoder layers at model.model.layers"
     config = model.config
-    if getattr(config, "hidden_act", None) != "silu":
-        return [], f"hidden_act {getattr(config, 'hidden_act', None)!r} (silu only)"
-    if getattr(config, "sliding_window", None) and "sliding_attention" in (getattr(config, "layer_types", None) or []):
-        return [], "sliding-window layers"
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return [], "soft-capped logits"
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(layers))
     for name in ("embed_tokens", "rotary_emb", "norm"):
         if not hasattr(base, name):
             return [], f"no model.model.{name}"
@@ -154,30 +160,36 @@ def _plan(model) -> tuple[list[_Layer], str]:
     if not exact4.extension().avx512():
         return [], "the exact4 kernel was built without AVX-512"
     plan = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         if type(layer).__name__ not in LAYERS:
             return [], f"decoder layer {type(layer).__name__} (fused: {', '.join(LAYERS)})"
         attn, mlp = layer.self_attn, layer.mlp
-        if hasattr(attn, "sinks"):
-            return [], "attention with sinks"
+        if hasattr(attn, "sinks") or getattr(attn, "attn_logit_softcapping", None) is not None:
+            return [], "attention with sinks or a soft cap"
+        kind = types[i] if i < len(types) else "full_attention"
+        if kind not in ("full_attention", "sliding_attention") or bool(getattr(attn, "sliding_window", None)) != (
+                kind == "sliding_attention"):
+            return [], f"layer {i}: type {kind!r} and its sliding window {getattr(attn, 'sliding_window', None)}"
         qk = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         if any(n is not None for n in qk) and not all(type(n) is FusedRMSNorm and tuple(n.weight.shape) == (attn.head_dim,)
                                                        for n in qk):
             return [], "q/k norms not one-op RMSNorms over a head"
-        if getattr(attn, "sliding_window", None):
-            return [], "a sliding-window attention layer"
         qkv = _products([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up = _products([mlp.gate_proj, mlp.up_proj])
         o, down = _products([attn.o_proj]), _products([mlp.down_proj])
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        sandwich = LAYER_KINDS[type(layer).__name__] == "sandwich"
+        norms = ((layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
+                  layer.post_feedforward_layernorm) if sandwich else (layer.input_layernorm, layer.post_attention_layernorm))
         if qkv is None or gate_up is None or o is None or down is None:
             return [], "a decoder linear not on one of lp's exact kernels"
         if any(b is not None for _, _, _, b in o[0] + down[0] + gate_up[0]):
             return [], "o, gate, up or down with a bias (the fused stack adds q/k/v biases only)"
         if not all(type(n) is FusedRMSNorm for n in norms):
             return [], "norms not one-op RMSNorms"
-        if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
-            return [], f"activation {type(mlp.act_fn).__name__}"
+        act = mlp.act_fn
+        gelu = type(act).__name__ == "GELUTanh" and getattr(getattr(act, "act", None), "keywords", None) == {"approximate": "tanh"}
+        if type(act).__name__ not in ("SiLU", "SiLUActivation") and not gelu:
+            return [], f"activation {type(act).__name__} (silu, gelu tanh)"
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         d = attn.head_dim
         if d % 32 or qkv[1] != [heads * d, kv_heads * d, kv_heads * d]:
@@ -189,9 +201,11 @@ def _plan(model) -> tuple[list[_Layer], str]:
                            norms[1].weight.detach(), float(norms[1].variance_epsilon), inter,
                            qkv[0], o[0][0], gate_up[0], down[0][0],
                            tuple(n.weight.detach() for n in qk) if qk[0] is not None else (),
-                           tuple(float(n.variance_epsilon) for n in qk) if qk[0] is not None else ()))
-    if len({bool(ly.qk_norm) for ly in plan}) > 1:
-        return [], "q/k norms on some layers only"
+                           tuple(float(n.variance_epsilon) for n in qk) if qk[0] is not None else (),
+                           tuple(n.weight.detach() for n in norms[2:]), tuple(float(n.variance_epsilon) for n in norms[2:]),
+                           kind == "sliding_attention", gelu, kind))
+    if len({bool(ly.qk_norm) for ly in plan}) > 1 or len({bool(ly.post) for ly in plan}) > 1:
+        return [], "q/k norms or sandwich norms on some layers only"
     return plan, ""
 
 
@@ -208,13 +222,19 @@ class FusedDecoder:
         self._functions = ALL_ATTENTION_FUNCTIONS
         # each layer's product lists for attn_in and out_mlp, and decoder_paged's lists (one C++ call
         # for the whole stack on the paged pool: every layer's products in order, two counts a layer)
-        self._calls = [((*_lists(ly.qkv),), (*_lists([ly.o, *ly.gate_up, ly.down]),), (list(ly.qk_norm), list(ly.qk_eps)))
-                       for ly in layers]
+        self._calls = [((*_lists(ly.qkv),), (*_lists([ly.o, *ly.gate_up, ly.down]),), (list(ly.qk_norm), list(ly.qk_eps)),
+                        (list(ly.post), list(ly.post_eps), ly.gelu)) for ly in layers]
         every = _lists([prod for ly in layers for prod in (*ly.qkv, ly.o, *ly.gate_up, ly.down)])
         self._lists = ([ly.ln1 for ly in layers], [ly.eps1 for ly in layers], [ly.ln2 for ly in layers],
                        [ly.eps2 for ly in layers], *every,
                        [c for ly in layers for c in (len(ly.qkv), len(ly.gate_up))],
-                       [w for ly in layers for w in ly.qk_norm], [e for ly in layers for e in ly.qk_eps])
+                       [w for ly in layers for w in ly.qk_norm], [e for ly in layers for e in ly.qk_eps],
+                       [w for ly in layers for w in ly.post], [e for ly in layers for e in ly.post_eps],
+                       [int(ly.sliding) | 2 * int(ly.gelu) for ly in layers])
+        import inspect
+
+        self._typed_rope = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
+        self.types = sorted({ly.type for ly in layers})
         a = layers[0].attn
         inters = {ly.inter for ly in layers}
         same = (len(inters) == 1 and all(ly.attn.head_dim == a.head_dim and ly.attn.scaling == a.scaling
@@ -235,13 +255,15 @@ class FusedDecoder:
                 and attention.native_attends(cache.keys[0].device, cache.keys[0].dtype, self._shape[0]))
 
     def _attention(self):
-        """The function transformers' attention module calls for the model's current implementation."""
-        from transformers.models.llama.modeling_llama import eager_attention_forward
+        """The function transformers' attention module calls for the model's current implementation
+        (its own module's eager one for ``eager``)."""
+        import sys
 
+        eager = sys.modules[type(self.layers[0].attn).__module__].eager_attention_forward
         impl = self.config._attn_implementation
         if hasattr(self._functions, "get_interface"):
-            return self._functions.get_interface(impl, eager_attention_forward)
-        return eager_attention_forward if impl == "eager" else self._functions[impl]
+            return self._functions.get_interface(impl, eager)
+        return eager if impl == "eager" else self._functions[impl]
 
     def __call__(self, input_ids, position_ids, attention_mask=None, past_key_values=None, cache=None,
                  use_cache=True, logits_to_keep=0, **kwargs):
@@ -249,25 +271,34 @@ class FusedDecoder:
         assert cache is not None and input_ids.shape[0] == 1, "fused steps take one packed row set and a cache"
         base, ops = self.base, torch.ops.lp_exact4
         h = base.embed_tokens(input_ids)
-        cos, sin = base.rotary_emb(h, position_ids)
+        if self._typed_rope:  # Gemma 3: a rotary table per layer type
+            rope = {t: base.rotary_emb(h, position_ids, t) for t in self.types}
+        else:
+            rope = dict.fromkeys(self.types, base.rotary_emb(h, position_ids))
+        full = rope.get("full_attention")
+        local = rope.get("sliding_attention", full)
+        full = local if full is None else full
         heads, kv_heads = self.heads, self.kv_heads
         if self._paged(cache, kwargs):
             from lp.kernels.attention import NATIVE_ROWS
 
             d, inter, scale = self._shape
-            h = ops.decoder_paged(h, *self._lists, heads, kv_heads, d, inter, cos, sin, cache.keys, cache.values,
+            h = ops.decoder_paged(h, *self._lists, heads, kv_heads, d, inter, *full, *local, cache.keys, cache.values,
                                   cache._write, kwargs["lp_spans"], kwargs["lp_masks"], kwargs["lp_slots"], scale,
                                   NATIVE_ROWS)
             self.paged_calls += 1
             return self._head(h, logits_to_keep)
         attention = self._attention()
-        for ly, (qkv, rest, qk) in zip(self.layers, self._calls):
+        for ly, (qkv, rest, qk, post) in zip(self.layers, self._calls):
             a = ly.attn
+            cos, sin = rope[ly.type]
             q, k, v = ops.attn_in(h, ly.ln1, ly.eps1, *qkv, heads, kv_heads, a.head_dim, cos, sin, *qk)
             k, v = cache.update(k, v, a.layer_idx)
-            out, _ = attention(a, q, k, v, attention_mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
-                               use_cache=use_cache, **kwargs)
-            h = ops.out_mlp(h, out, *rest, ly.ln2, ly.eps2, ly.inter)
+            mask = attention_mask[ly.type] if isinstance(attention_mask, dict) else attention_mask
+            extra = {"sliding_window": a.sliding_window} if ly.sliding else {}
+            out, _ = attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
+                               use_cache=use_cache, **extra, **kwargs)
+            h = ops.out_mlp(h, out, *rest, ly.ln2, ly.eps2, ly.inter, *post)
         return self._head(h, logits_to_keep)
 
     def _head(self, h, logits_to_keep):

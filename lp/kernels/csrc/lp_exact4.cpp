@@ -901,13 +901,17 @@ std::vector<torch::Tensor> attn_in_lins(torch::Tensor h, const torch::Tensor& ln
 }
 
 // lin: o, the gate/up products (gu of them), down
+// post: Gemma's sandwich norms (post-attention: on o's output before its residual sum;
+// post-feedforward: on down's output before its), or nullptr; gelu: gelu(gate, "tanh") for silu(gate)
 torch::Tensor out_mlp_lins(const torch::Tensor& h, const torch::Tensor& attn, const Lin* lin, size_t gu,
-                           const torch::Tensor& ln_w, double eps, int64_t inter) {
+                           const torch::Tensor& ln_w, double eps, int64_t inter, const at::Tensor* post_attn,
+                           double post_attn_eps, const at::Tensor* post_ff, double post_ff_eps, bool gelu) {
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1, "out_mlp: h must be [1, Q, H]");
   const int64_t Q = h.size(1), H = h.size(2);
   Clock clock;
   const at::Tensor a = attn.reshape({Q, -1}).contiguous();
-  const at::Tensor h1 = products(a, lin, 1).view({1, Q, H});
+  at::Tensor h1 = products(a, lin, 1).view({1, Q, H});
+  if (post_attn != nullptr) h1 = rms_norm(h1, *post_attn, post_attn_eps);
   clock.lap(5);
   add_into(h, h1);  // h1 = h + o(a): at::add's sum (alpha 1), in o's fresh buffer
   clock.lap(6);
@@ -916,9 +920,11 @@ torch::Tensor out_mlp_lins(const torch::Tensor& h, const torch::Tensor& attn, co
   const at::Tensor g = products(x.view({Q, H}), lin + 1, gu);
   TORCH_CHECK(g.size(1) == 2 * inter, "out_mlp: the gate/up products must give 2 x inter outputs");
   clock.lap(7);
-  const at::Tensor m = at::mul(at::silu(g.slice(1, 0, inter)), g.slice(1, inter, 2 * inter));
+  const at::Tensor gate = g.slice(1, 0, inter);
+  const at::Tensor m = at::mul(gelu ? at::gelu(gate, "tanh") : at::silu(gate), g.slice(1, inter, 2 * inter));
   clock.lap(8);
   at::Tensor out = products(m, lin + 1 + gu, 1).view({1, Q, H});
+  if (post_ff != nullptr) out = rms_norm(out, *post_ff, post_ff_eps);
   clock.lap(9);
   add_into(h1, out);
   clock.lap(6);
@@ -941,10 +947,15 @@ std::vector<torch::Tensor> attn_in(torch::Tensor h, const torch::Tensor& ln_w, d
 }
 
 torch::Tensor out_mlp(const torch::Tensor& h, const torch::Tensor& attn, at::TensorList p, at::IntArrayRef meta,
-                      at::TensorList b, const torch::Tensor& ln_w, double eps, int64_t inter) {
+                      at::TensorList b, const torch::Tensor& ln_w, double eps, int64_t inter, at::TensorList post,
+                      at::ArrayRef<double> post_eps, bool gelu) {
   const std::vector<Lin> lin = lins_of(p, meta, b);
   TORCH_CHECK(lin.size() >= 3, "out_mlp: products o, gate/up (one or more), down");
-  return out_mlp_lins(h, attn, lin.data(), lin.size() - 2, ln_w, eps, inter);
+  TORCH_CHECK((post.empty() && post_eps.empty()) || (post.size() == 2 && post_eps.size() == 2),
+              "out_mlp: post and post_eps hold the post-attention and post-feedforward norms' (or nothing)");
+  const bool sandwich = !post.empty();
+  return out_mlp_lins(h, attn, lin.data(), lin.size() - 2, ln_w, eps, inter, sandwich ? &post[0] : nullptr,
+                      sandwich ? post_eps[0] : 0.0, sandwich ? &post[1] : nullptr, sandwich ? post_eps[1] : 0.0, gelu);
 }
 
 // Every decoder layer of a batched step on the paged pool (lp.model.paged, gather=False) in one
@@ -957,8 +968,10 @@ torch::Tensor out_mlp(const torch::Tensor& h, const torch::Tensor& attn, at::Ten
 torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<double> eps1, at::TensorList ln2,
                             at::ArrayRef<double> eps2, at::TensorList p, at::IntArrayRef meta, at::TensorList b,
                             at::IntArrayRef counts, at::TensorList qk_norm, at::ArrayRef<double> qk_eps,
+                            at::TensorList post, at::ArrayRef<double> post_eps, at::IntArrayRef flags,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
-                            const torch::Tensor& cos, const torch::Tensor& sin, at::TensorList keys,
+                            const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& cos_local,
+                            const torch::Tensor& sin_local, at::TensorList keys,
                             at::TensorList values, const torch::Tensor& write, const torch::Tensor& spans,
                             const torch::Tensor& masks, const torch::Tensor& slots, double scale, int64_t max_rows) {
   const size_t L = ln1.size();
@@ -968,6 +981,10 @@ torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<do
   TORCH_CHECK((qk_norm.empty() && qk_eps.empty()) || (qk_norm.size() == 2 * L && qk_eps.size() == 2 * L),
               "decoder_paged: qk_norm and qk_eps hold two a layer (or nothing)");
   const bool norms = !qk_norm.empty();
+  TORCH_CHECK((post.empty() && post_eps.empty()) || (post.size() == 2 * L && post_eps.size() == 2 * L),
+              "decoder_paged: post and post_eps hold two a layer (or nothing)");
+  TORCH_CHECK(flags.size() == L, "decoder_paged: one flags entry a layer (1: sliding window, 2: gelu tanh)");
+  const bool sandwich = !post.empty();
   const std::vector<Lin> lin = lins_of(p, meta, b);
   size_t used = 0;
   for (size_t l = 0; l < L; ++l) used += counts[2 * l] + counts[2 * l + 1] + 2;
@@ -979,7 +996,9 @@ torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<do
   const Lin* cur = lin.data();
   for (size_t l = 0; l < L; ++l) {
     const size_t nqkv = counts[2 * l], ngu = counts[2 * l + 1];
-    auto qkv_l = attn_in_lins(h, ln1[l], eps1[l], cur, nqkv, heads, kv_heads, head_dim, cos, sin,
+    const bool sliding = flags[l] & 1, gelu = flags[l] & 2;
+    auto qkv_l = attn_in_lins(h, ln1[l], eps1[l], cur, nqkv, heads, kv_heads, head_dim, sliding ? cos_local : cos,
+                              sliding ? sin_local : sin,
                               norms ? &qk_norm[2 * l] : nullptr, norms ? &qk_norm[2 * l + 1] : nullptr,
                               norms ? qk_eps[2 * l] : 0.0, norms ? qk_eps[2 * l + 1] : 0.0);
     cur += nqkv;
@@ -989,9 +1008,11 @@ torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<do
     write_slots(pool_v, write, qkv_l[2]);
     clock.lap(3);
     const at::Tensor out = paged.call(qkv_l[0], pool_k.unsqueeze(0), pool_v.unsqueeze(0), spans, masks, slots, scale,
-                                      false, max_rows);
+                                      sliding, max_rows);
     clock.lap(4);
-    h = out_mlp_lins(h, out, cur, ngu, ln2[l], eps2[l], inter);
+    h = out_mlp_lins(h, out, cur, ngu, ln2[l], eps2[l], inter, sandwich ? &post[2 * l] : nullptr,
+                     sandwich ? post_eps[2 * l] : 0.0, sandwich ? &post[2 * l + 1] : nullptr,
+                     sandwich ? post_eps[2 * l + 1] : 0.0, gelu);
     cur += ngu + 2;
   }
   return h;
@@ -1298,10 +1319,11 @@ TORCH_LIBRARY(lp_exact4, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("attn_in(Tensor h, Tensor ln_w, float eps, Tensor[] p, int[] meta, Tensor[] b, int heads, int kv_heads, "
         "int head_dim, Tensor cos, Tensor sin, Tensor[] qk_norm, float[] qk_eps) -> Tensor[]");
-  m.def("out_mlp(Tensor h, Tensor attn, Tensor[] p, int[] meta, Tensor[] b, Tensor ln_w, float eps, int inter) "
-        "-> Tensor");
+  m.def("out_mlp(Tensor h, Tensor attn, Tensor[] p, int[] meta, Tensor[] b, Tensor ln_w, float eps, int inter, "
+        "Tensor[] post, float[] post_eps, bool gelu) -> Tensor");
   m.def("decoder_paged(Tensor h, Tensor[] ln1, float[] eps1, Tensor[] ln2, float[] eps2, Tensor[] p, int[] meta, "
-        "Tensor[] b, int[] counts, Tensor[] qk_norm, float[] qk_eps, int heads, int kv_heads, int head_dim, int inter, Tensor cos, Tensor sin, "
+        "Tensor[] b, int[] counts, Tensor[] qk_norm, float[] qk_eps, Tensor[] post, float[] post_eps, int[] flags, "
+        "int heads, int kv_heads, int head_dim, int inter, Tensor cos, Tensor sin, Tensor cos_local, Tensor sin_local, "
         "Tensor(a!)[] keys, Tensor(b!)[] values, Tensor write, Tensor spans, Tensor masks, Tensor slots, float scale, "
         "int max_rows) -> Tensor");
 }
