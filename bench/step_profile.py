@@ -87,8 +87,11 @@ def main(argv=None) -> int:
     runner = ModelRunner(model, mc.attention, small_rows=mc.small_rows, linears=mc.linears, compile=mc.compile, fused=mc.fused,
                          head=mc.head)
     eos = eos_ids(model, tok)
-    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    if tok.chat_template:
+        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    else:  # a base model's file (no template): the prompt as text
+        ids = list(tok(PROMPT)["input_ids"])
     engine = BatchEngine(runner, kv_tokens=4096, max_batch=1)
     if runner.compiled:
         from lp.engine.batch import compile_batched_step
