@@ -87,11 +87,11 @@ def test_exactq_linear_takes_siblings_of_one_kind_only(ext):
 
 
 def test_a_q6_k_head_is_screened_exactly(ext):
-    """A Q6_K LM head (BlockHead over exactq's kind 8) gets the greedy int8 screen: its finite
+    """A Q6_K LM head (QBlockHead: exactq's kind 8) gets the greedy int8 screen: its finite
     entries are the exact head's logits bit for bit, its argmax the exact head's, and it keeps few
     tokens; the embedding's rows read from the same bytes are the file's weights."""
-    from lp.kernels.exact4 import BlockHead, BlockEmbedding
-    from lp.kernels.exactq import QParts, widenq
+    from lp.kernels.exact4 import BlockEmbedding
+    from lp.kernels.exactq import QBlockHead, QParts, widenq
     from lp.model.gguf import blocksq_of
 
     if not ext.vnni():
@@ -100,7 +100,7 @@ def test_a_q6_k_head_is_screened_exactly(ext):
     v, k = 1003, 512
     raw = random_blocks("Q6_K", v, k, 0.05, rng)
     parts = blocksq_of(raw, "Q6_K", v, k)
-    head = BlockHead(QParts(8, parts))
+    head = QBlockHead(QParts(8, parts))
     assert head.h8 is not None and head.h8.screen is not None
     w = widenq(8, parts)
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(1)) * 3

@@ -553,10 +553,8 @@ class Head8:
         if x_MK.shape[0] > HEAD8_MAX_ROWS or x_MK.dtype != torch.float32:
             return None
         self.calls += 1
-        if self.kind == 8:
-            from lp.kernels.exactq import mmq
-
-            return mmq(x_MK, self.p, self.vocab, 8).reshape(*x.shape[:-1], self.vocab)
+        if self.kind == 8:  # lp.kernels.exactq's mmq
+            return torch.ops.lp_exact4.mmq(x_MK, self.p, self.vocab, 8).reshape(*x.shape[:-1], self.vocab)
         return mm8(x_MK, self.p, self.vocab).reshape(*x.shape[:-1], self.vocab)
 
     def argmax_logits(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -637,9 +635,7 @@ def packed_rows(p: torch.Tensor, ids: torch.Tensor, k: int, offsets: bool) -> to
 def eight_bit(parts: tuple) -> tuple:
     """A file tensor's blocks as 8-bit ones: (q, d) and (q, d, c) 8-bit parts as they are; exact4's
     (q nibbles, d, c per 32) as (q int8, d, c per 16), the same fma(q, d, c) per weight."""
-    from lp.kernels.exactq import QParts
-
-    if isinstance(parts, QParts) or parts[0].dtype == torch.int8 or len(parts) == 1:  # 8-bit or exactq parts, or (w16,)
+    if parts[0].dtype == torch.int8 or len(parts) == 1:  # 8-bit parts, or a 16-bit tensor (w16,)
         return parts
     q, d, c = parts
     n = q.shape[0]
@@ -655,22 +651,7 @@ class BlockHead(nn.Module):
 
     def __init__(self, parts: tuple, screen: bool = True):
         super().__init__()
-        from lp.kernels.exactq import QParts, mmq, packq
-
-        self.qkind = None
-        if isinstance(parts, QParts):  # a Q6_K tensor: lp.kernels.exactq's kind 8, 1.08 bytes a weight
-            self.qkind, qparts = parts
-            assert self.qkind == 8, self.qkind
-            self.out_features, self.in_features = qparts[0].shape
-            self.offsets, self.bits = True, 8
-            self.register_buffer("p", packq(self.qkind, qparts))
-            self.kernel = lambda x_MK, p, n: mmq(x_MK, p, n, 8)
-            self.h8 = None
-            if screen:  # the greedy screen over its exact weights: codes - 32 and d * sc per 16
-                q, sc, d = qparts
-                D16 = d.repeat_interleave(16, dim=1) * sc.float()  # exact
-                self.h8 = Head8(self.p, self.out_features, (q.to(torch.int16) - 32).to(torch.int8), D16, kind=8)
-            return
+        self.qkind = None  # lp.kernels.exactq's QBlockHead: its kind
         q = parts[0]
         self.out_features, self.in_features = q.shape
         self.offsets = len(parts) == 3
@@ -699,10 +680,6 @@ class BlockHead(nn.Module):
         return y_MN.to(dtype).reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.qkind is not None:
-            from lp.kernels.exactq import rows8
-
-            return rows8(self.p, ids, self.in_features)
         if self.bits == 16:  # [groups, blocks, 8 outputs, 32 weights] of 2 bytes: row n = (n // 8, :, n % 8, :)
             flat = ids.reshape(-1).long()
             p16 = self.p.view(torch.int16).view(self.p.shape[0], self.p.shape[1], 8, BLOCK)
@@ -713,8 +690,6 @@ class BlockHead(nn.Module):
     def extra_repr(self) -> str:
         if self.bits == 16:
             return f"in_features={self.in_features}, out_features={self.out_features}, {self.dtype16} weights"
-        if self.qkind is not None:
-            return f"in_features={self.in_features}, out_features={self.out_features}, GGUF codes (kind {self.qkind})"
         return (f"in_features={self.in_features}, out_features={self.out_features}, exact 8-bit blocks"
                 f"{' with offsets' if self.offsets else ''}{', int8 greedy screen' if self.h8 and self.h8.screen else ''}")
 

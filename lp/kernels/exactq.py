@@ -24,7 +24,7 @@ memory: bench/results/gguf_formats/exactq_kernels.md); Q4_K stays exact4 for tha
 runs as kind 8, whose bytes decode as exact8's do: at 1-2 rows 0.67-0.75 ms against kind 7's
 0.94-1.01 and exact8x's 0.80-0.92 on a [4864, 2048] matrix, as fast or faster at 4-16 rows, in 1.08
 bytes a weight (kind 7: 0.83, exact8x: 1.5). A Q6_K embedding / LM head (Llama 3.2's, Qwen3's) is
-held as kind 8 too (``QHead``), not as exact8x.
+held as kind 8 too (``QBlockHead``), not as exact8x.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lp.kernels.exact4 import Exact4Linear, _unit_rows, extension
+from lp.kernels.exact4 import BlockHead, Exact4Linear, Head8, _unit_rows, extension
 
 KINDS = {"Q5_0": 4, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 8}
 HI = {4: 1, 5: 0, 6: 1, 7: 2, 8: 0}  # bit planes above the nibble (8: none, the codes are bytes)
@@ -161,3 +161,30 @@ def rows8(p: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     sc = torch.gather(blocks, 3, (GROUP * BLOCK + jb + torch.tensor([0, GROUP])).expand(n, s, supers, 2)).view(torch.int8)
     D = (d[..., None] * sc.float()).repeat_interleave(16, dim=3)  # [n, S, supers, 32]: d * sc, exact
     return (codes.float() * D).reshape(*ids.shape, k)
+
+
+class QBlockHead(BlockHead):
+    """``BlockHead`` over a Q6_K tensor's ``QParts`` (kind 8, 1.08 bytes a weight): ``mmq`` for its
+    products, ``rows8`` for the tied embedding's rows, and (``screen``) the greedy int8 screen over
+    its exact weights (the codes - 32 times d * sc per 16, ``Head8``)."""
+
+    def __init__(self, parts: QParts, screen: bool = True):
+        nn.Module.__init__(self)
+        self.qkind, qparts = parts
+        assert self.qkind == 8, self.qkind
+        self.out_features, self.in_features = qparts[0].shape
+        self.offsets, self.bits = True, 8
+        self.register_buffer("p", packq(self.qkind, qparts))
+        self.kernel = lambda x_MK, p, n: mmq(x_MK, p, n, 8)
+        self.h8 = None
+        if screen:
+            q, sc, d = qparts
+            D16 = d.repeat_interleave(16, dim=1) * sc.float()  # exact
+            self.h8 = Head8(self.p, self.out_features, (q.to(torch.int16) - 32).to(torch.int8), D16, kind=8)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return rows8(self.p, ids, self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, GGUF codes (kind {self.qkind})"
+                f"{', int8 greedy screen' if self.h8 and self.h8.screen else ''}")

@@ -625,7 +625,7 @@ def _ends_from_blocks(model, file_blocks: dict, ends: dict, exact: bool) -> None
     """The embedding and head read as blocks: under exact4 (``exact``) swapped for lp.kernels.exact4's
     ``BlockEmbedding`` / ``BlockHead`` (a tied pair sharing one packed copy), else given the float32
     weights those blocks widen to (tied again)."""
-    from lp.kernels.exact4 import BlockEmbedding, BlockHead, eight_bit, widen, widen8
+    from lp.kernels.exact4 import BlockEmbedding, widen, widen8
     from lp.kernels.exactq import widenq
 
     if not file_blocks:
@@ -644,15 +644,23 @@ def _ends_from_blocks(model, file_blocks: dict, ends: dict, exact: bool) -> None
         return
     block_head = None
     if head_name in file_blocks or (tied and emb_name in file_blocks):
-        block_head = BlockHead(eight_bit(file_blocks[head_name if head_name in file_blocks else emb_name]))
+        block_head = _block_head(file_blocks[head_name if head_name in file_blocks else emb_name])
         model.set_output_embeddings(block_head)
     if emb_name in file_blocks:
-        source = block_head if tied and block_head is not None else BlockHead(eight_bit(file_blocks[emb_name]),
-                                                                             screen=False)
+        source = block_head if tied and block_head is not None else _block_head(file_blocks[emb_name], screen=False)
         model.set_input_embeddings(BlockEmbedding(source, getattr(emb, "embed_scale", None)))
     log.info("model.quant=exact4: the %s run on the file's blocks (no float32 copy)",
              " and ".join(w for w, on in (("embedding", emb_name in file_blocks), ("LM head", block_head is not None))
                           if on))
+
+
+def _block_head(parts, screen: bool = True):
+    """The head (or embedding source) over a file tensor's blocks: exactq's ``QBlockHead`` for
+    ``QParts``, else lp.kernels.exact4's ``BlockHead`` over its 8-bit (or 16-bit) form."""
+    from lp.kernels.exact4 import BlockHead, eight_bit
+    from lp.kernels.exactq import QBlockHead
+
+    return QBlockHead(parts, screen) if isinstance(parts, QParts) else BlockHead(eight_bit(parts), screen)
 
 
 def _assign(model, hf: str, value: torch.Tensor) -> None:

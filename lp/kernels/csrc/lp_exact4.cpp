@@ -1356,7 +1356,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screen8", &exact8_screen, py::call_guard<py::gil_scoped_release>(),
         "(ok, upper [M, V], lower_max [M]): the greedy head screen's bounds");
   m.def("screen8_logits", &exact8_screen_logits, py::call_guard<py::gil_scoped_release>(),
-        "(ok, logits [M, vocab]): the greedy head through the screen, -inf where proved below the maximum");
+        "(ok, logits [M, vocab]): the greedy head through the screen, -inf where proved below the maximum; kind: "
+        "the packed head's kernel, 1 (pack8) or 8 (exactq's Q6_K as bytes)",
+        py::arg("x"), py::arg("w"), py::arg("D"), py::arg("wabs"), py::arg("werr"), py::arg("p"), py::arg("vocab"),
+        py::arg("kind") = 1);
   m.def("vnni", &exact8_vnni, "whether this build runs the screen on AVX-512 VNNI");
   m.def("set_tile", [](int kind, int rows, int outputs) {
     TORCH_CHECK(kind >= 0 && kind < 9 && rows >= 1 && rows <= kRowTile &&
