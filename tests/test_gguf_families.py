@@ -31,7 +31,7 @@ from tests.gguf_tiny import FAMILIES, OTHERS, tokenizer_fields, write_tiny_gguf
 Q4_K_M = {"attn": "Q4_K", "ffn": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "embd": "Q8_0", "output": "Q6_K"}
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 CASES = [(arch, "Q4_K_M") for arch in FAMILIES + OTHERS] + [("qwen2", kind) for kind in FORMATS] + \
-        [("llama", "F16"), ("llama", "BF16")]
+        [("llama", "F16"), ("llama", "BF16"), ("qwen3", "Q6_K")]  # qwen3: a tied Q6_K embedding and head, one copy
 CPP_STACK = ("llama", "qwen2", "qwen3", "gemma3")  # families lp.kernels.fused runs as its C++ layers (the others: its loop)
 TIED = ("qwen3",)  # as its small real models are; the others write an output tensor (a tied random model repeats its input token: a weak check)
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
@@ -90,7 +90,8 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
             assert torch.equal(emb(every), ref.get_input_embeddings().weight)
         if fmt == "Q6_K":  # embedding and head held as exactq's kind 8, rows widened bit for bit
             head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-            assert head.qkind == 8 and all(m.qkind == 8 for m in kernels)
+            assert head.qkind == 8 and all(m.qkind == 8 for m in kernels) and head.h8 is not None
+            assert (emb.source is head) == (arch in TIED)
             every = torch.arange(emb.num_embeddings)
             assert torch.equal(emb(every), ref.get_input_embeddings().weight)
         if arch == "qwen2":

@@ -713,5 +713,6 @@ class BlockEmbedding(nn.Module):
         return rows if self.embed_scale is None else rows * self.embed_scale.to(torch.float32)
 
     def extra_repr(self) -> str:
-        kind = "16-bit floats" if self.source.bits == 16 else "exact 8-bit blocks"
+        kind = ("16-bit floats" if self.source.bits == 16 else f"GGUF codes (kind {self.source.qkind})"
+                if self.source.qkind is not None else "exact 8-bit blocks")
         return f"{self.num_embeddings}, {self.embedding_dim}, rows from {kind}"
