@@ -44,6 +44,12 @@ def mmq(x_MK: torch.Tensor, p: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     return torch.ops.lp_exact4.mmq(x_MK, p, n, kind)
 
 
+def scales16(sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q6_K's exact scale per 16 weights, d * sc (an 11-bit d times a 7-bit sc: no rounding), from
+    sc [..., K / 16] and d [..., K / 256]."""
+    return d.repeat_interleave(16, dim=-1) * sc.float()
+
+
 def widenq(kind: int, parts: tuple) -> torch.Tensor:
     """The float32 weights [N, K] of ``parts`` (module doc), each product exact, one rounding."""
     q = parts[0].to(torch.float32)
@@ -56,8 +62,7 @@ def widenq(kind: int, parts: tuple) -> torch.Tensor:
         D = (d.repeat_interleave(8, dim=1) * sc.float()).repeat_interleave(BLOCK, dim=1)
         C = (nm.repeat_interleave(8, dim=1) * mn.float()).repeat_interleave(BLOCK, dim=1)
         return q * D + C
-    sc, d = parts[1:]
-    D = (d.repeat_interleave(16, dim=1) * sc.float()).repeat_interleave(16, dim=1)
+    D = scales16(*parts[1:]).repeat_interleave(16, dim=1)
     return (q - 32) * D
 
 
@@ -179,8 +184,7 @@ class QBlockHead(BlockHead):
         self.h8 = None
         if screen:
             q, sc, d = qparts
-            D16 = d.repeat_interleave(16, dim=1) * sc.float()  # exact
-            self.h8 = Head8(self.p, self.out_features, (q.to(torch.int16) - 32).to(torch.int8), D16, kind=8)
+            self.h8 = Head8(self.p, self.out_features, (q.to(torch.int16) - 32).to(torch.int8), scales16(sc, d), kind=8)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return rows8(self.p, ids, self.in_features)

@@ -127,6 +127,23 @@ def _products(mods) -> tuple[list, list[int]] | None:
     return out, widths
 
 
+class _Rotary:
+    """The model's rotary tables for a step, per layer type: one per type where its rotary module
+    takes a ``layer_type`` (Gemma 3's local and global layers), else one shared by all."""
+
+    def __init__(self, rotary, types):
+        import inspect
+
+        self.types = sorted(set(types))
+        self.typed = "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def __call__(self, rotary, h, position_ids) -> dict:
+        """``rotary``: the model's module, read per step (tests swap it)."""
+        if self.typed:
+            return {t: rotary(h, position_ids, t) for t in self.types}
+        return dict.fromkeys(self.types, rotary(h, position_ids))
+
+
 def _lists(products) -> tuple[list, list[int], list]:
     """lp_exact4's (p, meta, b) lists of products: meta (outputs, kind, bias index or -1) each."""
     ps, meta, bs = [], [], []
@@ -231,10 +248,7 @@ class FusedDecoder:
                        [w for ly in layers for w in ly.qk_norm], [e for ly in layers for e in ly.qk_eps],
                        [w for ly in layers for w in ly.post], [e for ly in layers for e in ly.post_eps],
                        [int(ly.sliding) | 2 * int(ly.gelu) for ly in layers])
-        import inspect
-
-        self._typed_rope = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
-        self.types = sorted({ly.type for ly in layers})
+        self._rotary = _Rotary(self.base.rotary_emb, [ly.type for ly in layers])
         a = layers[0].attn
         inters = {ly.inter for ly in layers}
         same = (len(inters) == 1 and all(ly.attn.head_dim == a.head_dim and ly.attn.scaling == a.scaling
@@ -271,10 +285,7 @@ class FusedDecoder:
         assert cache is not None and input_ids.shape[0] == 1, "fused steps take one packed row set and a cache"
         base, ops = self.base, torch.ops.lp_exact4
         h = base.embed_tokens(input_ids)
-        if self._typed_rope:  # Gemma 3: a rotary table per layer type
-            rope = {t: base.rotary_emb(h, position_ids, t) for t in self.types}
-        else:
-            rope = dict.fromkeys(self.types, base.rotary_emb(h, position_ids))
+        rope = self._rotary(base.rotary_emb, h, position_ids)
         full = rope.get("full_attention")
         local = rope.get("sliding_attention", full)
         full = local if full is None else full
@@ -417,8 +428,6 @@ class LayerLoop:
     as ``FusedDecoder`` is, returns the same logits as the model's forward (``agrees``)."""
 
     def __init__(self, model, layers: list[_LoopLayer]):
-        import inspect
-
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         self.model = model
@@ -426,8 +435,7 @@ class LayerLoop:
         self.layers = layers
         self.config = model.config
         self._functions = ALL_ATTENTION_FUNCTIONS
-        self._typed_rope = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
-        self.types = sorted({ly.type for ly in layers})
+        self._rotary = _Rotary(self.base.rotary_emb, [ly.type for ly in layers])
 
     def _attention(self, eager):
         impl = self.config._attn_implementation
@@ -441,10 +449,7 @@ class LayerLoop:
         assert cache is not None and input_ids.shape[0] == 1, "loop steps take one packed row set and a cache"
         base = self.base
         h = base.embed_tokens(input_ids)
-        if self._typed_rope:
-            rope_by_type = {t: base.rotary_emb(h, position_ids, t) for t in self.types}
-        else:
-            rope_all = base.rotary_emb(h, position_ids)
+        rope = self._rotary(base.rotary_emb, h, position_ids)
         shape = h.shape[:-1]
         attention = None
         for ly in self.layers:
@@ -452,7 +457,7 @@ class LayerLoop:
             if attention is None:
                 attention = self._attention(ly.eager)
             mask = attention_mask[ly.type] if isinstance(attention_mask, dict) else attention_mask
-            cos, sin = rope_by_type[ly.type] if self._typed_rope else rope_all
+            cos, sin = rope[ly.type]
             hidden = (*shape, -1, a.head_dim)
             residual = h
             x = ly.norms[0](h)
