@@ -83,9 +83,11 @@ class _Out:
 
 def kernel_kind(lin) -> int | None:
     """The kernel a linear module of lp.kernels runs, as lp_exact4's fused stack names it: 0 exact4,
-    1 exact8, 2 exact8x, 3 exact16 float16, 16 exact16 bfloat16, 4..8 exactq; None for any other."""
+    1 exact8, 2 exact8x, 3 exact16 float16, 16 exact16 bfloat16, 4..8 exactq, 20..28 idot; None for any
+    other."""
     from lp.kernels.exact4 import Exact4Linear, Exact8Linear, Exact8xLinear, Exact16Linear
     from lp.kernels.exactq import ExactQLinear
+    from lp.kernels.idot import IDotLinear
 
     kinds = {Exact4Linear: 0, Exact8Linear: 1, Exact8xLinear: 2}
     if type(lin) in kinds:
@@ -94,6 +96,8 @@ def kernel_kind(lin) -> int | None:
         return 16 if lin.bf16 else 3
     if type(lin) is ExactQLinear:
         return lin.qkind
+    if type(lin) is IDotLinear:
+        return lin.ikind
     return None
 
 

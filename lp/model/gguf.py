@@ -60,7 +60,8 @@ KEPT = {"Q4_0": (18, 32, 4), "Q4_1": (20, 32, 4), "Q4_K": (144, SUPER, 4), "Q8_0
         "Q3_K": (110, SUPER, 8), "IQ4_NL": (18, 32, 8), "IQ4_XS": (136, SUPER, 8), "F16": (64, 32, 16),
         "BF16": (64, 32, 16)}
 # held as the file codes them (lp.kernels.exactq); Q4_K stays exact4 (6 bits a weight, not exactq's 4.75):
-# its table-driven loads ran 1.1-1.3x faster at 1-2 rows, the steps that stream the weights (bench/results/gguf_formats)
+# its table-driven loads ran 1.1-1.3x faster at 1-2 rows, the steps that stream the weights (bench/results/gguf_formats);
+# where lp.kernels.idot runs (AVX-512 VNNI), Q4_K is held as its codes too (_read_tensors)
 QKINDS = {kind: kid for kind, kid in KINDS.items() if kind != "Q4_K"}
 QHEAD = ("Q6_K",)  # embedding / head formats held as exactq parts (kind 8: lp.kernels.exact4.BlockHead)
 SCALED8 = ("Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS")  # 8-bit kinds w = q * d per 32 (the others: fma(q, D, C) per 16)
@@ -492,6 +493,12 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
     head = model.get_output_embeddings()
     file_blocks: dict = {}
     kept = dequantized = 0
+    qkinds = dict(QKINDS)
+    if keep:
+        from lp.kernels import idot
+
+        if idot.available():  # Q4_K as its codes too: idot runs them at 4.75 bits a weight, faster than exact4
+            qkinds["Q4_K"] = KINDS["Q4_K"]
     for t in file_tensors(file):
         kind = t.tensor_type.name
         hf = mapping.get(t.name)
@@ -510,8 +517,8 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
             size, per, bits = KEPT[kind]
             rows = _row_permutation(processor, t.name, n, mapping, parsed)
             if rows is not None and t.data.size == n * k // per * size:
-                if kind in QKINDS:  # lp.kernels.exactq: the file's codes, at about its size
-                    owner._lp_blocksq = (QKINDS[kind], tuple(x[rows] for x in blocksq_of(t.data, kind, n, k)))
+                if kind in qkinds:  # lp.kernels.exactq / idot: the file's codes, at about its size
+                    owner._lp_blocksq = (qkinds[kind], tuple(x[rows] for x in blocksq_of(t.data, kind, n, k)))
                     kept += 1
                     continue
                 parts = tuple(x[rows] for x in _read_blocks(t.data, kind, n, k, bits))

@@ -325,9 +325,10 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
         dtype = next(model.parameters()).dtype
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"model.quant=exact4 runs float32 models on the CPU, got {dtype} on {device.type}")
-        from lp.kernels import exact4, exactq
+        from lp.kernels import exact4, exactq, idot
 
-        n, _ = exact4.convert(model, first=(exactq.ExactQLinear.of,))
+        # a file's blocks on integer dots where the CPU has VNNI, else on the float kernels
+        n, _ = exact4.convert(model, first=(idot.IDotLinear.of, exactq.ExactQLinear.of))
         if n == 0:
             raise ValueError("model.quant=exact4: no linear of this model holds exact 4-bit blocks (a GGUF Q4_0 / "
                              "Q4_1 model dequantized to float32 does) or 16-bit floats; use model.quant=none")

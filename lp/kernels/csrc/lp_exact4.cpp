@@ -511,6 +511,257 @@ struct WeightsQ {
   }
 };
 
+// -- idot: GGUF blocks on integer dot products (lp.kernels.idot) ---------------------------------------
+// Every block format is w = D u + C per 32 inputs (u the unsigned code: Q4_0 D = d, C = -8 d; Q4_1 C = m;
+// Q5_0 / Q5_1 alike with 5 bits; Q8_0 u = q + 128, C = -128 d; Q4_K / Q5_K D = d sc, C = nm mn; Q6_K a D per
+// 16 inputs, C = -32 D). x is held per 32 inputs as X = x 2^e rounded to an integer, |X| < 2^23 (e from the
+// block's largest |x|: 23 significant bits, the largest element's rounding at most 2^-23 of it), split into
+// three signed int8 digits X = 2^16 x1 + 2^8 x2 + x3. AVX-512 VNNI's vpdpbusd forms sum(u x_i) exactly in int32,
+// 16 outputs a lane each; per block t = 2^16 S1 + (2^8 S2 + S3) is exact in double, and each output accumulates
+// acc = fma(t, D 2^-e, acc); acc = fma(C, sum(X) 2^-e, acc) in double (each product exact, one rounding a step),
+// rounded to float32 once at the end. A row's result depends on that row only (rows share the weights' decode,
+// never a sum). Packed: per group of 16 outputs, entries of kSuper blocks: a header (K-quants: d[16], nm[16]
+// float32; Q6_K: d[16]), then per block the codes (kCodes bytes: 4 x 64 nibble bytes, byte 4 i + t of vector c
+// holding output i's u[8c + t] (low) and u[8c + 4 + t] (high); then 1-2 planes of 8 x 64 bits, bit 4 i + t of
+// word 2c + h the code's bit 4 (5) of u[8c + 4h + t]; or 8 x 64 code bytes, vector c holding u[4c + t]) and the
+// scales (F16: D[16], C[16] float16; F32: float32; K: sc[16], mn[16] uint8; 6K: sc[16] of inputs 0-15, sc[16] of
+// 16-31, int8). lp.kernels.idot.packi writes it; lp.kernels.idot.reference is this arithmetic in torch.
+template <int CODE, int SCALE>  // CODE 0 nibble, 1 nibble + 1 plane, 2 nibble + 2 planes, 3 bytes; SCALE 0 F16, 1 F32, 2 K, 3 6K
+struct IDot {
+  static constexpr int64_t kSuper = SCALE >= 2 ? 8 : 1;
+  static constexpr int64_t kHead = SCALE == 2 ? 128 : (SCALE == 3 ? 64 : 0);
+  static constexpr int64_t kCodes = CODE == 3 ? 512 : 256 + CODE * 64;
+  static constexpr int64_t kScales = SCALE == 1 ? 128 : (SCALE == 0 ? 64 : 32);
+  static constexpr int64_t kBlockBytes = kCodes + kScales;
+  static constexpr int64_t kBytes = kHead + kSuper * kBlockBytes;
+  static constexpr int kHalves = SCALE == 3 ? 2 : 1;
+};
+
+constexpr int kIdotRows = 32;  // rows a pass over a group's blocks holds accumulators for
+
+// x's digits and scales: per row 3 x K int8 (x1, x2, x3), per row and block s = 2^-e, sum(X) s over the
+// block and over its first 16 inputs (double)
+struct IDotX {
+  std::vector<int8_t> digits;
+  std::vector<double> scales;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+IDotX idot_prep(const float* x, int64_t M, int64_t K) {
+  const int64_t B = K / kBlock;
+  IDotX out{std::vector<int8_t>(3 * M * K), std::vector<double>(3 * M * B)};
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+    for (int64_t m = m0; m < m1; ++m) {
+      int8_t* x1 = out.digits.data() + 3 * m * K;
+      double* s = out.scales.data() + 3 * m * B;
+      for (int64_t b = 0; b < B; ++b) {
+        const float* xb = x + m * K + b * kBlock;
+        const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const bool finite = std::isfinite(mx);
+        int e = 0;
+        if (mx > 0.f && finite) {
+          e = 22 - std::ilogb(mx);  // mx 2^e in [2^22, 2^23)
+          if (std::ldexp(static_cast<double>(mx), e) > 8355711.0) e -= 1;  // the largest three int8 digits hold
+        }
+        const __m512 ev = _mm512_set1_ps(static_cast<float>(finite ? e : 0));
+        int64_t sum[2];
+        for (int h = 0; h < 2; ++h) {
+          // x 2^e is exact (a power of two), rounded to the nearest integer (ties to even)
+          const __m512i X = finite ? _mm512_cvtps_epi32(_mm512_scalef_ps(h ? hi : lo, ev)) : _mm512_setzero_si512();
+          sum[h] = _mm512_reduce_add_epi32(X);
+          const __m512i d3 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, c128), c255), c128);
+          const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(X, d3), 8);
+          const __m512i d2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, c128), c255), c128);
+          const __m512i d1 = _mm512_srai_epi32(_mm512_sub_epi32(r, d2), 8);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(x1 + b * kBlock + 16 * h), _mm512_cvtepi32_epi8(d1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(x1 + K + b * kBlock + 16 * h), _mm512_cvtepi32_epi8(d2));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(x1 + 2 * K + b * kBlock + 16 * h), _mm512_cvtepi32_epi8(d3));
+        }
+        const double sc = finite ? std::ldexp(1.0, -e) : NAN;  // a non-finite x: the row's outputs NaN
+        s[b] = sc;
+        s[B + b] = static_cast<double>(sum[0] + sum[1]) * sc;
+        s[2 * B + b] = static_cast<double>(sum[0]) * sc;
+      }
+    }
+  });
+  return out;
+}
+
+template <class F, int CODE, int SCALE>
+void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M, int64_t K, float* y, int64_t N,
+                int64_t n0, bool prefetch) {
+  const int64_t B = K / kBlock;
+  alignas(64) double acc[kIdotRows][16];
+  const __m512i m4 = _mm512_set1_epi8(0x0f), one4 = _mm512_set1_epi8(16), one5 = _mm512_set1_epi8(32);
+  const __m512d k16 = _mm512_set1_pd(65536.0);
+  auto lo_pd = [](const __m512 v) { return _mm512_cvtps_pd(_mm512_castps512_ps256(v)); };
+  auto hi_pd = [](const __m512 v) {
+    return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  for (int64_t m0 = 0; m0 < M; m0 += kIdotRows) {
+    const int64_t mt = std::min<int64_t>(kIdotRows, M - m0);
+    for (int64_t m = 0; m < mt; ++m) {
+      _mm512_store_pd(acc[m], _mm512_setzero_pd());
+      _mm512_store_pd(acc[m] + 8, _mm512_setzero_pd());
+    }
+    for (int64_t en = 0; en < entries; ++en) {
+      const uint8_t* e = grp + en * F::kBytes;
+      for (int r = 0; r < F::kSuper; ++r) {
+        const int64_t b = en * F::kSuper + r;
+        const uint8_t* blk = e + F::kHead + r * F::kBlockBytes;
+        if (prefetch && m0 == 0)
+          for (int64_t l = 0; l < F::kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + l, _MM_HINT_T0);
+        __m512i u[8];
+        if constexpr (CODE == 3) {
+          for (int c = 0; c < 8; ++c) u[c] = _mm512_loadu_si512(blk + 64 * c);
+        } else {
+          for (int c = 0; c < 4; ++c) {
+            const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+            u[2 * c] = _mm512_and_si512(v, m4);
+            u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+          }
+          for (int p = 0; p < CODE; ++p) {
+            const uint64_t* plane = reinterpret_cast<const uint64_t*>(blk + 256 + 64 * p);
+            const __m512i bit = p == 0 ? one4 : one5;
+            for (int j = 0; j < 8; ++j) u[j] = _mm512_or_si512(u[j], _mm512_maskz_mov_epi8(plane[j], bit));
+          }
+        }
+        // the 16 outputs' D and C (double, outputs 0-7 and 8-15; Q6_K: of inputs 0-15, then 16-31)
+        __m512d D[2][2], C[2][2];
+        const uint8_t* sc = blk + F::kCodes;
+        if constexpr (SCALE == 0 || SCALE == 1) {
+          __m512 d, c;
+          if constexpr (SCALE == 0) {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+            c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+          } else {
+            d = _mm512_loadu_ps(sc);
+            c = _mm512_loadu_ps(sc + 64);
+          }
+          D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);
+        } else if constexpr (SCALE == 2) {
+          const float* hd = reinterpret_cast<const float*>(e);
+          const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(hd), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+          const __m512 c = _mm512_mul_ps(_mm512_loadu_ps(hd + 16), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
+          D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);  // d sc, nm mn: exact
+        } else {
+          const __m512 hd = _mm512_loadu_ps(reinterpret_cast<const float*>(e));
+          const __m512 m32 = _mm512_set1_ps(-32.0f);
+          for (int h = 0; h < 2; ++h) {
+            const __m512 d = _mm512_mul_ps(hd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * h)))));
+            const __m512 c = _mm512_mul_ps(d, m32);
+            D[h][0] = lo_pd(d), D[h][1] = hi_pd(d), C[h][0] = lo_pd(c), C[h][1] = hi_pd(c);
+          }
+        }
+        for (int64_t m = 0; m < mt; ++m) {
+          const int8_t* xr = xd.digits.data() + 3 * (m0 + m) * K + b * kBlock;
+          const int32_t* w1 = reinterpret_cast<const int32_t*>(xr);
+          const int32_t* w2 = reinterpret_cast<const int32_t*>(xr + K);
+          const int32_t* w3 = reinterpret_cast<const int32_t*>(xr + 2 * K);
+          const double* sr = xd.scales.data() + 3 * (m0 + m) * B;
+          const __m512d s = _mm512_set1_pd(sr[b]);
+          __m512d a0 = _mm512_load_pd(acc[m]), a1 = _mm512_load_pd(acc[m] + 8);
+          for (int h = 0; h < F::kHalves; ++h) {
+            constexpr int per = 8 / F::kHalves;
+            __m512i S1 = _mm512_setzero_si512(), S2 = S1, S3 = S1;
+            for (int j = h * per; j < (h + 1) * per; ++j) {
+              S1 = _mm512_dpbusd_epi32(S1, u[j], _mm512_set1_epi32(w1[j]));
+              S2 = _mm512_dpbusd_epi32(S2, u[j], _mm512_set1_epi32(w2[j]));
+              S3 = _mm512_dpbusd_epi32(S3, u[j], _mm512_set1_epi32(w3[j]));
+            }
+            // t = 2^16 S1 + (2^8 S2 + S3): the parenthesis fits int32 (|S2|, |S3| < 2^21), t is exact in double
+            const __m512i R = _mm512_add_epi32(_mm512_slli_epi32(S2, 8), S3);
+            const __m512d t0 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(S1)), k16,
+                                               _mm512_cvtepi32_pd(_mm512_castsi512_si256(R)));
+            const __m512d t1 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(S1, 1)), k16,
+                                               _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(R, 1)));
+            const double sx = F::kHalves == 1 ? sr[B + b] : (h == 0 ? sr[2 * B + b] : sr[B + b] - sr[2 * B + b]);
+            const __m512d sxv = _mm512_set1_pd(sx);
+            a0 = _mm512_fmadd_pd(t0, _mm512_mul_pd(D[h][0], s), a0);
+            a1 = _mm512_fmadd_pd(t1, _mm512_mul_pd(D[h][1], s), a1);
+            a0 = _mm512_fmadd_pd(C[h][0], sxv, a0);
+            a1 = _mm512_fmadd_pd(C[h][1], sxv, a1);
+          }
+          _mm512_store_pd(acc[m], a0);
+          _mm512_store_pd(acc[m] + 8, a1);
+        }
+      }
+    }
+    for (int64_t m = 0; m < mt; ++m) {
+      alignas(64) float out[16];
+      _mm256_store_ps(out, _mm512_cvtpd_ps(_mm512_load_pd(acc[m])));
+      _mm256_store_ps(out + 8, _mm512_cvtpd_ps(_mm512_load_pd(acc[m] + 8)));
+      for (int i = 0; i < 16 && n0 + i < N; ++i) y[(m0 + m) * N + n0 + i] = out[i];
+    }
+  }
+}
+
+template <int CODE, int SCALE>
+torch::Tensor idot_run(torch::Tensor x, const torch::Tensor& p, int64_t N) {
+  using F = IDot<CODE, SCALE>;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "mmi: x must be [M, K] float32");
+  TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(2) == F::kBytes,
+              "mmi: p must be a packed [groups, entries, ", F::kBytes, "] uint8 tensor");
+  const int64_t M = x.size(0), K = x.size(1), groups = p.size(0);
+  TORCH_CHECK(K % (kBlock * F::kSuper) == 0 && p.size(1) == K / (kBlock * F::kSuper) && N > 0 && (N + 15) / 16 == groups,
+              "mmi: shapes do not match");
+  x = x.contiguous();
+  at::Tensor y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const IDotX xd = idot_prep(x.data_ptr<float>(), M, K);
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t group_bytes = p.size(1) * F::kBytes;
+  const bool prefetch = g_prefetch.load(std::memory_order_relaxed);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      idot_group<F, CODE, SCALE>(pp + g * group_bytes, p.size(1), xd, M, K, yp, N, g * 16, prefetch);
+  });
+  return y;
+}
+#endif
+
+// kinds 20..28 (lp.kernels.idot.KINDS): (CODE, SCALE)
+constexpr int kIdotKinds[9][2] = {{0, 0}, {1, 0}, {3, 0}, {0, 2}, {1, 2}, {2, 3}, {0, 1}, {1, 1}, {3, 1}};
+
+bool idot_available() {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind) {
+  TORCH_CHECK(kind >= 20 && kind <= 28, "mmi: kind must be 20..28 (lp.kernels.idot.KINDS), got ", kind);
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  switch (kind) {
+    case 20: return idot_run<0, 0>(x, p, n);
+    case 21: return idot_run<1, 0>(x, p, n);
+    case 22: return idot_run<3, 0>(x, p, n);
+    case 23: return idot_run<0, 2>(x, p, n);
+    case 24: return idot_run<1, 2>(x, p, n);
+    case 25: return idot_run<2, 3>(x, p, n);
+    case 26: return idot_run<0, 1>(x, p, n);
+    case 27: return idot_run<1, 1>(x, p, n);
+    default: return idot_run<3, 1>(x, p, n);
+  }
+#else
+  TORCH_CHECK(false, "mmi: this build has no AVX-512 VNNI (lp.kernels.idot runs only where it does)");
+#endif
+}
+
+// (blocks an entry, header bytes, code bytes a block, block bytes, entry bytes) of idot kind 20..28
+std::vector<int64_t> idot_layout(int64_t kind) {
+  TORCH_CHECK(kind >= 20 && kind <= 28, "layouti: kind must be 20..28, got ", kind);
+  const int code = kIdotKinds[kind - 20][0], scale = kIdotKinds[kind - 20][1];
+  const int64_t super = scale >= 2 ? 8 : 1, head = scale == 2 ? 128 : (scale == 3 ? 64 : 0);
+  const int64_t codes = code == 3 ? 512 : 256 + code * 64, scales = scale == 1 ? 128 : (scale == 0 ? 64 : 32);
+  return {super, head, codes, codes + scales, head + super * (codes + scales)};
+}
+
 // y = x @ W.T for W packed in WeightsQ's layout (lp.kernels.exactq.packq); kind 4..8 as kKind
 torch::Tensor exactq_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind) {
   switch (kind) {
@@ -821,7 +1072,7 @@ torch::Tensor kernel_mm(const torch::Tensor& x, const torch::Tensor& p, int64_t 
     case 2: return exact8x_mm(x, p, n);
     case 3: return exact16_mm(x, p, n, false);
     case 16: return exact16_mm(x, p, n, true);
-    default: return exactq_mm(x, p, n, kind);  // 4..8, else its error
+    default: return kind >= 20 ? idot_mm(x, p, n, kind) : exactq_mm(x, p, n, kind);  // 4..8, 20..28, else an error
   }
 }
 
@@ -1316,6 +1567,7 @@ TORCH_LIBRARY(lp_exact4, m) {
   m.def("mm8x(Tensor x, Tensor p, int n) -> Tensor");
   m.def("mm16(Tensor x, Tensor p, int n, bool bf16) -> Tensor");
   m.def("mmq(Tensor x, Tensor p, int n, int kind) -> Tensor");
+  m.def("mmi(Tensor x, Tensor p, int n, int kind) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("attn_in(Tensor h, Tensor ln_w, float eps, Tensor[] p, int[] meta, Tensor[] b, int heads, int kv_heads, "
         "int head_dim, Tensor cos, Tensor sin, Tensor[] qk_norm, float[] qk_eps) -> Tensor[]");
@@ -1334,6 +1586,7 @@ TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
   m.impl("mm8x", &exact8x_mm);
   m.impl("mm16", &exact16_mm);
   m.impl("mmq", &exactq_mm);
+  m.impl("mmi", &idot_mm);
   m.impl("rms_norm", &rms_norm);
 #if defined(__AVX512F__)
   m.impl("attn_in", &attn_in);
@@ -1348,6 +1601,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack8x", &exact8x_pack, "exact 8-bit blocks (q, D, C per 16 weights) in the kernel layout");
   m.def("pack16", &exact16_pack, "bfloat16 / float16 weights in the kernel layout");
   m.def("layoutq", &exactq_layout, "(blocks an entry, header bytes, block bytes, entry bytes) of exactq kind 4..8");
+  m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..28");
+  m.def("idot", &idot_available, "whether this build runs lp.kernels.idot (AVX-512 VNNI and BW)");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");

@@ -1,0 +1,229 @@
+"""GGUF block formats on integer dot products: a one-row product at llama.cpp's instruction count,
+still a row's own (issue 50, items 2 and 6).
+
+Contract: ``IDotLinear.of(linears)`` takes sibling linears that hold one block format as lp.model.gguf
+read it (``_lp_blocks``: Q4_0 / Q4_1; ``_lp_blocks8``: Q8_0; ``_lp_blocksq``: Q5_0 / Q5_1 / Q4_K /
+Q5_K / Q6_K) or float32 weights that are exact 4-bit blocks (lp.kernels.exact4.encode: a Q4 GGUF
+converted to a transformers folder runs as its file does) and returns a linear whose product ``mmi`` computes, per output and row, the float32
+rounding of a double-precision sum over the input's blocks of exact products of the file's real
+weights ``w = D u + C`` (u the block's unsigned code) and x held per 32 inputs as a 23-bit integer
+X = round(x 2^e) (e from the block's largest |x|). ``reference`` is that arithmetic in torch
+(float64, bit for bit the kernel's for kinds 20-25); unit rows give the file's float32 weights
+exactly (the check ``of`` runs). A row's output depends on that row only: the decode of the weights
+is shared by the rows of a call, no sum is. Only where the build has AVX-512 VNNI (``available``).
+
+Why: the float kernels (exact4, exactq) widen each weight to float32 before the multiply-add: at one
+row that decode is the cost (bench/results/gguf_formats/exactq_kernels.md: bound by instructions,
+not memory). Here a 32-input block of 16 outputs is 8 code vectors and 24 ``vpdpbusd`` a row (the
+three int8 digits of X), and the packed codes hold the file's bits (Q4_0 4.5 bits a weight, Q5_0 5.5,
+Q4_K 4.75, Q6_K 6.6; scales float16 where the file's are).
+
+Kinds (csrc ``IDot<CODE, SCALE>``): 20 Q4_0 / Q4_1, 21 Q5_0 / Q5_1, 22 Q8_0 (scales float16), 23 Q4_K,
+24 Q5_K, 25 Q6_K, and 26 / 27 / 28 as 20 / 21 / 22 with float32 scales (where a D or C is not a
+float16 value).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from lp.kernels.exact4 import Exact4Linear, _code, _unit_rows, extension
+from lp.kernels.exactq import widenq
+
+GROUP, BLOCK = 16, 32
+BITS = {20: 4.5, 21: 5.5, 22: 8.5, 23: 4.75, 24: 5.75, 25: 6.625, 26: 5.0, 27: 6.0, 28: 9.0}
+
+
+def available() -> bool:
+    """Whether ``mmi`` runs here (a build with AVX-512 VNNI and BW) and ``LP_IDOT`` is not ``0``
+    (the float kernels instead: benchmarks, A/B runs)."""
+    return os.environ.get("LP_IDOT", "1") != "0" and bool(extension().idot())
+
+
+def mmi(x_MK: torch.Tensor, p: torch.Tensor, n: int, kind: int) -> torch.Tensor:
+    """``x @ W.T`` [M, n] for float32 ``x`` [M, K] and W packed by ``packi``."""
+    return torch.ops.lp_exact4.mmi(x_MK, p, n, kind)
+
+
+def _f16(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t)) and bool(torch.isfinite(t.half()).all())
+
+
+def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
+    """(kind, (u uint8 [N, K], scales...)) of a linear's file blocks (module doc), else None.
+    Scales: kinds 20-22 / 26-28 (D, C float32 [N, K / 32]); 23 / 24 (sc, mn uint8 [N, K / 32],
+    d, nm float32 [N, K / 256]); 25 (sc int8 [N, K / 16], d float32 [N, K / 256])."""
+    q = getattr(lin, "_lp_blocksq", None)
+    if q is not None:
+        kind, parts = q
+        if kind == 4:
+            u, D, C = parts
+            return (21 if _f16(D) and _f16(C) else 27), (u, D, C)
+        if kind in (5, 6):
+            return (23 if kind == 5 else 24), parts
+        return 25, parts  # 7, 8: Q6_K
+    b8 = getattr(lin, "_lp_blocks8", None)
+    if b8 is not None:
+        if len(b8) != 2:
+            return None
+        q8, d = b8
+        u = (q8.to(torch.int16) + 128).to(torch.uint8)
+        C = d * -128.0
+        return (22 if _f16(d) and _f16(C) else 28), (u, d, C)
+    if not isinstance(lin, nn.Linear) or lin.weight.dtype != torch.float32:
+        return None
+    code = _code(lin)  # a file's 4-bit blocks, or those a float32 weight holds exactly (exact4.encode)
+    if code is None:
+        return None
+    q, d, c = code
+    n = q.shape[0]
+    q_NB16 = q.reshape(n, -1, 16)
+    u = torch.cat([q_NB16 & 0x0F, q_NB16 >> 4], dim=2).reshape(n, -1).contiguous()
+    return (20 if _f16(d) and _f16(c) else 26), (u, d, c)
+
+
+def widened(kind: int, parts: tuple) -> torch.Tensor:
+    """The float32 weights [N, K] (each one rounding of D u + C: gguf.dequantize's)."""
+    if kind in (23, 24):
+        return widenq(5, parts)
+    if kind == 25:
+        return widenq(7, parts)
+    u, D, C = parts
+    n, k = u.shape
+    return (u.float().reshape(n, -1, BLOCK) * D[..., None] + C[..., None]).reshape(n, k)
+
+
+def _scales(kind: int, parts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D, C) float64 per (output, 16 inputs) [N, K / 16], exact."""
+    if kind in (23, 24):
+        _, sc, mn, d, nm = parts
+        D = d.double().repeat_interleave(8, dim=1) * sc.double()
+        C = nm.double().repeat_interleave(8, dim=1) * mn.double()
+        return D.repeat_interleave(2, dim=1), C.repeat_interleave(2, dim=1)
+    if kind == 25:
+        _, sc, d = parts
+        D = d.double().repeat_interleave(16, dim=1) * sc.double()
+        return D, -32.0 * D
+    _, D, C = parts
+    return D.double().repeat_interleave(2, dim=1), C.double().repeat_interleave(2, dim=1)
+
+
+def reference(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tensor:
+    """``mmi``'s arithmetic in torch (module doc): per row and 32-input block, e with the block's
+    largest |x| 2^e in [2^22, 2^23) (one less where it would pass 8355711), X = round(x 2^e) (ties
+    to even), then in float64 per block (and per half of it for Q6_K's scales per 16):
+    acc += t (D 2^-e); acc += C (sum X 2^-e), t = sum u X; float32 at the end. Bit for bit the
+    kernel's where each product is exact in float64 (kinds 20-25)."""
+    x = x_MK.double()
+    m, k = x.shape
+    u = parts[0].to(torch.int64)
+    n = u.shape[0]
+    xb = x.reshape(m, k // BLOCK, BLOCK)
+    mx = xb.abs().amax(-1)
+    e = torch.where(mx > 0, 22 - (torch.frexp(mx).exponent.to(torch.int64) - 1), 0)  # ilogb(mx) = exponent - 1
+    e = torch.where(torch.ldexp(mx, e.double()) > 8355711.0, e - 1, e)
+    X = torch.round(torch.ldexp(xb, e.double()[..., None])).to(torch.int64)  # [M, B, 32]
+    s = torch.ldexp(torch.ones_like(mx), -e.double())  # [M, B]
+    D, C = _scales(kind, parts)  # [N, K / 16]
+    halves = 2 if kind == 25 else 1
+    per = BLOCK // halves
+    ub = u.reshape(n, k // per, per)
+    Xh = X.reshape(m, k // per, per)
+    t = torch.einsum("nbj,mbj->mnb", ub, Xh).double()  # exact: |t| < 2^53
+    sx = Xh.sum(-1).double()  # [M, K / per]
+    sh = s.repeat_interleave(halves, dim=1)  # [M, K / per]
+    Dh, Ch = D[:, ::2 // halves], C[:, ::2 // halves]  # [N, K / per]
+    acc = torch.zeros(m, n, dtype=torch.float64)
+    for j in range(k // per):
+        acc = acc + t[:, :, j] * (Dh[:, j][None, :] * sh[:, j:j + 1])
+        acc = acc + Ch[:, j][None, :] * (sx[:, j:j + 1] * sh[:, j:j + 1])
+    return acc.float()
+
+
+def packi(kind: int, parts: tuple) -> torch.Tensor:
+    """``parts`` (``codes_of``) in ``mmi``'s layout: uint8 [groups of 16, entries, entry bytes]."""
+    supers, head, code_bytes, block_bytes, entry_bytes = extension().layouti(kind)
+    u = parts[0]
+    n, k = u.shape
+    g = -(-n // GROUP)
+    pad = g * GROUP - n
+    b = k // BLOCK
+    s = b // supers
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [groups, 16, ...], zero rows padded."""
+        if pad:
+            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+        return t.reshape(g, GROUP, *t.shape[1:])
+
+    def per_output(t: torch.Tensor) -> torch.Tensor:
+        """[N, B] -> bytes [groups, B, 16 * itemsize] (outputs inner)."""
+        return grouped(t).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(g, b, -1)
+
+    u_G16B = grouped(u).reshape(g, GROUP, b, BLOCK)
+    if kind in (22, 28):  # vector c holds u[4c + t] of output i at byte 4 i + t
+        codes = [u_G16B.reshape(g, GROUP, b, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, b, 512)]
+    else:
+        u6 = u_G16B.reshape(g, GROUP, b, 4, 2, 4)  # [.., c, h, t]: u[8c + 4h + t]
+        nib = (u6[..., 0, :] & 0x0F) | ((u6[..., 1, :] & 0x0F) << 4)  # [g, i, b, c, t]
+        codes = [nib.permute(0, 2, 3, 1, 4).reshape(g, b, 256)]
+        planes = {21: 1, 24: 1, 27: 1, 25: 2}.get(kind, 0)
+        weights = (1 << torch.arange(8, dtype=torch.int64))
+        for p in range(planes):
+            bit = ((u6.to(torch.int64) >> (4 + p)) & 1).permute(0, 2, 3, 4, 1, 5)  # [g, b, c, h, i, t]
+            codes.append((bit.reshape(g, b, 64, 8) * weights).sum(-1).to(torch.uint8))
+    if kind in (20, 21, 22):
+        assert _f16(parts[1]) and _f16(parts[2]), "kinds 20-22 hold float16 scales"
+        scales = [per_output(parts[1].half()), per_output(parts[2].half())]
+    elif kind in (26, 27, 28):
+        scales = [per_output(parts[1].float()), per_output(parts[2].float())]
+    elif kind in (23, 24):
+        scales = [per_output(parts[1]), per_output(parts[2])]
+    else:
+        sc = parts[1].reshape(n, b, 2)
+        scales = [per_output(sc[..., 0].contiguous()), per_output(sc[..., 1].contiguous())]
+    blocks = torch.cat(codes + scales, dim=-1)
+    assert blocks.shape[-1] == block_bytes and sum(c.shape[-1] for c in codes) == code_bytes, blocks.shape
+    entry = [blocks.reshape(g, s, supers * block_bytes)]
+    if head:
+        floats = parts[3:] if kind in (23, 24) else parts[2:]
+        entry = [grouped(t.float()).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(g, s, -1)
+                 for t in floats] + entry
+    out = torch.cat(entry, dim=-1).contiguous()
+    assert out.shape[-1] == entry_bytes, (out.shape, entry_bytes)
+    return out
+
+
+class IDotLinear(Exact4Linear):
+    """``y = x @ W.T`` for float32 ``x`` with W held as the file's block codes, run by ``mmi``
+    (module doc); siblings of one kind stacked as ``Exact4Linear``'s."""
+
+    def __init__(self, linears: list[nn.Linear], p: torch.Tensor, kind: int):
+        super().__init__(linears, p)
+        self.ikind = kind
+        self.bits = BITS[kind]
+        self.kernel = lambda x_MK, p, n: mmi(x_MK, p, n, kind)  # Exact4Linear.forward calls it
+
+    @classmethod
+    def of(cls, linears: list[nn.Linear]) -> IDotLinear | None:
+        """The siblings' codes stacked, packed and checked through the kernel on unit rows against
+        their float32 weights; None unless every sibling holds file blocks of one kind."""
+        if not available():
+            return None
+        codes = [codes_of(lin) for lin in linears]
+        if any(c is None for c in codes) or len({c[0] for c in codes}) != 1:
+            return None
+        kind = codes[0][0]
+        parts = tuple(torch.cat([c[1][i] for c in codes]) for i in range(len(codes[0][1])))
+        p = packi(kind, parts)
+        n = parts[0].shape[0]
+        idx, unit_RK = _unit_rows(parts[0].shape[1])
+        if not torch.equal(mmi(unit_RK, p, n, kind), widened(kind, parts)[:, idx].t()):
+            return None
+        return cls(linears, p, kind)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr().replace(f"exact {self.bits}-bit weights", f"GGUF codes on int8 dots (kind {self.ikind})")
