@@ -559,7 +559,7 @@ IDotX idot_prep(const float* x, int64_t M, int64_t K) {
         const float* xb = x + m * K + b * kBlock;
         const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
         const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const bool finite = std::isfinite(mx);
+        const bool finite = std::isfinite(mx) && !(_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q));
         int e = 0;
         if (mx > 0.f && finite) {
           e = 22 - std::ilogb(mx);  // mx 2^e in [2^22, 2^23)

@@ -1,0 +1,114 @@
+"""GGUF blocks on integer dot products (lp.kernels.idot): the arithmetic its docstring states, rows alone.
+
+For every block format a file holds (random blocks, as lp.model.gguf reads them):
+
+* unit rows give back gguf.dequantize's float32 weights bit for bit (the check ``IDotLinear.of``
+  runs: layout, codes, scales);
+* ``mmi`` equals ``reference`` (the stated arithmetic in torch float64) bit for bit for 1, 5 and 40
+  rows (past the kernel's 32-row pass), and each row alone gets the bits it gets among the others;
+* rows of any magnitude (1e-30 .. 1e30, zeros) stay within float32 rounding of the float64 product,
+  and a row holding a NaN gives NaN outputs for that row only;
+* the packed bytes are the file's bits within 6% (the float16 / 6-bit scales as the file holds them),
+  plus half a bit a weight for Q4_0 / Q5_0 / Q8_0, whose offset C = -8 / -16 / -128 d is held too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.gguf_tiny import random_blocks
+
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+FILE_BITS = {"Q4_0": 5.0, "Q4_1": 5.0, "Q5_0": 6.0, "Q5_1": 6.0, "Q8_0": 9.0, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625}
+
+
+@pytest.fixture(scope="module")
+def idot():
+    from lp.kernels import idot
+    from lp.kernels.exact4 import extension
+
+    if not extension().idot():
+        pytest.skip("this CPU has no AVX-512 VNNI: lp.kernels.idot does not run here")
+    return idot
+
+
+def _linear(raw: np.ndarray, fmt: str, n: int, k: int) -> torch.nn.Linear:
+    """A meta linear holding the file blocks as lp.model.gguf sets them."""
+    from lp.model.gguf import KEPT, KINDS, _read_blocks, blocksq_of
+
+    lin = torch.nn.Linear(k, n, bias=False, device="meta")
+    if fmt in KINDS:
+        lin._lp_blocksq = (KINDS[fmt], blocksq_of(raw, fmt, n, k))
+    elif KEPT[fmt][2] == 8:
+        lin._lp_blocks8 = _read_blocks(raw, fmt, n, k, 8)
+    else:
+        lin._lp_blocks = _read_blocks(raw, fmt, n, k, 4)
+    return lin
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_idot_is_its_stated_arithmetic_rows_alone(fmt, idot):
+    import gguf
+
+    rng = np.random.default_rng(11)
+    for n, k in ((13, 512), (40, 768)):  # 13: a padded group of 16 outputs
+        raw = random_blocks(fmt, n, k, 0.05, rng)
+        want_w = torch.from_numpy(np.ascontiguousarray(
+            gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[fmt]).reshape(n, k), dtype=np.float32))
+        lin = _linear(raw, fmt, n, k)
+        kind, parts = idot.codes_of(lin)
+        assert kind in range(20, 26), kind  # the float16 / code-scale kinds for every real format
+        assert torch.equal(idot.widened(kind, parts).view(torch.int32), want_w.view(torch.int32))
+        p = idot.packi(kind, parts)
+        assert p.numel() * 8 / (n * k) <= FILE_BITS[fmt] * 1.06 * (-(-n // 16) * 16) / n, (fmt, p.numel())
+        unit = torch.eye(k)[:: max(1, k // 97)]
+        assert torch.equal(idot.mmi(unit, p, n, kind), want_w[:, :: max(1, k // 97)].t())
+        g = torch.Generator().manual_seed(n)
+        for m in (1, 5, 40):
+            x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k // 32).repeat_interleave(32)
+            y = idot.mmi(x, p, n, kind)
+            assert torch.equal(y, idot.reference(x, kind, parts)), (fmt, m)
+            alone = torch.cat([idot.mmi(x[i:i + 1], p, n, kind) for i in range(m)])
+            assert torch.equal(alone, y)
+        exact = x.double() @ want_w.double().T
+        err = (y.double() - exact).abs() / (x.double().abs() @ want_w.double().abs().T)
+        assert err.max() < 2e-6, err.max()  # float32-class: the bound of a float32 dot product's rounding
+        assert IDotLinearOf(idot, lin) is not None
+
+
+def IDotLinearOf(idot, lin):
+    return idot.IDotLinear.of([lin])
+
+
+def test_idot_rows_of_any_magnitude_and_a_nan_row_alone(idot):
+    rng = np.random.default_rng(3)
+    n, k = 24, 512
+    raw = random_blocks("Q5_0", n, k, 0.05, rng)
+    kind, parts = idot.codes_of(_linear(raw, "Q5_0", n, k))
+    p = idot.packi(kind, parts)
+    w = idot.widened(kind, parts).double()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, k, generator=g)
+    x[0] *= 1e-30
+    x[1] *= 1e30
+    x[2] = 0
+    x[3, :32] = 0  # a zero block among others
+    x[4, 100:110] = 1e-38  # subnormal-scale inputs beside normal ones
+    x[5, 7] = float("nan")
+    y = idot.mmi(x, p, n, kind)
+    assert torch.isnan(y[5]).all() and torch.isfinite(y[:5]).all()
+    assert torch.equal(y[2], torch.zeros(n))
+    exact = x[:5].double() @ w.T
+    bound = x[:5].double().abs() @ w.abs().T
+    assert ((y[:5].double() - exact).abs() <= 2e-6 * bound).all()
+    assert torch.equal(y[:5], idot.reference(x[:5], kind, parts))
+
+
+def test_idot_errors_name_the_kind(idot):
+    p = torch.zeros(1, 1, 10, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="kind must be 20..28"):
+        idot.mmi(torch.zeros(1, 32), p, 16, 19)
+    with pytest.raises(RuntimeError, match="packed"):
+        idot.mmi(torch.zeros(1, 32), p, 16, 20)
