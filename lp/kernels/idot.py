@@ -171,10 +171,12 @@ def packi(kind: int, parts: tuple) -> torch.Tensor:
         nib = (u6[..., 0, :] & 0x0F) | ((u6[..., 1, :] & 0x0F) << 4)  # [g, i, b, c, t]
         codes = [nib.permute(0, 2, 3, 1, 4).reshape(g, b, 256)]
         planes = {21: 1, 24: 1, 27: 1, 25: 2}.get(kind, 0)
-        weights = (1 << torch.arange(8, dtype=torch.int64))
         for p in range(planes):
-            bit = ((u6.to(torch.int64) >> (4 + p)) & 1).permute(0, 2, 3, 4, 1, 5)  # [g, b, c, h, i, t]
-            codes.append((bit.reshape(g, b, 64, 8) * weights).sum(-1).to(torch.uint8))
+            bit = ((u6 >> (4 + p)) & 1).permute(0, 2, 3, 4, 1, 5).reshape(g, b, 64, 8)  # [g, b, (c, h, i, t)]
+            byte = bit[..., 0].clone()  # uint8 throughout: a matrix's codes, never 8 bytes a weight
+            for j in range(1, 8):
+                byte |= bit[..., j] << j
+            codes.append(byte)
     if kind in (20, 21, 22):
         assert _f16(parts[1]) and _f16(parts[2]), "kinds 20-22 hold float16 scales"
         scales = [per_output(parts[1].half()), per_output(parts[2].half())]
