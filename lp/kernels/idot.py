@@ -18,9 +18,10 @@ not memory). Here a 32-input block of 16 outputs is 8 code vectors and 24 ``vpdp
 three int8 digits of X), and the packed codes hold the file's bits (Q4_0 4.5 bits a weight, Q5_0 5.5,
 Q4_K 4.75, Q6_K 6.6; scales float16 where the file's are).
 
-Kinds (csrc ``IDot<CODE, SCALE>``): 20 Q4_0 / Q4_1, 21 Q5_0 / Q5_1, 22 Q8_0 (scales float16), 23 Q4_K,
-24 Q5_K, 25 Q6_K, and 26 / 27 / 28 as 20 / 21 / 22 with float32 scales (where a D or C is not a
-float16 value).
+Kinds (csrc ``IDot<CODE, SCALE>``): 29 Q4_0, 30 Q5_0, 31 Q8_0 (D float16, C = -8 / -16 / -128 D
+formed in the kernel), 20 Q4_1, 21 Q5_1, 22 8-bit codes with D and C float16, 23 Q4_K, 24 Q5_K,
+25 Q6_K, and 26 / 27 / 28 as 20 / 21 / 22 with float32 scales (where a D or C is not a float16
+value).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from lp.kernels.exact4 import Exact4Linear, _code, _unit_rows, extension
 from lp.kernels.exactq import widenq
 
 GROUP, BLOCK = 16, 32
-BITS = {20: 4.5, 21: 5.5, 22: 8.5, 23: 4.75, 24: 5.75, 25: 6.625, 26: 5.0, 27: 6.0, 28: 9.0}
+BITS = {20: 5.0, 21: 6.0, 22: 9.0, 23: 4.75, 24: 5.75, 25: 6.625, 26: 6.0, 27: 7.0, 28: 10.0, 29: 4.5, 30: 5.5, 31: 8.5}
+OFFSET = {29: -8.0, 30: -16.0, 31: -128.0}  # C = OFFSET D: Q4_0, Q5_0, Q8_0 hold D alone
 
 
 def available() -> bool:
@@ -61,7 +63,7 @@ def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
         kind, parts = q
         if kind == 4:
             u, D, C = parts
-            return (21 if _f16(D) and _f16(C) else 27), (u, D, C)
+            return _legacy(21, 30, 27, u, D, C)
         if kind in (5, 6):
             return (23 if kind == 5 else 24), parts
         return 25, parts  # 7, 8: Q6_K
@@ -71,8 +73,7 @@ def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
             return None
         q8, d = b8
         u = (q8.to(torch.int16) + 128).to(torch.uint8)
-        C = d * -128.0
-        return (22 if _f16(d) and _f16(C) else 28), (u, d, C)
+        return _legacy(22, 31, 28, u, d, d * -128.0)
     if not isinstance(lin, nn.Linear) or lin.weight.dtype != torch.float32:
         return None
     code = _code(lin)  # a file's 4-bit blocks, or those a float32 weight holds exactly (exact4.encode)
@@ -82,7 +83,15 @@ def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
     n = q.shape[0]
     q_NB16 = q.reshape(n, -1, 16)
     u = torch.cat([q_NB16 & 0x0F, q_NB16 >> 4], dim=2).reshape(n, -1).contiguous()
-    return (20 if _f16(d) and _f16(c) else 26), (u, d, c)
+    return _legacy(20, 29, 26, u, d, c)
+
+
+def _legacy(f16: int, d0: int, f32: int, u: torch.Tensor, D: torch.Tensor, C: torch.Tensor) -> tuple[int, tuple]:
+    """The kind of (u, D, C) blocks: C = OFFSET D with D float16 values (Q4_0, Q5_0, Q8_0: D alone
+    held), else D and C float16 values (Q4_1, Q5_1), else float32 ones."""
+    if _f16(D) and torch.equal(C, D * OFFSET[d0]):
+        return d0, (u, D, C)
+    return (f16 if _f16(D) and _f16(C) else f32), (u, D, C)
 
 
 def widened(kind: int, parts: tuple) -> torch.Tensor:
@@ -164,13 +173,13 @@ def packi(kind: int, parts: tuple) -> torch.Tensor:
         return grouped(t).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(g, b, -1)
 
     u_G16B = grouped(u).reshape(g, GROUP, b, BLOCK)
-    if kind in (22, 28):  # vector c holds u[4c + t] of output i at byte 4 i + t
+    if kind in (22, 28, 31):  # vector c holds u[4c + t] of output i at byte 4 i + t
         codes = [u_G16B.reshape(g, GROUP, b, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, b, 512)]
     else:
         u6 = u_G16B.reshape(g, GROUP, b, 4, 2, 4)  # [.., c, h, t]: u[8c + 4h + t]
         nib = (u6[..., 0, :] & 0x0F) | ((u6[..., 1, :] & 0x0F) << 4)  # [g, i, b, c, t]
         codes = [nib.permute(0, 2, 3, 1, 4).reshape(g, b, 256)]
-        planes = {21: 1, 24: 1, 27: 1, 25: 2}.get(kind, 0)
+        planes = {21: 1, 24: 1, 27: 1, 30: 1, 25: 2}.get(kind, 0)
         for p in range(planes):
             bit = ((u6 >> (4 + p)) & 1).permute(0, 2, 3, 4, 1, 5).reshape(g, b, 64, 8)  # [g, b, (c, h, i, t)]
             byte = bit[..., 0].clone()  # uint8 throughout: a matrix's codes, never 8 bytes a weight
@@ -180,6 +189,9 @@ def packi(kind: int, parts: tuple) -> torch.Tensor:
     if kind in (20, 21, 22):
         assert _f16(parts[1]) and _f16(parts[2]), "kinds 20-22 hold float16 scales"
         scales = [per_output(parts[1].half()), per_output(parts[2].half())]
+    elif kind in OFFSET:  # C = OFFSET D, formed in the kernel
+        assert _f16(parts[1]) and torch.equal(parts[2], parts[1] * OFFSET[kind])
+        scales = [per_output(parts[1].half())]
     elif kind in (26, 27, 28):
         scales = [per_output(parts[1].float()), per_output(parts[2].float())]
     elif kind in (23, 24):

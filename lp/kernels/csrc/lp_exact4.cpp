@@ -525,13 +525,13 @@ struct WeightsQ {
 // holding output i's u[8c + t] (low) and u[8c + 4 + t] (high); then 1-2 planes of 8 x 64 bits, bit 4 i + t of
 // word 2c + h the code's bit 4 (5) of u[8c + 4h + t]; or 8 x 64 code bytes, vector c holding u[4c + t]) and the
 // scales (F16: D[16], C[16] float16; F32: float32; K: sc[16], mn[16] uint8; 6K: sc[16] of inputs 0-15, sc[16] of
-// 16-31, int8). lp.kernels.idot.packi writes it; lp.kernels.idot.reference is this arithmetic in torch.
-template <int CODE, int SCALE>  // CODE 0 nibble, 1 nibble + 1 plane, 2 nibble + 2 planes, 3 bytes; SCALE 0 F16, 1 F32, 2 K, 3 6K
+// 16-31, int8; D0: D[16] float16, C = -8 / -16 / -128 D). lp.kernels.idot.packi writes it; lp.kernels.idot.reference is this arithmetic in torch.
+template <int CODE, int SCALE>  // CODE 0 nibble, 1 nibble + 1 plane, 2 nibble + 2 planes, 3 bytes; SCALE 0 F16, 1 F32, 2 K, 3 6K, 4 D0
 struct IDot {
-  static constexpr int64_t kSuper = SCALE >= 2 ? 8 : 1;
+  static constexpr int64_t kSuper = SCALE == 2 || SCALE == 3 ? 8 : 1;
   static constexpr int64_t kHead = SCALE == 2 ? 128 : (SCALE == 3 ? 64 : 0);
   static constexpr int64_t kCodes = CODE == 3 ? 512 : 256 + CODE * 64;
-  static constexpr int64_t kScales = SCALE == 1 ? 128 : (SCALE == 0 ? 64 : 32);
+  static constexpr int64_t kScales = SCALE == 1 ? 128 : (SCALE == 0 ? 64 : 32);  // 4: D[16] float16 alone
   static constexpr int64_t kBlockBytes = kCodes + kScales;
   static constexpr int64_t kBytes = kHead + kSuper * kBlockBytes;
   static constexpr int kHalves = SCALE == 3 ? 2 : 1;
@@ -631,9 +631,12 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
         // the 16 outputs' D and C (double, outputs 0-7 and 8-15; Q6_K: of inputs 0-15, then 16-31)
         __m512d D[2][2], C[2][2];
         const uint8_t* sc = blk + F::kCodes;
-        if constexpr (SCALE == 0 || SCALE == 1) {
+        if constexpr (SCALE == 0 || SCALE == 1 || SCALE == 4) {
           __m512 d, c;
-          if constexpr (SCALE == 0) {
+          if constexpr (SCALE == 4) {  // Q4_0 / Q5_0 / Q8_0: C = -8 / -16 / -128 D, exact
+            d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+            c = _mm512_mul_ps(d, _mm512_set1_ps(CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f)));
+          } else if constexpr (SCALE == 0) {
             d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
             c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
           } else {
@@ -723,8 +726,8 @@ torch::Tensor idot_run(torch::Tensor x, const torch::Tensor& p, int64_t N) {
 }
 #endif
 
-// kinds 20..28 (lp.kernels.idot.KINDS): (CODE, SCALE)
-constexpr int kIdotKinds[9][2] = {{0, 0}, {1, 0}, {3, 0}, {0, 2}, {1, 2}, {2, 3}, {0, 1}, {1, 1}, {3, 1}};
+// kinds 20..31 (lp.kernels.idot's doc): (CODE, SCALE)
+constexpr int kIdotKinds[12][2] = {{0, 0}, {1, 0}, {3, 0}, {0, 2}, {1, 2}, {2, 3}, {0, 1}, {1, 1}, {3, 1}, {0, 4}, {1, 4}, {3, 4}};
 
 bool idot_available() {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -735,7 +738,7 @@ bool idot_available() {
 }
 
 torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind) {
-  TORCH_CHECK(kind >= 20 && kind <= 28, "mmi: kind must be 20..28 (lp.kernels.idot.KINDS), got ", kind);
+  TORCH_CHECK(kind >= 20 && kind <= 31, "mmi: kind must be 20..31 (lp.kernels.idot), got ", kind);
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   switch (kind) {
     case 20: return idot_run<0, 0>(x, p, n);
@@ -746,18 +749,21 @@ torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind)
     case 25: return idot_run<2, 3>(x, p, n);
     case 26: return idot_run<0, 1>(x, p, n);
     case 27: return idot_run<1, 1>(x, p, n);
-    default: return idot_run<3, 1>(x, p, n);
+    case 28: return idot_run<3, 1>(x, p, n);
+    case 29: return idot_run<0, 4>(x, p, n);
+    case 30: return idot_run<1, 4>(x, p, n);
+    default: return idot_run<3, 4>(x, p, n);
   }
 #else
   TORCH_CHECK(false, "mmi: this build has no AVX-512 VNNI (lp.kernels.idot runs only where it does)");
 #endif
 }
 
-// (blocks an entry, header bytes, code bytes a block, block bytes, entry bytes) of idot kind 20..28
+// (blocks an entry, header bytes, code bytes a block, block bytes, entry bytes) of idot kind 20..31
 std::vector<int64_t> idot_layout(int64_t kind) {
-  TORCH_CHECK(kind >= 20 && kind <= 28, "layouti: kind must be 20..28, got ", kind);
+  TORCH_CHECK(kind >= 20 && kind <= 31, "layouti: kind must be 20..31, got ", kind);
   const int code = kIdotKinds[kind - 20][0], scale = kIdotKinds[kind - 20][1];
-  const int64_t super = scale >= 2 ? 8 : 1, head = scale == 2 ? 128 : (scale == 3 ? 64 : 0);
+  const int64_t super = scale == 2 || scale == 3 ? 8 : 1, head = scale == 2 ? 128 : (scale == 3 ? 64 : 0);
   const int64_t codes = code == 3 ? 512 : 256 + code * 64, scales = scale == 1 ? 128 : (scale == 0 ? 64 : 32);
   return {super, head, codes, codes + scales, head + super * (codes + scales)};
 }
@@ -1072,7 +1078,7 @@ torch::Tensor kernel_mm(const torch::Tensor& x, const torch::Tensor& p, int64_t 
     case 2: return exact8x_mm(x, p, n);
     case 3: return exact16_mm(x, p, n, false);
     case 16: return exact16_mm(x, p, n, true);
-    default: return kind >= 20 ? idot_mm(x, p, n, kind) : exactq_mm(x, p, n, kind);  // 4..8, 20..28, else an error
+    default: return kind >= 20 ? idot_mm(x, p, n, kind) : exactq_mm(x, p, n, kind);  // 4..8, 20..31, else an error
   }
 }
 
@@ -1601,7 +1607,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack8x", &exact8x_pack, "exact 8-bit blocks (q, D, C per 16 weights) in the kernel layout");
   m.def("pack16", &exact16_pack, "bfloat16 / float16 weights in the kernel layout");
   m.def("layoutq", &exactq_layout, "(blocks an entry, header bytes, block bytes, entry bytes) of exactq kind 4..8");
-  m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..28");
+  m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31");
   m.def("idot", &idot_available, "whether this build runs lp.kernels.idot (AVX-512 VNNI and BW)");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
