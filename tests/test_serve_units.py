@@ -254,3 +254,46 @@ def test_lp_run_module_flag():
     assert "lp.generate" in cmd
     with pytest.raises(SystemExit):
         lp_run.build_command(["--module=os", "parallel.workers=2"])
+
+
+def test_relay_hands_every_event_in_order_to_each_loop():
+    """The decode thread's events (lp.server.engine.Relay) reach each job's asyncio queue, all of
+    them and in the order emitted, for jobs on two event loops at once."""
+    import asyncio
+    import threading
+
+    from lp.config import DecodingConfig
+    from lp.server.engine import Job
+
+    got: dict = {}
+
+    def serve(name: str, ready: threading.Event, jobs: dict) -> None:
+        async def main():
+            job = Job("chat", [1], DecodingConfig(), loop=asyncio.get_running_loop(), events=asyncio.Queue())
+            jobs[name] = job
+            ready.set()
+            seen = []
+            while True:
+                kind, data = await job.events.get()
+                if kind == "done":
+                    break
+                seen.append(data)
+            got[name] = seen
+
+        asyncio.run(main())
+
+    jobs: dict = {}
+    readies = {n: threading.Event() for n in ("a", "b")}
+    threads = [threading.Thread(target=serve, args=(n, readies[n], jobs)) for n in readies]
+    for t in threads:
+        t.start()
+    for r in readies.values():
+        assert r.wait(10)
+    for i in range(2000):  # the decode thread's side: interleaved, as a batched step emits
+        jobs["a"].emit("tokens", [i])
+        jobs["b"].emit("tokens", [-i])
+    jobs["a"].emit("done", None)
+    jobs["b"].emit("done", None)
+    for t in threads:
+        t.join(20)
+    assert got["a"] == [[i] for i in range(2000)] and got["b"] == [[-i] for i in range(2000)]
