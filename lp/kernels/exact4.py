@@ -62,6 +62,7 @@ def extension():
     torch.library.register_fake("lp_exact4::mm8x")(_mm8_shape)
     torch.library.register_fake("lp_exact4::mm16")(lambda x, p, n, bf16: x.new_empty(x.shape[0], n))
     torch.library.register_fake("lp_exact4::mmq")(lambda x, p, n, kind: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("lp_exact4::mmi")(lambda x, p, n, kind: x.new_empty(x.shape[0], n))
     torch.library.register_fake("lp_exact4::rms_norm")(lambda x, w, eps: torch.empty_like(x))
     return mod
 
