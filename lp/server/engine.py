@@ -2,8 +2,7 @@
 
 Contract: ``Job`` is one HTTP request on its way through the engine
 (``lp.server.batched.BatchedEngine``, in one process and under LP alike): its events reach
-its asyncio handler in order through the ``Relay`` thread (``loop.call_soon_threadsafe`` from there,
-once for every event pending): ``("tokens", ids)`` for each
+its asyncio handler through ``loop.call_soon_threadsafe``: ``("tokens", ids)`` for each
 step's verified tokens, then ``("done", Outcome)`` or ``("error", ApiError)``;
 ``job.cancel()`` (a client went away) stops it at the next step boundary. ``QueueFull`` and
 ``Unavailable`` are what ``submit`` raises.
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import queue
 import struct
 import threading
 import time
@@ -71,59 +69,10 @@ class Job:
     def emit(self, kind: str, data) -> None:
         if self.loop is None or self.events is None:
             return
-        Relay.get().put(self.loop, self.events, (kind, data))
-
-
-class Relay:
-    """Hands the decode thread's events to the asyncio loop from a thread of its own.
-
-    Why: ``loop.call_soon_threadsafe`` writes to the loop's wake-up socket, a call that drops the
-    GIL; the woken HTTP thread takes it and streams the chunk while the decode thread waits to get
-    it back (measured on SmolLM2 served one client: 0.83 ms a step, ~10% of a token). ``put`` only
-    appends to a ``queue.SimpleQueue`` (no system call on the decode thread); this thread wakes, takes
-    every pending event and wakes each loop once for them (8 clients: one wake a step, not 8), while
-    the decode thread is inside its next forward (the kernels run without the GIL). Each job's events
-    keep their order (one thread, one queue)."""
-
-    _one: "Relay | None" = None
-    _lock = threading.Lock()
-
-    def __init__(self):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="lp-relay", daemon=True).start()
-
-    @classmethod
-    def get(cls) -> "Relay":
-        if cls._one is None:
-            with cls._lock:
-                if cls._one is None:
-                    cls._one = Relay()
-        return cls._one
-
-    def put(self, loop, events, event) -> None:
-        self._q.put((loop, events, event))
-
-    def _run(self) -> None:
-        while True:
-            items = [self._q.get()]
-            while True:
-                try:
-                    items.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            per_loop: dict = {}
-            for loop, events, event in items:
-                per_loop.setdefault(loop, []).append((events, event))
-            for loop, batch in per_loop.items():
-                try:
-                    loop.call_soon_threadsafe(_deliver, batch)
-                except RuntimeError:  # the event loop is closed (server shut down)
-                    pass
-
-
-def _deliver(batch) -> None:
-    for events, event in batch:
-        events.put_nowait(event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
+        except RuntimeError:  # the event loop is closed (server shut down)
+            pass
 
 
 # ---------------------------------------------------------------------------
