@@ -430,6 +430,9 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     model._lp_gguf = str(file)
     model._lp_gguf_id = f"{file.name}:{file.stat().st_size}"  # lp.model.calibrate keys its t(Q) cache by it
     tok = gguf_tokenizer(file, cache_dir) if tokenizer else None
+    import gc
+
+    gc.collect()  # the replaced linears and their unpacked codes sit in reference cycles (1B shape: ~650 MB)
     _trim_heap()
     return model, tok
 
