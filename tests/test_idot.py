@@ -75,11 +75,7 @@ def test_idot_is_its_stated_arithmetic_rows_alone(fmt, idot):
         exact = x.double() @ want_w.double().T
         err = (y.double() - exact).abs() / (x.double().abs() @ want_w.double().abs().T)
         assert err.max() < 2e-6, err.max()  # float32-class: the bound of a float32 dot product's rounding
-        assert IDotLinearOf(idot, lin) is not None
-
-
-def IDotLinearOf(idot, lin):
-    return idot.IDotLinear.of([lin])
+        assert idot.IDotLinear.of([lin]) is not None  # the module convert builds: packed, checked on unit rows
 
 
 def test_idot_rows_of_any_magnitude_and_a_nan_row_alone(idot):
