@@ -66,21 +66,26 @@ def widenq(kind: int, parts: tuple) -> torch.Tensor:
     return (q - 32) * D
 
 
+def grouped_rows(t: torch.Tensor, group: int) -> torch.Tensor:
+    """[N, ...] -> [ceil(N / group), group, ...], zero rows padded: the packed layouts' output groups
+    (``packq``'s 8, lp.kernels.idot's 16)."""
+    pad = -t.shape[0] % group
+    if pad:
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+    return t.reshape(-1, group, *t.shape[1:])
+
+
 def packq(kind: int, parts: tuple) -> torch.Tensor:
     """``parts`` in ``mmq``'s layout: uint8 [groups, entries, entry bytes] (csrc ``WeightsQ``)."""
     supers, head, block_bytes, entry_bytes = extension().layoutq(kind)
     q = parts[0]
     n, k = q.shape
     g = -(-n // GROUP)
-    pad = g * GROUP - n
     b = k // BLOCK
     s = b // supers
 
     def grouped(t: torch.Tensor) -> torch.Tensor:
-        """[N, ...] -> [groups, 8, ...], zero rows padded."""
-        if pad:
-            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
-        return t.reshape(g, GROUP, *t.shape[1:])
+        return grouped_rows(t, GROUP)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:
         """[N, B, x] -> bytes [groups, S, supers, 8 * x * itemsize] (outputs inner)."""

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lp.kernels.exact4 import Exact4Linear, _code, _unit_rows, extension
-from lp.kernels.exactq import widenq
+from lp.kernels.exactq import grouped_rows, widenq
 
 GROUP, BLOCK = 16, 32
 BITS = {20: 5.0, 21: 6.0, 22: 9.0, 23: 4.75, 24: 5.75, 25: 6.625, 26: 6.0, 27: 7.0, 28: 10.0, 29: 4.5, 30: 5.5, 31: 8.5}
@@ -158,15 +158,11 @@ def packi(kind: int, parts: tuple) -> torch.Tensor:
     u = parts[0]
     n, k = u.shape
     g = -(-n // GROUP)
-    pad = g * GROUP - n
     b = k // BLOCK
     s = b // supers
 
     def grouped(t: torch.Tensor) -> torch.Tensor:
-        """[N, ...] -> [groups, 16, ...], zero rows padded."""
-        if pad:
-            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
-        return t.reshape(g, GROUP, *t.shape[1:])
+        return grouped_rows(t, GROUP)
 
     def per_output(t: torch.Tensor) -> torch.Tensor:
         """[N, B] -> bytes [groups, B, 16 * itemsize] (outputs inner)."""
