@@ -65,7 +65,9 @@ def build_extension(name: str, what: str):
     """lp's C++ kernel ``csrc/<name>.cpp`` as a loaded module (its ops under ``torch.ops.<name>``),
     built on first use with torch's extension loader into ``build_directory(name)`` (one per CPU,
     torch and Python version; rebuilt there when the source or flags change). ``-fopenmp``:
-    ATen's ``parallel_for`` is inline OpenMP, without the flag it runs on one thread. A
+    ATen's ``parallel_for`` is inline OpenMP, without the flag it runs on one thread.
+    ``-ffp-contract=off``: a product and a sum written apart stay two roundings (as torch's
+    separate ops), never a fused multiply-add the compiler chose; the kernels' fmas are written. A
     ValueError naming ``what`` needs it when it cannot be built."""
     from torch.utils import cpp_extension
 
@@ -76,7 +78,7 @@ def build_extension(name: str, what: str):
     with _build_lock(folder, what):
         try:
             return cpp_extension.load(name=name, sources=[str(CSRC / f"{name}.cpp")],
-                                      extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(folder),
+                                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], build_directory=str(folder),
                                       verbose=False)
         except Exception as e:  # a compiler or ninja missing: the user's fix, said plainly
             raise ValueError(f"{what} needs a C++ compiler (g++) and ninja to build its kernel: {e}") from e

@@ -404,12 +404,14 @@ def _plain(m) -> bool:
     return is_linear(m) and m.weight.dtype == torch.float32 and (m.bias is None or m.bias.dtype == torch.float32)
 
 
-def convert(model: nn.Module, first=()) -> tuple[int, int]:
+def convert(model: nn.Module, first=(), float_kernels: bool = True) -> tuple[int, int]:
     """Swap the linears whose weights encode exactly (see module doc); (converted, left).
-    ``first``: makers tried before this module's (``ExactQLinear.of``: lp.kernels.exactq, which
-    builds on this module)."""
+    ``first``: makers tried before this module's (``IDotLinear.of``, ``ExactQLinear.of``:
+    lp.kernels.idot / exactq, which build on this module). ``float_kernels`` False (a build
+    without their AVX-512 path, where they run a scalar loop): ``first``'s first maker alone
+    (idot), other linears left as they are."""
     head = _head(model)
-    makers = (*first, Exact4Linear.of, Exact8Linear.of, Exact16Linear.of)
+    makers = (*first, Exact4Linear.of, Exact8Linear.of, Exact16Linear.of) if float_kernels else tuple(first[:1])
     done = sum(fuse_siblings(model, make, accept=_plain) for make in makers)
     left = 0
     for parent in list(model.modules()):

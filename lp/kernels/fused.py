@@ -178,8 +178,7 @@ def _plan(model) -> tuple[list[_Layer], str]:
         return [], "tensor-parallel shards (their all-reduces ride on module hooks)"
     if any(m._forward_hooks or m._forward_pre_hooks for m in layers.modules()):
         return [], "forward hooks on the decoder layers (the fused stack calls no module)"
-    if not exact4.extension().avx512():
-        return [], "the exact4 kernel was built without AVX-512"
+    fast_floats = exact4.extension().avx512()  # else exact4's float kernels run a scalar loop: idot products only
     plan = []
     for i, layer in enumerate(layers):
         if type(layer).__name__ not in LAYERS:
@@ -203,6 +202,8 @@ def _plan(model) -> tuple[list[_Layer], str]:
                   layer.post_feedforward_layernorm) if sandwich else (layer.input_layernorm, layer.post_attention_layernorm))
         if qkv is None or gate_up is None or o is None or down is None:
             return [], "a decoder linear not on one of lp's exact kernels"
+        if not fast_floats and any(kind < 20 for _, _, kind, _ in qkv[0] + o[0] + gate_up[0] + down[0]):
+            return [], "a decoder linear on exact4's float kernels, which this build runs as a scalar loop (no AVX-512)"
         if any(b is not None for _, _, _, b in o[0] + down[0] + gate_up[0]):
             return [], "o, gate, up or down with a bias (the fused stack adds q/k/v biases only)"
         if not all(type(n) is FusedRMSNorm for n in norms):

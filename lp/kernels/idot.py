@@ -31,7 +31,7 @@ import os
 import torch
 from torch import nn
 
-from lp.kernels.exact4 import Exact4Linear, _code, _unit_rows, extension
+from lp.kernels.exact4 import BlockHead, Exact4Linear, _code, _unit_rows, extension
 from lp.kernels.exactq import grouped_rows, widenq
 
 GROUP, BLOCK = 16, 32
@@ -237,3 +237,78 @@ class IDotLinear(Exact4Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr().replace(f"exact {self.bits}-bit weights", f"GGUF codes on int8 dots (kind {self.ikind})")
+
+
+def has_codes(model: nn.Module) -> bool:
+    """Whether some float32 linear of ``model`` other than its head holds blocks ``codes_of`` takes
+    (a GGUF file's, or exact 4-bit ones in float32 weights); stops at the first that does."""
+    from lp.kernels.exact4 import _blocks, _head, _local, _plain
+
+    head = _head(model)
+    return any(_plain(m) and m is not head and (getattr(m, "_lp_blocks", None) is not None
+                                                or getattr(m, "_lp_blocks8", None) is not None
+                                                or getattr(m, "_lp_blocksq", None) is not None
+                                                or (not m.weight.is_meta and _blocks(_local(m.weight.detach())) is not None))
+               for m in model.modules())
+
+
+def rowsi(p: torch.Tensor, ids: torch.Tensor, n: int, kind: int) -> torch.Tensor:
+    """Rows ``ids`` of a ``packi``-packed weight of ``n`` rows, float32 [*ids.shape, K]: each weight
+    what a unit row's product gives (the file's float32 weight)."""
+    rows = extension().rowsi(p, ids, n, kind)
+    return rows.reshape(*ids.shape, rows.shape[-1])
+
+
+class IBlockHead(BlockHead):
+    """An LM head (and the tied embedding's source) held as a GGUF file's codes on ``mmi``: its
+    products for any number of float32 rows (no greedy screen: every row's logits are the exact
+    product), its rows (``rows``) decoded from the same packed codes. Built by ``of`` from the
+    file's parts as lp.model.gguf reads them (4-bit, 8-bit or exactq ``QParts``)."""
+
+    def __init__(self, p: torch.Tensor, kind: int, n: int, k: int):
+        nn.Module.__init__(self)
+        self.qkind = kind
+        self.out_features, self.in_features = n, k
+        self.offsets, self.bits = True, 8
+        self.register_buffer("p", p)
+        self.kernel = lambda x_MK, p, n: mmi(x_MK, p, n, kind)
+        self.h8 = None
+
+    @classmethod
+    def of(cls, parts) -> IBlockHead | None:
+        """The head over ``parts`` (a file tensor's blocks: (q, d, c) 4-bit, (q, d) 8-bit, or exactq's
+        (kind, parts)), checked on unit rows like ``IDotLinear.of``; None where idot does not run
+        here or does not take these blocks."""
+        if not available():
+            return None
+        q = parts[0]
+        lin = nn.Module()
+        if isinstance(q, int):  # lp.model.gguf.QParts (kind, parts)
+            lin._lp_blocksq = tuple(parts)
+        elif len(parts) == 2 and q.dtype == torch.int8:
+            lin._lp_blocks8 = tuple(parts)
+        elif len(parts) == 3 and q.dtype == torch.uint8:
+            lin._lp_blocks = tuple(parts)
+        else:
+            return None
+        code = codes_of(lin)
+        if code is None:
+            return None
+        kind, cparts = code
+        p = packi(kind, cparts)
+        n, k = cparts[0].shape
+        idx, unit_RK = _unit_rows(k)
+        w = widened(kind, cparts)
+        if not torch.equal(mmi(unit_RK, p, n, kind), w[:, idx].t()):
+            return None
+        probe = torch.tensor([0, n // 2, n - 1])
+        if not torch.equal(rowsi(p, probe, n, kind), w[probe]):
+            return None
+        return cls(p, kind, n, k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return rowsi(self.p, ids, self.out_features, self.qkind)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"GGUF codes on int8 dots (kind {self.qkind})")

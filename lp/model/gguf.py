@@ -666,10 +666,17 @@ def _ends_from_blocks(model, file_blocks: dict, ends: dict, exact: bool) -> None
 
 def _block_head(parts, screen: bool = True):
     """The head (or embedding source) over a file tensor's blocks: exactq's ``QBlockHead`` for
-    ``QParts``, else lp.kernels.exact4's ``BlockHead`` over its 8-bit (or 16-bit) form."""
-    from lp.kernels.exact4 import BlockHead, eight_bit
+    ``QParts``, else lp.kernels.exact4's ``BlockHead`` over its 8-bit (or 16-bit) form; on a CPU
+    without AVX-512 (where those kernels run a scalar loop) lp.kernels.idot's ``IBlockHead``."""
+    from lp.kernels.exact4 import BlockHead, eight_bit, extension
     from lp.kernels.exactq import QBlockHead
 
+    if not extension().avx512():  # the float kernels run a scalar loop here: idot's head where it takes the blocks
+        from lp.kernels.idot import IBlockHead
+
+        head = IBlockHead.of(parts)
+        if head is not None:
+            return head
     return QBlockHead(parts, screen) if isinstance(parts, QParts) else BlockHead(eight_bit(parts), screen)
 
 

@@ -107,6 +107,11 @@ def resolve_auto(model, device: torch.device) -> tuple[str, str]:
     except ValueError as e:
         return "none", str(e)
     if not mod.avx512():
+        from lp.kernels import idot
+
+        if idot.available() and idot.has_codes(model):
+            return "exact4", ("its linears hold a GGUF file's blocks: they run on lp.kernels.idot's AVX2 integer dots "
+                              "(exact); linears idot cannot take stay float32 (exact4's float kernels need AVX-512)")
         return "none", "this CPU builds exact4's scalar loop only (no AVX-512): float32 linears are faster"
     if blocks:
         return "exact4", "its linears are exact 4-bit blocks: the same weights in 0.75 bytes each"
@@ -328,7 +333,8 @@ def quantize(model, quant: str, device: torch.device | str | None = None) -> str
         from lp.kernels import exact4, exactq, idot
 
         # a file's blocks on integer dots where the CPU has VNNI, else on the float kernels
-        n, _ = exact4.convert(model, first=(idot.IDotLinear.of, exactq.ExactQLinear.of))
+        n, _ = exact4.convert(model, first=(idot.IDotLinear.of, exactq.ExactQLinear.of),
+                              float_kernels=exact4.extension().avx512())
         if n == 0:
             raise ValueError("model.quant=exact4: no linear of this model holds exact 4-bit blocks (a GGUF Q4_0 / "
                              "Q4_1 model dequantized to float32 does) or 16-bit floats; use model.quant=none")

@@ -24,8 +24,17 @@
 #include <cstring>
 #include <mutex>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// lp.kernels.idot's two builds: AVX-512 VNNI (vpdpbusd, 16 outputs a register) or AVX2 with FMA and F16C
+// (vpmaddubsw, 8 outputs a register; vpdpbusd's 256-bit form where AVX-VNNI is there): the same integers, the
+// same double operations in the same order, so the same bits
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LP_IDOT512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LP_IDOT256 1
 #endif
 
 namespace {
@@ -546,7 +555,7 @@ struct IDotX {
   std::vector<double> scales;
 };
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(LP_IDOT512)
 IDotX idot_prep(const float* x, int64_t M, int64_t K) {
   const int64_t B = K / kBlock;
   IDotX out{std::vector<int8_t>(3 * M * K), std::vector<double>(3 * M * B)};
@@ -701,6 +710,233 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
   }
 }
 
+#elif defined(LP_IDOT256)
+// AVX2: the digits and scales idot_prep's AVX-512 form makes (x 2^e exact in float where 2^e is a normal float,
+// else in double; either way rounded once to the nearest integer, ties to even)
+IDotX idot_prep(const float* x, int64_t M, int64_t K) {
+  const int64_t B = K / kBlock;
+  IDotX out{std::vector<int8_t>(3 * M * K), std::vector<double>(3 * M * B)};
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    const __m256i c128 = _mm256_set1_epi32(128), c255 = _mm256_set1_epi32(255);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t m = m0; m < m1; ++m) {
+      int8_t* x1 = out.digits.data() + 3 * m * K;
+      double* s = out.scales.data() + 3 * m * B;
+      for (int64_t b = 0; b < B; ++b) {
+        const float* xb = x + m * K + b * kBlock;
+        __m256 v[4], mxv = _mm256_setzero_ps();
+        int unord = 0;
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm256_loadu_ps(xb + 8 * i);
+          mxv = _mm256_max_ps(mxv, _mm256_andnot_ps(sign, v[i]));
+          unord |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mxv);
+        float mx = 0.f;
+        for (float l : lanes) mx = std::max(mx, l);
+        const bool finite = std::isfinite(mx) && !unord;
+        int e = 0;
+        if (mx > 0.f && finite) {
+          e = 22 - std::ilogb(mx);
+          if (std::ldexp(static_cast<double>(mx), e) > 8355711.0) e -= 1;
+        }
+        __m256i X[4];
+        for (int i = 0; i < 4; ++i) {
+          if (!finite) {
+            X[i] = _mm256_setzero_si256();
+          } else if (e >= -126 && e <= 127) {
+            X[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(std::ldexp(1.0f, e))));
+          } else {
+            alignas(32) int32_t xi[8];
+            for (int l = 0; l < 8; ++l)
+              xi[l] = static_cast<int32_t>(std::nearbyint(std::ldexp(static_cast<double>(xb[8 * i + l]), e)));
+            X[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xi));
+          }
+        }
+        int64_t sum[2];
+        for (int h = 0; h < 2; ++h) {
+          alignas(32) int32_t t[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_add_epi32(X[2 * h], X[2 * h + 1]));
+          sum[h] = 0;
+          for (int32_t l : t) sum[h] += l;
+        }
+        __m256i d[3][4];
+        for (int i = 0; i < 4; ++i) {
+          d[2][i] = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(X[i], c128), c255), c128);
+          const __m256i r = _mm256_srai_epi32(_mm256_sub_epi32(X[i], d[2][i]), 8);
+          d[1][i] = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(r, c128), c255), c128);
+          d[0][i] = _mm256_srai_epi32(_mm256_sub_epi32(r, d[1][i]), 8);
+        }
+        for (int k = 0; k < 3; ++k) {  // 32 int32 in [-128, 127] to 32 int8, in order
+          const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(d[k][0], d[k][1]), _mm256_packs_epi32(d[k][2], d[k][3]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(x1 + k * K + b * kBlock), _mm256_permutevar8x32_epi32(p, order));
+        }
+        const double sc = finite ? std::ldexp(1.0, -e) : NAN;
+        s[b] = sc;
+        s[B + b] = static_cast<double>(sum[0] + sum[1]) * sc;
+        s[2 * B + b] = static_cast<double>(sum[0]) * sc;
+      }
+    }
+  });
+  return out;
+}
+
+// sum over j of u[j] . x[j] (4 bytes a lane) into S: vpdpbusd where AVX-VNNI is; else vpmaddubsw pairs summed in
+// int16 over at most `span` j's (their bound: span 2 |u| 128 < 2^15) and widened by vpmaddwd
+template <int CODE>
+inline __m256i dot4(const __m256i* u, const int32_t* xw, int j0, int j1) {
+#if defined(__AVXVNNI__)
+  __m256i S = _mm256_setzero_si256();
+  for (int j = j0; j < j1; ++j) S = _mm256_dpbusd_avx_epi32(S, u[j], _mm256_set1_epi32(xw[j]));
+  return S;
+#else
+  static_assert(CODE != 3, "8-bit codes go as two nibbles");
+  constexpr int span = CODE == 0 ? 8 : (CODE == 1 ? 4 : 2);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i S = _mm256_setzero_si256();
+  for (int j = j0; j < j1; j += span) {
+    __m256i p = _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(xw[j]));
+    for (int i = j + 1; i < std::min(j + span, j1); ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[i], _mm256_set1_epi32(xw[i])));
+    S = _mm256_add_epi32(S, _mm256_madd_epi16(p, ones));
+  }
+  return S;
+#endif
+}
+
+template <class F, int CODE, int SCALE>
+void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M, int64_t K, float* y, int64_t N,
+                int64_t n0, bool prefetch) {
+  const int64_t B = K / kBlock;
+  alignas(64) double acc[kIdotRows][16];
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  const __m256d k16 = _mm256_set1_pd(65536.0);
+  // a 32-bit mask's bits as bytes: byte i = bit where bit i is set (the planes' fifth and sixth code bits)
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                                          3, 3, 3, 3);
+  const __m256i bits = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  auto expand = [&](uint32_t mask, int bit) {
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread), bits);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bits), _mm256_set1_epi8(static_cast<char>(bit)));
+  };
+  auto lo_pd = [](const __m256 v) { return _mm256_cvtps_pd(_mm256_castps256_ps128(v)); };
+  auto hi_pd = [](const __m256 v) { return _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)); };
+  for (int64_t m0 = 0; m0 < M; m0 += kIdotRows) {
+    const int64_t mt = std::min<int64_t>(kIdotRows, M - m0);
+    for (int64_t m = 0; m < mt; ++m)
+      for (int i = 0; i < 16; i += 4) _mm256_store_pd(acc[m] + i, _mm256_setzero_pd());
+    for (int64_t en = 0; en < entries; ++en) {
+      const uint8_t* e = grp + en * F::kBytes;
+      for (int r = 0; r < F::kSuper; ++r) {
+        const int64_t b = en * F::kSuper + r;
+        const uint8_t* blk = e + F::kHead + r * F::kBlockBytes;
+        if (prefetch && m0 == 0)
+          for (int64_t l = 0; l < F::kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + l, _MM_HINT_T0);
+        const uint8_t* sc = blk + F::kCodes;
+        for (int o = 0; o < 2; ++o) {  // outputs 8 o .. 8 o + 7: the 32-byte half o of every 64-byte vector
+          // the codes: u[j] (4 inputs a lane); 8-bit codes as low nibbles u[0..7] and high nibbles u[8..15]
+          __m256i u[16];
+          if constexpr (CODE == 3) {
+            for (int c = 0; c < 8; ++c) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * o));
+#if defined(__AVXVNNI__)
+              u[c] = v;
+#else
+              u[c] = _mm256_and_si256(v, m4);
+              u[8 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#endif
+            }
+          } else {
+            for (int c = 0; c < 4; ++c) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * o));
+              u[2 * c] = _mm256_and_si256(v, m4);
+              u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            for (int p = 0; p < CODE; ++p) {
+              const uint32_t* plane = reinterpret_cast<const uint32_t*>(blk + 256 + 64 * p);
+              for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], expand(plane[2 * j + o], p == 0 ? 16 : 32));
+            }
+          }
+          // the 8 outputs' D and C (double, outputs 0-3 and 4-7 of the half; Q6_K: of inputs 0-15, then 16-31)
+          __m256d D[2][2], C[2][2];
+          if constexpr (SCALE == 0 || SCALE == 1 || SCALE == 4) {
+            __m256 d, c;
+            if constexpr (SCALE == 4) {
+              d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * o)));
+              c = _mm256_mul_ps(d, _mm256_set1_ps(CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f)));
+            } else if constexpr (SCALE == 0) {
+              d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * o)));
+              c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 + 16 * o)));
+            } else {
+              d = _mm256_loadu_ps(reinterpret_cast<const float*>(sc) + 8 * o);
+              c = _mm256_loadu_ps(reinterpret_cast<const float*>(sc + 64) + 8 * o);
+            }
+            D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);
+          } else if constexpr (SCALE == 2) {
+            const float* hd = reinterpret_cast<const float*>(e);
+            const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(hd + 8 * o), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * o)))));
+            const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(hd + 16 + 8 * o), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 + 8 * o)))));
+            D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);
+          } else {
+            const __m256 hd = _mm256_loadu_ps(reinterpret_cast<const float*>(e) + 8 * o);
+            for (int h = 0; h < 2; ++h) {
+              const __m256 d = _mm256_mul_ps(hd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * h + 8 * o)))));
+              const __m256 c = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
+              D[h][0] = lo_pd(d), D[h][1] = hi_pd(d), C[h][0] = lo_pd(c), C[h][1] = hi_pd(c);
+            }
+          }
+          for (int64_t m = 0; m < mt; ++m) {
+            const int8_t* xr = xd.digits.data() + 3 * (m0 + m) * K + b * kBlock;
+            const int32_t* w[3] = {reinterpret_cast<const int32_t*>(xr), reinterpret_cast<const int32_t*>(xr + K),
+                                   reinterpret_cast<const int32_t*>(xr + 2 * K)};
+            const double* sr = xd.scales.data() + 3 * (m0 + m) * B;
+            const __m256d s = _mm256_set1_pd(sr[b]);
+            double* ar = acc[m] + 8 * o;
+            __m256d a0 = _mm256_load_pd(ar), a1 = _mm256_load_pd(ar + 4);
+            for (int h = 0; h < F::kHalves; ++h) {
+              constexpr int per = 8 / F::kHalves;
+              __m256i S[3];
+              for (int k = 0; k < 3; ++k) {
+#if defined(__AVXVNNI__)
+                S[k] = dot4<CODE>(u, w[k], h * per, (h + 1) * per);
+#else
+                if constexpr (CODE == 3)
+                  S[k] = _mm256_add_epi32(_mm256_slli_epi32(dot4<0>(u + 8, w[k], h * per, (h + 1) * per), 4),
+                                          dot4<0>(u, w[k], h * per, (h + 1) * per));
+                else
+                  S[k] = dot4<CODE>(u, w[k], h * per, (h + 1) * per);
+#endif
+              }
+              const __m256i R = _mm256_add_epi32(_mm256_slli_epi32(S[1], 8), S[2]);
+              const __m256d t0 = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(S[0])), k16,
+                                                 _mm256_cvtepi32_pd(_mm256_castsi256_si128(R)));
+              const __m256d t1 = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(S[0], 1)), k16,
+                                                 _mm256_cvtepi32_pd(_mm256_extracti128_si256(R, 1)));
+              const double sx = F::kHalves == 1 ? sr[B + b] : (h == 0 ? sr[2 * B + b] : sr[B + b] - sr[2 * B + b]);
+              const __m256d sxv = _mm256_set1_pd(sx);
+              a0 = _mm256_fmadd_pd(t0, _mm256_mul_pd(D[h][0], s), a0);
+              a1 = _mm256_fmadd_pd(t1, _mm256_mul_pd(D[h][1], s), a1);
+              a0 = _mm256_fmadd_pd(C[h][0], sxv, a0);
+              a1 = _mm256_fmadd_pd(C[h][1], sxv, a1);
+            }
+            _mm256_store_pd(ar, a0);
+            _mm256_store_pd(ar + 4, a1);
+          }
+        }
+      }
+    }
+    for (int64_t m = 0; m < mt; ++m) {
+      alignas(32) float out[16];
+      for (int i = 0; i < 16; i += 4) _mm_store_ps(out + i, _mm256_cvtpd_ps(_mm256_load_pd(acc[m] + i)));
+      for (int i = 0; i < 16 && n0 + i < N; ++i) y[(m0 + m) * N + n0 + i] = out[i];
+    }
+  }
+}
+#endif
+
+#if defined(LP_IDOT512) || defined(LP_IDOT256)
+
 template <int CODE, int SCALE>
 torch::Tensor idot_run(torch::Tensor x, const torch::Tensor& p, int64_t N) {
   using F = IDot<CODE, SCALE>;
@@ -730,7 +966,7 @@ torch::Tensor idot_run(torch::Tensor x, const torch::Tensor& p, int64_t N) {
 constexpr int kIdotKinds[12][2] = {{0, 0}, {1, 0}, {3, 0}, {0, 2}, {1, 2}, {2, 3}, {0, 1}, {1, 1}, {3, 1}, {0, 4}, {1, 4}, {3, 4}};
 
 bool idot_available() {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(LP_IDOT512) || defined(LP_IDOT256)
   return true;
 #else
   return false;
@@ -739,7 +975,7 @@ bool idot_available() {
 
 torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind) {
   TORCH_CHECK(kind >= 20 && kind <= 31, "mmi: kind must be 20..31 (lp.kernels.idot), got ", kind);
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(LP_IDOT512) || defined(LP_IDOT256)
   switch (kind) {
     case 20: return idot_run<0, 0>(x, p, n);
     case 21: return idot_run<1, 0>(x, p, n);
@@ -755,7 +991,7 @@ torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind)
     default: return idot_run<3, 4>(x, p, n);
   }
 #else
-  TORCH_CHECK(false, "mmi: this build has no AVX-512 VNNI (lp.kernels.idot runs only where it does)");
+  TORCH_CHECK(false, "mmi: this build has neither AVX-512 VNNI nor AVX2 with FMA and F16C (lp.kernels.idot runs only where one is)");
 #endif
 }
 
@@ -766,6 +1002,88 @@ std::vector<int64_t> idot_layout(int64_t kind) {
   const int64_t super = scale == 2 || scale == 3 ? 8 : 1, head = scale == 2 ? 128 : (scale == 3 ? 64 : 0);
   const int64_t codes = code == 3 ? 512 : 256 + code * 64, scales = scale == 1 ? 128 : (scale == 0 ? 64 : 32);
   return {super, head, codes, codes + scales, head + super * (codes + scales)};
+}
+
+// Rows `ids` of a weight packed by lp.kernels.idot.packi, as float32 [len(ids), K]: each weight the double
+// D u + C rounded to float32, the value a unit row's product gives (a tied embedding reads its head's codes)
+template <int CODE, int SCALE>
+void idot_rows_run(const uint8_t* p, int64_t entries, const int64_t* ids, int64_t n, int64_t K, int64_t N, float* out) {
+  using F = IDot<CODE, SCALE>;
+  const int64_t group_bytes = entries * F::kBytes;
+  auto half = [](const uint8_t* at, int i) {
+    return static_cast<float>(c10::Half(reinterpret_cast<const uint16_t*>(at)[i], c10::Half::from_bits()));
+  };
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t id = ids[r];
+    TORCH_CHECK(id >= 0 && id < N, "rowsi: row ", id, " outside 0..", N - 1);
+    const int i = static_cast<int>(id % 16);
+    for (int64_t en = 0; en < entries; ++en) {
+      const uint8_t* e = p + (id / 16) * group_bytes + en * F::kBytes;
+      for (int rr = 0; rr < F::kSuper; ++rr) {
+        const int64_t b = en * F::kSuper + rr;
+        const uint8_t* blk = e + F::kHead + rr * F::kBlockBytes;
+        const uint8_t* sc = blk + F::kCodes;
+        for (int k = 0; k < 32; ++k) {
+          const int j = k / 4, t = k % 4;
+          int code;
+          if constexpr (CODE == 3) {
+            code = blk[64 * j + 4 * i + t];
+          } else {
+            const uint8_t byte = blk[64 * (j / 2) + 4 * i + t];
+            code = j % 2 ? byte >> 4 : byte & 0x0f;
+            for (int pl = 0; pl < CODE; ++pl) {
+              const uint64_t word = reinterpret_cast<const uint64_t*>(blk + 256 + 64 * pl)[j];
+              if ((word >> (4 * i + t)) & 1u) code |= pl == 0 ? 16 : 32;
+            }
+          }
+          float d, c;
+          if constexpr (SCALE == 4) {
+            d = half(sc, i);
+            c = d * (CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f));
+          } else if constexpr (SCALE == 0) {
+            d = half(sc, i), c = half(sc + 32, i);
+          } else if constexpr (SCALE == 1) {
+            d = reinterpret_cast<const float*>(sc)[i], c = reinterpret_cast<const float*>(sc + 64)[i];
+          } else if constexpr (SCALE == 2) {
+            const float* hd = reinterpret_cast<const float*>(e);
+            d = hd[i] * static_cast<float>(sc[i]), c = hd[16 + i] * static_cast<float>(sc[16 + i]);
+          } else {
+            d = reinterpret_cast<const float*>(e)[i] * static_cast<float>(static_cast<int8_t>(sc[16 * (k / 16) + i]));
+            c = d * -32.0f;
+          }
+          out[r * K + b * kBlock + k] = static_cast<float>(static_cast<double>(d) * code + static_cast<double>(c));
+        }
+      }
+    }
+  }
+}
+
+torch::Tensor idot_rows(const torch::Tensor& p, const torch::Tensor& ids_in, int64_t N, int64_t kind) {
+  TORCH_CHECK(kind >= 20 && kind <= 31, "rowsi: kind must be 20..31 (lp.kernels.idot), got ", kind);
+  const std::vector<int64_t> lay = idot_layout(kind);
+  TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(2) == lay[4] &&
+                  p.size(0) == (N + 15) / 16, "rowsi: p must be a packed [groups, entries, ", lay[4], "] uint8 tensor of ", N, " rows");
+  const at::Tensor ids = ids_in.reshape(-1).to(torch::kLong).contiguous();
+  const int64_t n = ids.size(0), entries = p.size(1), K = entries * lay[0] * kBlock;
+  at::Tensor out = torch::empty({n, K}, torch::kFloat32);
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  switch (kind) {
+    case 20: idot_rows_run<0, 0>(pp, entries, ip, n, K, N, op); break;
+    case 21: idot_rows_run<1, 0>(pp, entries, ip, n, K, N, op); break;
+    case 22: idot_rows_run<3, 0>(pp, entries, ip, n, K, N, op); break;
+    case 23: idot_rows_run<0, 2>(pp, entries, ip, n, K, N, op); break;
+    case 24: idot_rows_run<1, 2>(pp, entries, ip, n, K, N, op); break;
+    case 25: idot_rows_run<2, 3>(pp, entries, ip, n, K, N, op); break;
+    case 26: idot_rows_run<0, 1>(pp, entries, ip, n, K, N, op); break;
+    case 27: idot_rows_run<1, 1>(pp, entries, ip, n, K, N, op); break;
+    case 28: idot_rows_run<3, 1>(pp, entries, ip, n, K, N, op); break;
+    case 29: idot_rows_run<0, 4>(pp, entries, ip, n, K, N, op); break;
+    case 30: idot_rows_run<1, 4>(pp, entries, ip, n, K, N, op); break;
+    default: idot_rows_run<3, 4>(pp, entries, ip, n, K, N, op); break;
+  }
+  return out;
 }
 
 // y = x @ W.T for W packed in WeightsQ's layout (lp.kernels.exactq.packq); kind 4..8 as kKind
@@ -1004,12 +1322,14 @@ torch::Tensor rms_norm(torch::Tensor x, const torch::Tensor& w, double eps) {
 //             at::silu(gate) * up, the down product, the residual sum (ATen's own kernels for
 //             silu, mul and add).
 // A layer's products come as lists: p (packed weights), meta (n, kind, bias index or -1 each), b.
-#if defined(__AVX512F__)
+// Built on every CPU (lp.kernels.fused runs it where its products are fast: AVX-512, or idot's AVX2 form); the
+// build's -ffp-contract=off keeps every scalar a * b + c two roundings, as torch's separate ops.
 namespace {
 // out[d] = x[d] * c[d] + rot[d] * s[d], rot = cat(-x[D/2:], x[:D/2]); D a multiple of 32
 void rope_row(const float* x, const float* c, const float* s, float* out, int64_t D) {
-  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const int64_t half = D / 2;
+#if defined(__AVX512F__)
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t d = 0; d < D; d += 16) {
     const __m512 xv = _mm512_loadu_ps(x + d);
@@ -1019,6 +1339,13 @@ void rope_row(const float* x, const float* c, const float* s, float* out, int64_
     const __m512 b = _mm512_mul_round_ps(rot, _mm512_loadu_ps(s + d), R);
     _mm512_storeu_ps(out + d, _mm512_add_round_ps(a, b, R));
   }
+#else
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -x[d + half] : x[d - half];
+    const float a = x[d] * c[d], b = rot * s[d];  // two products and a sum, each rounded (no contraction)
+    out[d] = a + b;
+  }
+#endif
 }
 // y = x + y elementwise, x and y contiguous float32 of one shape: the float sum at::add(x, y) gives
 // (alpha 1: fma(y, 1, x) rounds once, as x + y), without its allocation and dispatch
@@ -1030,8 +1357,10 @@ void add_into(const torch::Tensor& x_in, const torch::Tensor& y) {
   float* yp = y.data_ptr<float>();
   const int64_t n = y.numel();
   int64_t i = 0;
+#if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(yp + i, _mm512_add_ps(_mm512_loadu_ps(xp + i), _mm512_loadu_ps(yp + i)));
+#endif
   for (; i < n; ++i) yp[i] = xp[i] + yp[i];
 }
 
@@ -1274,7 +1603,6 @@ torch::Tensor decoder_paged(torch::Tensor h, at::TensorList ln1, at::ArrayRef<do
   }
   return h;
 }
-#endif
 
 // ---------------------------------------------------------------------------
 // The greedy head's screen (lp.kernels.exact4.Head8.argmax_logits): an integer pass over the LM head that
@@ -1594,11 +1922,9 @@ TORCH_LIBRARY_IMPL(lp_exact4, CPU, m) {
   m.impl("mmq", &exactq_mm);
   m.impl("mmi", &idot_mm);
   m.impl("rms_norm", &rms_norm);
-#if defined(__AVX512F__)
   m.impl("attn_in", &attn_in);
   m.impl("out_mlp", &out_mlp);
   m.impl("decoder_paged", &decoder_paged);
-#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1607,8 +1933,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack8x", &exact8x_pack, "exact 8-bit blocks (q, D, C per 16 weights) in the kernel layout");
   m.def("pack16", &exact16_pack, "bfloat16 / float16 weights in the kernel layout");
   m.def("layoutq", &exactq_layout, "(blocks an entry, header bytes, block bytes, entry bytes) of exactq kind 4..8");
+  m.def("rowsi", &idot_rows, "rows ids of an idot-packed weight (p, ids, n rows, kind) as float32 [len(ids), K]");
   m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31");
-  m.def("idot", &idot_available, "whether this build runs lp.kernels.idot (AVX-512 VNNI and BW)");
+  m.def("idot", &idot_available, "whether this build runs lp.kernels.idot (AVX-512 VNNI and BW, or AVX2 with FMA and F16C)");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
   m.def("encode8", &exact8_encode, "(ok, q, d): w's exact 8-bit blocks in one pass");
