@@ -30,7 +30,7 @@ def idot():
     from lp.kernels.exact4 import extension
 
     if not extension().idot():
-        pytest.skip("this CPU has no AVX-512 VNNI: lp.kernels.idot does not run here")
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2 with FMA / F16C: lp.kernels.idot does not run here")
     return idot
 
 
@@ -108,3 +108,30 @@ def test_idot_errors_name_the_kind(idot):
         idot.mmi(torch.zeros(1, 32), p, 16, 19)
     with pytest.raises(RuntimeError, match="packed"):
         idot.mmi(torch.zeros(1, 32), p, 16, 20)
+
+
+@pytest.mark.parametrize("fmt", ("Q4_0", "Q4_1", "Q8_0", "Q6_K"))
+def test_idot_head_rows_and_products_are_the_files(fmt, idot):
+    """``IBlockHead`` (a GGUF head and its tied embedding on idot, where the float kernels lack
+    AVX-512): ``rows`` equal gguf.dequantize's rows (as floats: a Q6_K code of 32 gives +0.0 where
+    d (q - 32) gives -0.0 for a negative d, as the product's unit rows do), the product equals ``reference``."""
+    import gguf
+
+    from lp.model.gguf import KINDS, QParts, _read_blocks, blocksq_of
+
+    rng = np.random.default_rng(5)
+    n, k = 45, 512
+    raw = random_blocks(fmt, n, k, 0.05, rng)
+    want_w = torch.from_numpy(np.ascontiguousarray(
+        gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[fmt]).reshape(n, k), dtype=np.float32))
+    parts = (QParts(KINDS[fmt], blocksq_of(raw, fmt, n, k)) if fmt == "Q6_K"
+             else _read_blocks(raw, fmt, n, k, 8 if fmt == "Q8_0" else 4))
+    head = idot.IBlockHead.of(parts)
+    assert head is not None
+    ids = torch.tensor([[0, 17, 44], [31, 16, 15]])
+    assert torch.equal(head.rows(ids), want_w[ids])
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    kind, cparts = idot.codes_of(_linear(raw, fmt, n, k))
+    assert torch.equal(head(x), idot.reference(x, kind, cparts))
+    with pytest.raises(RuntimeError, match="outside"):
+        head.rows(torch.tensor([n]))

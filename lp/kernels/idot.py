@@ -244,12 +244,17 @@ def has_codes(model: nn.Module) -> bool:
     (a GGUF file's, or exact 4-bit ones in float32 weights); stops at the first that does."""
     from lp.kernels.exact4 import _blocks, _head, _local, _plain
 
+    def takes(m) -> bool:  # codes_of's cases, without building the codes
+        q, b8 = getattr(m, "_lp_blocksq", None), getattr(m, "_lp_blocks8", None)
+        if q is not None:
+            return q[0] in (4, 5, 6, 7, 8)
+        if b8 is not None:
+            return len(b8) == 2
+        return getattr(m, "_lp_blocks", None) is not None or (
+            not m.weight.is_meta and m.weight.dtype == torch.float32 and _blocks(_local(m.weight.detach())) is not None)
+
     head = _head(model)
-    return any(_plain(m) and m is not head and (getattr(m, "_lp_blocks", None) is not None
-                                                or getattr(m, "_lp_blocks8", None) is not None
-                                                or getattr(m, "_lp_blocksq", None) is not None
-                                                or (not m.weight.is_meta and _blocks(_local(m.weight.detach())) is not None))
-               for m in model.modules())
+    return any(_plain(m) and m is not head and takes(m) for m in model.modules())
 
 
 def rowsi(p: torch.Tensor, ids: torch.Tensor, n: int, kind: int) -> torch.Tensor:
@@ -282,7 +287,7 @@ class IBlockHead(BlockHead):
         if not available():
             return None
         q = parts[0]
-        lin = nn.Module()
+        lin = nn.Linear(1, 1, bias=False, device="meta")  # codes_of reads the blocks off a linear
         if isinstance(q, int):  # lp.model.gguf.QParts (kind, parts)
             lin._lp_blocksq = tuple(parts)
         elif len(parts) == 2 and q.dtype == torch.int8:
