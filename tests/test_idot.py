@@ -135,3 +135,44 @@ def test_idot_head_rows_and_products_are_the_files(fmt, idot):
     assert torch.equal(head(x), idot.reference(x, kind, cparts))
     with pytest.raises(RuntimeError, match="outside"):
         head.rows(torch.tensor([n]))
+
+
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q6_K", "Q4_0"))
+def test_idot_head_screen_keeps_the_argmax_and_the_exact_logits(fmt, idot):
+    """The idot head's greedy screen (AVX2 build): every value it returns is the whole product's
+    logit bit for bit, everything else -inf, and each row's argmax is the whole product's, also on
+    rows built to sit near a tie (two tokens' weights a rounding apart) and on outlier rows."""
+    from lp.kernels.exact4 import extension
+    from lp.model.gguf import KINDS, QParts, _read_blocks, blocksq_of
+
+    if not extension().screeni_available():
+        pytest.skip("screeni runs in idot's AVX2 build only")
+    rng = np.random.default_rng(3)
+    n, k = 1000, 512
+    raw = random_blocks(fmt, n, k, 0.05, rng)
+    parts = (QParts(KINDS[fmt], blocksq_of(raw, fmt, n, k)) if fmt == "Q6_K"
+             else _read_blocks(raw, fmt, n, k, 8 if fmt == "Q8_0" else 4))
+    head = idot.IBlockHead.of(parts)
+    assert head.h8 is not None
+    g = torch.Generator().manual_seed(2)
+    w = head.rows(torch.arange(n))
+    x = torch.cat([torch.randn(6, k, generator=g),
+                   w[[7, 500]] * 40,  # a row aligned with a token: one clear winner
+                   torch.randn(1, k, generator=g) * torch.logspace(-3, 3, k).flip(0)])  # outliers
+    full = head.logits(x)
+    y = head.h8.argmax_logits(x)
+    assert head.h8.screened == 1
+    kept = torch.isfinite(y)
+    assert kept.sum() < kept.numel() // 2  # it screens
+    assert torch.equal(y[kept], full[kept])
+    assert torch.equal(y.argmax(1), full.argmax(1))
+    # near ties: x . w_a ~ x . w_b for x ~ w_a / |w_a|^2 + w_b / |w_b|^2, which x's top digits alone misorder
+    # on some rows (a bound of 1% of the stated one drops the true argmax on 1-6 of these 48 rows per format)
+    sq = (w * w).sum(1, keepdim=True)
+    a, b = torch.randint(0, n, (48,), generator=g), torch.randint(0, n, (48,), generator=g)
+    x = (w[a] / sq[a] + w[b] / sq[b]) * 20 * (1 + 1e-3 * torch.randn(48, k, generator=g))
+    y, full = head.h8.argmax_logits(x), head.logits(x)
+    kept = torch.isfinite(y)
+    assert torch.equal(y[kept], full[kept])
+    assert torch.equal(y.argmax(1), full.argmax(1))
+    assert torch.isnan(head.h8.argmax_logits(torch.full((1, k), float("nan")))).all()  # not finite: the whole product

@@ -270,14 +270,15 @@ class IBlockHead(BlockHead):
     product), its rows (``rows``) decoded from the same packed codes. Built by ``of`` from the
     file's parts as lp.model.gguf reads them (4-bit, 8-bit or exactq ``QParts``)."""
 
-    def __init__(self, p: torch.Tensor, kind: int, n: int, k: int):
+    def __init__(self, p: torch.Tensor, kind: int, n: int, k: int, wnorm: torch.Tensor | None = None):
         nn.Module.__init__(self)
         self.qkind = kind
         self.out_features, self.in_features = n, k
         self.offsets, self.bits = True, 8
         self.register_buffer("p", p)
         self.kernel = lambda x_MK, p, n: mmi(x_MK, p, n, kind)
-        self.h8 = None
+        # BlockHead.forward (and the runner, through exact4.head8) route greedy-only rows to h8.argmax_logits
+        self.h8 = IScreen(self, wnorm) if wnorm is not None and extension().screeni_available() else None
 
     @classmethod
     def of(cls, parts) -> IBlockHead | None:
@@ -309,11 +310,57 @@ class IBlockHead(BlockHead):
         probe = torch.tensor([0, n // 2, n - 1])
         if not torch.equal(rowsi(p, probe, n, kind), w[probe]):
             return None
-        return cls(p, kind, n, k)
+        # each token's ||w_v||, rounded up to float32 (the screen's bound)
+        norm = torch.linalg.vector_norm(w, dim=1, dtype=torch.float64)
+        wnorm = torch.nextafter(norm.float(), torch.tensor(float("inf")))
+        del w
+        return cls(p, kind, n, k, wnorm)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return rowsi(self.p, ids, self.out_features, self.qkind)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        y_MN = mmi(x.reshape(-1, self.in_features).float(), self.p, self.out_features, self.qkind)
+        return y_MN.reshape(*x.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"GGUF codes on int8 dots (kind {self.qkind})")
+
+
+SCREEN_MAX_ROWS = 64  # more rows: the whole product (the screen's pass costs about a third of it a row)
+SCREEN_MAX_GROUPS = 256  # groups of 16 tokens the exact pass may take (4096 tokens); more: the whole product
+
+
+class IScreen:
+    """``IBlockHead``'s greedy screen (``screeni``, idot's AVX2 build). The screen's product y1_v
+    uses x's top int8 digit per element (x' = 2^16 x1 2^-e per block, |x - x'| <= 2^-7 of the block's
+    largest |x|) on the exact codes; Cauchy-Schwarz bounds |y1_v - y_v| by ||w_v|| ||x - x'|| (with
+    slack for the double sums' roundings) plus the float32 roundings of y1 and of the exact logit
+    y_v (2^-20 |y1_v|). A token whose y1_v + E_v is below max_u (y1_u - E_u) is proved below the
+    row's maximum. The kept tokens' groups of 16 then run ``mmi`` itself (each output's bits
+    depend only on its own group's codes), so every value returned is the exact logit the whole
+    product gives, -inf elsewhere: the argmax, first index on ties, is the whole product's."""
+
+    def __init__(self, head: IBlockHead, wnorm: torch.Tensor):
+        self.head = head
+        self.wnorm = wnorm.contiguous()
+        self.screen = True
+        self.calls = self.screened = 0
+
+    def argmax_logits(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        x_MK = x.reshape(-1, head.in_features)
+        self.calls += 1
+        if x_MK.dtype != torch.float32 or not 1 <= x_MK.shape[0] <= SCREEN_MAX_ROWS:
+            return head.logits(x)
+        ok, groups = extension().screeni(x_MK, head.p, head.out_features, head.qkind, self.wnorm, SCREEN_MAX_GROUPS)
+        if not ok:
+            return head.logits(x)
+        self.screened += 1
+        y_MG = mmi(x_MK, head.p.index_select(0, groups).contiguous(), 16 * groups.numel(), head.qkind)
+        cols = (groups[:, None] * 16 + torch.arange(16)).reshape(-1)
+        live = cols < head.out_features
+        y_MV = torch.full((x_MK.shape[0], head.out_features), float("-inf"))
+        y_MV[:, cols[live]] = y_MG[:, live]
+        return y_MV.reshape(*x.shape[:-1], head.out_features)

@@ -553,6 +553,7 @@ constexpr int kIdotRows = 32;  // rows a pass over a group's blocks holds accumu
 struct IDotX {
   std::vector<int8_t> digits;
   std::vector<double> scales;
+  std::vector<double> resid;  // AVX2 build: per row ||x - x'||_2, x' = 2^16 x1 2^-e (the screen's bound)
 };
 
 #if defined(LP_IDOT512)
@@ -715,14 +716,15 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
 // else in double; either way rounded once to the nearest integer, ties to even)
 IDotX idot_prep(const float* x, int64_t M, int64_t K) {
   const int64_t B = K / kBlock;
-  IDotX out{std::vector<int8_t>(3 * M * K), std::vector<double>(3 * M * B)};
+  IDotX out{std::vector<int8_t>(3 * M * K), std::vector<double>(5 * M * B), std::vector<double>(M, 0.0)};
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     const __m256i c128 = _mm256_set1_epi32(128), c255 = _mm256_set1_epi32(255);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t m = m0; m < m1; ++m) {
       int8_t* x1 = out.digits.data() + 3 * m * K;
-      double* s = out.scales.data() + 3 * m * B;
+      double* s = out.scales.data() + 5 * m * B;
+      double resid = 0.0, norm = 0.0;
       for (int64_t b = 0; b < B; ++b) {
         const float* xb = x + m * K + b * kBlock;
         __m256 v[4], mxv = _mm256_setzero_ps();
@@ -769,6 +771,19 @@ IDotX idot_prep(const float* x, int64_t M, int64_t K) {
           d[1][i] = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(r, c128), c255), c128);
           d[0][i] = _mm256_srai_epi32(_mm256_sub_epi32(r, d[1][i]), 8);
         }
+        int64_t sum1[2];  // the top digits' sums, and the screen's residual X - 2^16 x1 (squared)
+        for (int h = 0; h < 2; ++h) {
+          alignas(32) int32_t t[8], r[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_add_epi32(d[0][2 * h], d[0][2 * h + 1]));
+          sum1[h] = 0;
+          for (int32_t l : t) sum1[h] += l;
+          for (int i = 2 * h; i < 2 * h + 2; ++i) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(r), _mm256_sub_epi32(X[i], _mm256_slli_epi32(d[0][i], 16)));
+            for (int32_t l : r) resid += static_cast<double>(l) * static_cast<double>(l) * std::ldexp(1.0, -2 * e);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(r), X[i]);
+            for (int32_t l : r) norm += static_cast<double>(l) * static_cast<double>(l) * std::ldexp(1.0, -2 * e);
+          }
+        }
         for (int k = 0; k < 3; ++k) {  // 32 int32 in [-128, 127] to 32 int8, in order
           const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(d[k][0], d[k][1]), _mm256_packs_epi32(d[k][2], d[k][3]));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(x1 + k * K + b * kBlock), _mm256_permutevar8x32_epi32(p, order));
@@ -777,7 +792,12 @@ IDotX idot_prep(const float* x, int64_t M, int64_t K) {
         s[b] = sc;
         s[B + b] = static_cast<double>(sum[0] + sum[1]) * sc;
         s[2 * B + b] = static_cast<double>(sum[0]) * sc;
+        s[3 * B + b] = static_cast<double>(sum1[0] + sum1[1]) * 65536.0 * sc;
+        s[4 * B + b] = static_cast<double>(sum1[0]) * 65536.0 * sc;
+        if (!finite) resid = NAN;
       }
+      // ||x - x'|| with 0.1% slack, plus 2^-30 ||x||: the double sums' own roundings (< 2^-40 ||w|| ||x||)
+      out.resid[m] = 1.001 * std::sqrt(resid) + std::ldexp(std::sqrt(norm), -30);
     }
   });
   return out;
@@ -805,7 +825,8 @@ inline __m256i dot4(const __m256i* u, const int32_t* xw, int j0, int j1) {
 #endif
 }
 
-template <class F, int CODE, int SCALE>
+// NDIG 1: the screen's product (lp.kernels.idot.IBlockHead): x's top digit alone, X' = 2^16 x1 (its own sums)
+template <class F, int CODE, int SCALE, int NDIG = 3>
 void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M, int64_t K, float* y, int64_t N,
                 int64_t n0, bool prefetch) {
   const int64_t B = K / kBlock;
@@ -890,14 +911,15 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
             const int8_t* xr = xd.digits.data() + 3 * (m0 + m) * K + b * kBlock;
             const int32_t* w[3] = {reinterpret_cast<const int32_t*>(xr), reinterpret_cast<const int32_t*>(xr + K),
                                    reinterpret_cast<const int32_t*>(xr + 2 * K)};
-            const double* sr = xd.scales.data() + 3 * (m0 + m) * B;
+            const double* sr = xd.scales.data() + 5 * (m0 + m) * B;
             const __m256d s = _mm256_set1_pd(sr[b]);
             double* ar = acc[m] + 8 * o;
             __m256d a0 = _mm256_load_pd(ar), a1 = _mm256_load_pd(ar + 4);
             for (int h = 0; h < F::kHalves; ++h) {
               constexpr int per = 8 / F::kHalves;
               __m256i S[3];
-              for (int k = 0; k < 3; ++k) {
+              S[1] = S[2] = _mm256_setzero_si256();
+              for (int k = 0; k < NDIG; ++k) {
 #if defined(__AVXVNNI__)
                 S[k] = dot4<CODE>(u, w[k], h * per, (h + 1) * per);
 #else
@@ -913,7 +935,8 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
                                                  _mm256_cvtepi32_pd(_mm256_castsi256_si128(R)));
               const __m256d t1 = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(S[0], 1)), k16,
                                                  _mm256_cvtepi32_pd(_mm256_extracti128_si256(R, 1)));
-              const double sx = F::kHalves == 1 ? sr[B + b] : (h == 0 ? sr[2 * B + b] : sr[B + b] - sr[2 * B + b]);
+              constexpr int64_t all = NDIG == 3 ? 1 : 3, first = NDIG == 3 ? 2 : 4;
+              const double sx = F::kHalves == 1 ? sr[all * B + b] : (h == 0 ? sr[first * B + b] : sr[all * B + b] - sr[first * B + b]);
               const __m256d sxv = _mm256_set1_pd(sx);
               a0 = _mm256_fmadd_pd(t0, _mm256_mul_pd(D[h][0], s), a0);
               a1 = _mm256_fmadd_pd(t1, _mm256_mul_pd(D[h][1], s), a1);
@@ -1002,6 +1025,103 @@ std::vector<int64_t> idot_layout(int64_t kind) {
   const int64_t super = scale == 2 || scale == 3 ? 8 : 1, head = scale == 2 ? 128 : (scale == 3 ? 64 : 0);
   const int64_t codes = code == 3 ? 512 : 256 + code * 64, scales = scale == 1 ? 128 : (scale == 0 ? 64 : 32);
   return {super, head, codes, codes + scales, head + super * (codes + scales)};
+}
+
+#if defined(LP_IDOT256)
+// The greedy head's screen over idot codes (lp.kernels.idot.IBlockHead.argmax_logits): y1 = the product with x's
+// top digits alone (x' = 2^16 x1 2^-e per block), within E_v = ||w_v|| R + 2^-20 |y1_v| of the exact product's
+// float32 logit (R: ||x - x'|| with slack; Cauchy-Schwarz, then float32 roundings); a token can be a row's
+// argmax only if y1_v + E_v >= max_u (y1_u - E_u). Returns (ok, the groups of 16 tokens holding every such
+// token of every row), ok false for a non-finite row or more than max_groups groups.
+template <int CODE, int SCALE>
+std::tuple<bool, at::Tensor> idot_screen_run(torch::Tensor x, const torch::Tensor& p, int64_t N, const torch::Tensor& wnorm,
+                                             int64_t max_groups) {
+  using F = IDot<CODE, SCALE>;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "screeni: x must be [M, K] float32");
+  TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(2) == F::kBytes &&
+                  (N + 15) / 16 == p.size(0), "screeni: p must be a packed [groups, entries, ", F::kBytes, "] uint8 tensor");
+  TORCH_CHECK(wnorm.dim() == 1 && wnorm.size(0) == N && wnorm.scalar_type() == torch::kFloat32 && wnorm.is_contiguous(),
+              "screeni: wnorm must be [N] float32");
+  const int64_t M = x.size(0), K = x.size(1), groups = p.size(0);
+  TORCH_CHECK(K % (kBlock * F::kSuper) == 0 && p.size(1) == K / (kBlock * F::kSuper), "screeni: shapes do not match");
+  x = x.contiguous();
+  const IDotX xd = idot_prep(x.data_ptr<float>(), M, K);
+  for (double r : xd.resid)
+    if (!std::isfinite(r)) return {false, at::Tensor()};
+  std::vector<float> y(M * N);
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  const int64_t group_bytes = p.size(1) * F::kBytes;
+  const bool prefetch = g_prefetch.load(std::memory_order_relaxed);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      idot_group<F, CODE, SCALE, 1>(pp + g * group_bytes, p.size(1), xd, M, K, y.data(), N, g * 16, prefetch);
+  });
+  const float* wn = wnorm.data_ptr<float>();
+  std::vector<float> low(M, -INFINITY);
+  bool finite = true;
+  for (int64_t m = 0; m < M; ++m) {
+    const float R = static_cast<float>(xd.resid[m]);
+    const float* ym = y.data() + m * N;
+    float lo = -INFINITY;
+    for (int64_t v = 0; v < N; ++v) {
+      const float e = 1.001f * (wn[v] * R) + 9.6e-7f * std::fabs(ym[v]);
+      lo = std::max(lo, ym[v] - e);
+      finite &= std::isfinite(ym[v]);
+    }
+    low[m] = lo;
+  }
+  if (!finite) return {false, at::Tensor()};
+  std::vector<int64_t> kept;
+  for (int64_t g = 0; g < groups; ++g) {
+    bool any = false;
+    for (int64_t m = 0; m < M && !any; ++m) {
+      const float R = static_cast<float>(xd.resid[m]);
+      for (int64_t v = g * 16; v < std::min(N, g * 16 + 16); ++v) {
+        const float yv = y[m * N + v];
+        if (yv + (1.001f * (wn[v] * R) + 9.6e-7f * std::fabs(yv)) >= low[m]) {
+          any = true;
+          break;
+        }
+      }
+    }
+    if (any) {
+      kept.push_back(g);
+      if (static_cast<int64_t>(kept.size()) > max_groups) return {false, at::Tensor()};
+    }
+  }
+  return {true, torch::tensor(kept, torch::kLong)};
+}
+#endif
+
+std::tuple<bool, at::Tensor> idot_screen(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind, torch::Tensor wnorm,
+                                         int64_t max_groups) {
+  TORCH_CHECK(kind >= 20 && kind <= 31, "screeni: kind must be 20..31 (lp.kernels.idot), got ", kind);
+#if defined(LP_IDOT256)
+  switch (kind) {
+    case 20: return idot_screen_run<0, 0>(x, p, n, wnorm, max_groups);
+    case 21: return idot_screen_run<1, 0>(x, p, n, wnorm, max_groups);
+    case 22: return idot_screen_run<3, 0>(x, p, n, wnorm, max_groups);
+    case 23: return idot_screen_run<0, 2>(x, p, n, wnorm, max_groups);
+    case 24: return idot_screen_run<1, 2>(x, p, n, wnorm, max_groups);
+    case 25: return idot_screen_run<2, 3>(x, p, n, wnorm, max_groups);
+    case 26: return idot_screen_run<0, 1>(x, p, n, wnorm, max_groups);
+    case 27: return idot_screen_run<1, 1>(x, p, n, wnorm, max_groups);
+    case 28: return idot_screen_run<3, 1>(x, p, n, wnorm, max_groups);
+    case 29: return idot_screen_run<0, 4>(x, p, n, wnorm, max_groups);
+    case 30: return idot_screen_run<1, 4>(x, p, n, wnorm, max_groups);
+    default: return idot_screen_run<3, 4>(x, p, n, wnorm, max_groups);
+  }
+#else
+  TORCH_CHECK(false, "screeni: built for idot's AVX2 form only (lp.kernels.idot.IBlockHead runs where exact4 lacks AVX-512)");
+#endif
+}
+
+bool idot_screen_available() {
+#if defined(LP_IDOT256)
+  return true;
+#else
+  return false;
+#endif
 }
 
 // Rows `ids` of a weight packed by lp.kernels.idot.packi, as float32 [len(ids), K]: each weight the double
@@ -1933,6 +2053,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack8x", &exact8x_pack, "exact 8-bit blocks (q, D, C per 16 weights) in the kernel layout");
   m.def("pack16", &exact16_pack, "bfloat16 / float16 weights in the kernel layout");
   m.def("layoutq", &exactq_layout, "(blocks an entry, header bytes, block bytes, entry bytes) of exactq kind 4..8");
+  m.def("screeni", &idot_screen, py::call_guard<py::gil_scoped_release>(),
+        "(ok, kept groups of 16): the idot head's greedy screen (x, p, n, kind, wnorm, max_groups)");
+  m.def("screeni_available", &idot_screen_available, "whether this build runs screeni (idot's AVX2 form)");
   m.def("rowsi", &idot_rows, "rows ids of an idot-packed weight (p, ids, n rows, kind) as float32 [len(ids), K]");
   m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31");
   m.def("idot", &idot_available, "whether this build runs lp.kernels.idot (AVX-512 VNNI and BW, or AVX2 with FMA and F16C)");
