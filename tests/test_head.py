@@ -11,7 +11,8 @@ from lp.config import DecodingConfig
 from lp.engine.batch import BatchEngine
 from lp.engine.decoder import LookaheadDecoder
 from lp.kernels import head as head_mod
-from lp.kernels.head import HeadScreen, argmax_rows, bf16_packs
+from lp.kernels.head import HeadScreen, argmax_rows
+from lp.kernels.linears import bf16_packs
 from lp.model.runner import ModelRunner
 from tests.helpers import REPETITIVE_PROMPT, hf_greedy
 

@@ -82,6 +82,24 @@ def test_int8_linear_rows_are_independent(bias):
     assert rel.max().item() < 0.05, f"int8 linear too far from float32: relative error {rel.max():.3g}"
 
 
+def test_int8_row_maximum_is_not_a_rounding_tie():
+    """A row whose absolute maximum is negative: scaled to exactly -1 it would sit halfway between
+    two activation codes, so an ulp of the row's scale (an input differing in its last bits, as
+    a TP all-reduce's rounding makes it) would move it a whole step. lp scales each row's maximum
+    onto a code instead: an ulp of change in the input moves the output by float rounding only."""
+    torch.manual_seed(2)
+    lin = nn.Linear(64, 96, bias=False)
+    q = RowInt8Linear(lin)
+    x_MI = torch.randn(64, 64)
+    x_MI[torch.arange(64), x_MI.abs().argmax(dim=1)] = -x_MI.abs().amax(dim=1) - 0.5  # every maximum negative
+    nudged_MI = x_MI.clone()
+    nudged_MI[:, 0] = torch.nextafter(nudged_MI[:, 0], torch.full((64,), math.inf))  # a last bit elsewhere
+    nudged_MI[torch.arange(64), x_MI.abs().argmax(dim=1)] = torch.nextafter(x_MI.abs().amax(dim=1).neg(),
+                                                                          torch.zeros(64))  # and at the maximum
+    err = (q(x_MI) - q(nudged_MI)).abs().max().item()
+    assert err < 1e-4, f"an ulp of input moved an int8 output by {err:.3g} (a code at a rounding tie)"
+
+
 @pytest.mark.parametrize("biases", [(False, False, False), (True, False, True)], ids=["nobias", "mixed"])
 def test_int8_fused_linears_equal_separate_ones(biases):
     """q/k/v (or gate/up) stacked into one kernel call give each part's columns bit for bit

@@ -161,7 +161,7 @@ def screen_head(model: nn.Module, mode: str) -> HeadScreen | None:
         return None
     screen = getattr(model, "_lp_head_screen", None)
     if screen is None:
-        if not bf16_packs():
+        if not linears.bf16_packs():
             if mode == "screen":
                 raise ValueError("model.head=screen needs oneDNN's bf16 linears, which this CPU lacks (AVX-512 BW / "
                                  "VL / DQ or AVX-NE-CONVERT): use model.head=auto or exact")
@@ -180,17 +180,6 @@ def screen_head(model: nn.Module, mode: str) -> HeadScreen | None:
     return screen
 
 
-def bf16_packs() -> bool:
-    """Whether oneDNN packs bf16 linear weights on this CPU (it asks for AVX-512 BW / VL / DQ or
-    AVX-NE-CONVERT: a plain AVX2 CPU raises inside ``_reorder_linear_weight``)."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if check is not None and not check():
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
-    except RuntimeError:
-        return False
-    return True
 
 
 def _fastest(fn, reps: int = 5) -> float:

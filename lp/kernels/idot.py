@@ -40,7 +40,7 @@ OFFSET = {29: -8.0, 30: -16.0, 31: -128.0}  # C = OFFSET D: Q4_0, Q5_0, Q8_0 hol
 
 
 def available() -> bool:
-    """Whether ``mmi`` runs here (a build with AVX-512 VNNI and BW) and ``LP_IDOT`` is not ``0``
+    """Whether ``mmi`` runs here (a build with AVX-512 VNNI and BW, or AVX2) and ``LP_IDOT`` is not ``0``
     (the float kernels instead: benchmarks, A/B runs)."""
     return os.environ.get("LP_IDOT", "1") != "0" and bool(extension().idot())
 

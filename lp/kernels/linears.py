@@ -40,6 +40,8 @@ GEMV is as fast). The calibration times Q = 1 both ways like any other Q.
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 import weakref
 
@@ -211,12 +213,30 @@ def _packed(x: torch.Tensor, key: int) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
+@functools.cache
+def bf16_packs() -> bool:
+    """Whether oneDNN packs bf16 linear weights on this CPU (it asks for AVX-512 BW / VL / DQ or
+    AVX-NE-CONVERT: a plain AVX2 CPU raises inside ``_reorder_linear_weight``)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None and not check():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 def packable(module: nn.Module) -> bool:
     """A swapped layer whose plain float weight oneDNN can prepack (on the CPU; not a DTensor
-    shard of lp.parallel.tp, not a quantized tensor of lp.model.quant)."""
+    shard of lp.parallel.tp, not a quantized tensor of lp.model.quant; bf16 only where
+    ``bf16_packs``: elsewhere a bf16 layer keeps torch's own linear)."""
     w = getattr(module, "weight", None)
     return (isinstance(module, SmallRowsLinear) and type(w) is nn.Parameter and w.device.type == "cpu"
-            and w.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available())
+            and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and bf16_packs()))
+            and torch.backends.mkldnn.is_available())
 
 
 def packed_bytes(model: nn.Module) -> int:

@@ -81,6 +81,13 @@ def _cpu_has_vnni() -> bool:
 # Measured on SmolLM2: mean KL vs fp32 per token 0.124 with 7 bits, 0.028 with 8.
 _REDUCE_RANGE = not _cpu_has_vnni()
 
+# The pinning columns fix fbgemm's activation range to [-_C, _C]: 2^b - 1 steps over 2 _C, zero
+# point 2^(b-1) (b = 7 or 8), so -_C itself lies halfway between two codes (a tie whose side
+# the last ulp of the row's scale decides: one process and a TP mesh, whose inputs differ by an
+# all-reduce's rounding, then part by a whole step). Each row is scaled so its absolute maximum
+# lands on the code one step inside (_FILL _C): a grid point, half a step from any tie.
+_FILL = 126 / 127 if _REDUCE_RANGE else 254 / 255
+
 
 def resolve_quant(name: str, device: torch.device) -> str:
     """``name`` checked; ``auto`` stays ``auto`` (it resolves on the loaded model: ``resolve_auto``)."""
@@ -180,8 +187,8 @@ class RowInt8Linear(nn.Module):
         amax_M1 = x_MI.abs().amax(dim=1, keepdim=True)  # 2-7x cheaper than an inf-norm
         if self._amax_max is not None:  # a K slice: the full row's maximum, as one process scales it
             self._amax_max(amax_M1)
-        amax_M1.clamp_(min=1e-30)
-        torch.mul(x_MI, torch.reciprocal(amax_M1), out=buf_MI2[:, : self.in_features])  # rows scaled to _C
+        amax_M1.clamp_(min=1e-30).mul_(1 / _FILL)
+        torch.mul(x_MI, torch.reciprocal(amax_M1), out=buf_MI2[:, : self.in_features])  # rows scaled to _FILL _C
         y_MO = torch.ops.quantized.linear_dynamic(buf_MI2, self._packed, _REDUCE_RANGE)
         y_MO.mul_(amax_M1)
         if self._bias_O is not None:
