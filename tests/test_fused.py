@@ -27,11 +27,12 @@ pytestmark = [pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reaso
 
 @pytest.fixture(scope="module")
 def q4_llama(tiny_factory):
-    """A tiny Llama (head size 32, as the fused rotation needs) whose linears are 4-bit blocks, converted."""
-    from lp.kernels import exact4
+    """A tiny Llama (head size 32, as the fused rotation needs) whose linears are 4-bit blocks, converted
+    (exact4's float kernels with AVX-512; lp.kernels.idot's integer dots on an AVX2-only CPU)."""
+    from lp.kernels import exact4, idot
 
-    if not exact4.extension().avx512():
-        pytest.skip("fused layers run on the AVX-512 exact4 build")
+    if not exact4.extension().avx512() and not idot.available():
+        pytest.skip("fused layers run on the AVX-512 exact4 build or on idot's products (AVX2)")
     model = to_q4_blocks(copy.deepcopy(tiny_factory("llama", head_dim=32, seed=1)))
     assert quantize(model, "exact4") == "exact4"
     return model

@@ -321,13 +321,14 @@ def _native_shape(query, key, value, spans, masks, slots, scale, sliding, max_ro
 
 
 def native_attention():
-    """lp's C++ paged attention op where it was measured faster: built with AVX-512 (its scalar
-    loop elsewhere is correct but not measured, so there the Python op stays); None also where
-    it cannot be built (a warning, once) or ``LP_NATIVE_ATTENTION=0`` asks for the Python op."""
+    """lp's C++ paged attention op where it was measured faster: built with AVX-512 or AVX2 + FMA
+    (its scalar loop elsewhere is correct but not measured, so there the Python op stays); None
+    also where it cannot be built (a warning, once) or ``LP_NATIVE_ATTENTION=0`` asks for the
+    Python op."""
     if os.environ.get("LP_NATIVE_ATTENTION", "1") == "0":
         return None
     built = native_op()
-    if built is None or not built[0].avx512():
+    if built is None or not built[0].simd():
         return None
     return built[1]
 

@@ -61,8 +61,9 @@ def main(argv=None) -> int:
         if mod is None:
             print(f"[lp] prebuild: {name}: not built (see the log above)")
             continue
+        avx2 = getattr(mod, "simd", getattr(mod, "idot", lambda: False))()  # lp_attention's AVX2 path, exact4's idot
         print(f"[lp] prebuild: {name} ready in {time.perf_counter() - t:.1f} s "
-              f"({'AVX-512' if mod.avx512() else 'scalar'} path)")
+              f"({'AVX-512' if mod.avx512() else ('AVX2' if avx2 else 'scalar')} path)")
     return 0
 
 

@@ -15,7 +15,9 @@
 // over d in 16-lane chunks, the same operations whatever the batch holds: a sequence's output
 // depends on its own rows and keys only (not on the other sequences, not on the thread count).
 // exp is a degree-6 polynomial after range reduction (relative error ~1e-7, within a few float32
-// ulps). A row whose every score is -inf (fully masked), or with a NaN or +inf score (a NaN in q or
+// ulps). Three builds: AVX-512 (16-lane vectors), AVX2 + FMA (the same 16 lanes as two 8-lane halves,
+// e^x 0 below the smallest normal float instead of AVX-512's denormals) and a scalar loop; each is
+// its own fixed order of operations. A row whose every score is -inf (fully masked), or with a NaN or +inf score (a NaN in q or
 // in a key it sees), gives NaN, as sdpa does.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,8 +25,11 @@
 #include <limits>
 #include <optional>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define LP_ATT256 1
 #endif
 
 namespace {
@@ -52,6 +57,37 @@ inline __m512 exp512(__m512 x) {
 }
 #endif
 
+#if defined(LP_ATT256)
+// e^x for 8 float32 lanes, x <= 88 (scores minus their maximum: <= 0): exp512's reduction and
+// polynomial, 2^n from its exponent bits (n >= -126: a normal float); x < -87.3 gives 0
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, two_n));
+}
+
+// the 8 lanes' sum (halves, then pairs, then the last two)
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 inline float exp1(float x) {
 #if defined(__AVX512F__)
   return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x)));
@@ -66,6 +102,13 @@ inline float dot(const float* a, const float* b, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
   return _mm512_reduce_add_ps(acc);
+#elif defined(LP_ATT256)
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), hi);
+  }
+  return hsum256(_mm256_add_ps(lo, hi));
 #else
   float acc[16] = {0};
   for (int64_t d = 0; d < D; ++d) acc[d % 16] = std::fma(a[d], b[d], acc[d % 16]);
@@ -92,6 +135,20 @@ inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
   out[2] = _mm512_reduce_add_ps(a2);
   out[3] = _mm512_reduce_add_ps(a3);
 }
+#elif defined(LP_ATT256)
+// dot(q, k[i], D) for the 4 keys k[0..3], dot()'s chains side by side
+inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
+  __m256 a[4], b[4];
+  for (int i = 0; i < 4; ++i) a[i] = b[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m256 qa = _mm256_loadu_ps(q + d), qb = _mm256_loadu_ps(q + d + 8);
+    for (int i = 0; i < 4; ++i) {
+      a[i] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k[i] + d), a[i]);
+      b[i] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(k[i] + d + 8), b[i]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) out[i] = hsum256(_mm256_add_ps(a[i], b[i]));
+}
 #endif
 
 }  // namespace
@@ -111,7 +168,7 @@ torch::Tensor lp_paged_attention(torch::Tensor query, torch::Tensor key, torch::
               "lp paged attention: spans [S, 7] int64, slots int64");
   const int64_t H = query.size(1), Q = query.size(2), D = query.size(3), Hkv = key.size(1), P = key.size(2);
   TORCH_CHECK(H % Hkv == 0 && key.size(3) == D && value.sizes() == key.sizes(), "lp paged attention: shapes");
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(LP_ATT256)
   TORCH_CHECK(D % 16 == 0, "lp paged attention: head size must be a multiple of 16");
 #endif
   const int64_t groups = H / Hkv;
@@ -180,7 +237,7 @@ torch::Tensor lp_paged_attention(torch::Tensor query, torch::Tensor key, torch::
         float m = -std::numeric_limits<float>::infinity();
         bool nan = false;
         int64_t j0 = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(LP_ATT256)
         for (; j0 + 4 <= k; j0 += 4) dot4(qv, kr.data() + j0, D, score.data() + j0);  // dot()'s chains, 4 at once
 #endif
         for (int64_t j = j0; j < k; ++j) score[j] = dot(qv, kr[j], D);
@@ -227,6 +284,35 @@ torch::Tensor lp_paged_attention(torch::Tensor query, torch::Tensor key, torch::
           }
           for (int64_t c = 0; c < w; ++c) _mm512_storeu_ps(o + d + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
         }
+#elif defined(LP_ATT256)
+        const __m256 mv = _mm256_set1_ps(m);
+        int64_t j = 0;
+        __m256 lv = _mm256_setzero_ps();
+        for (; j + 8 <= k; j += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(score.data() + j), mv));
+          _mm256_storeu_ps(score.data() + j, e);
+          lv = _mm256_add_ps(lv, e);
+        }
+        if (j < k) {  // the tail padded with -inf: e^-inf is 0
+          alignas(32) float t[8];
+          for (int i = 0; i < 8; ++i) t[i] = j + i < k ? score[j + i] : -std::numeric_limits<float>::infinity();
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(t), mv));
+          _mm256_store_ps(t, e);
+          for (int i = 0; j + i < k; ++i) score[j + i] = t[i];
+          lv = _mm256_add_ps(lv, e);
+        }
+        l = hsum256(lv);
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < D; d += 32) {  // four 8-lane accumulators over the keys, in order
+          const int64_t w = std::min<int64_t>(4, (D - d) / 8);
+          __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+          for (int64_t jj = 0; jj < k; ++jj) {
+            const __m256 pj = _mm256_set1_ps(score[jj]);
+            for (int64_t c = 0; c < w; ++c)
+              acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr[jj] + d + 8 * c), acc[c]);
+          }
+          for (int64_t c = 0; c < w; ++c) _mm256_storeu_ps(o + d + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+        }
 #else
         for (int64_t j = 0; j < k; ++j) {
           score[j] = exp1(score[j] - m);
@@ -262,7 +348,16 @@ bool lp_attention_avx512() {
 #endif
 }
 
+bool lp_attention_simd() {
+#if defined(__AVX512F__) || defined(LP_ATT256)
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged", &lp_paged_attention, "every short sequence of a batched step against its own paged keys");
-  m.def("avx512", &lp_attention_avx512, "whether this build runs the AVX-512 path (else a scalar loop)");
+  m.def("avx512", &lp_attention_avx512, "whether this build runs the AVX-512 path");
+  m.def("simd", &lp_attention_simd, "whether this build runs a vector path (AVX-512, or AVX2 with FMA; else a scalar loop)");
 }
