@@ -56,6 +56,7 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
 
     from lp.config import DecodingConfig
     from lp.engine.decoder import LookaheadDecoder
+    from lp.kernels import idot
     from lp.kernels.exact4 import BlockHead, Exact4Linear, extension
     from lp.kernels.fused import FusedDecoder
     from lp.model.gguf import KEPT
@@ -77,12 +78,17 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     kernels = [m for m in model.modules() if isinstance(m, Exact4Linear)]
     on_kernels = sum(len(m.splits) for m in kernels)
     kept = fmt == "Q4_K_M" or fmt in KEPT
-    if kept and extension().avx512():
+    if not extension().avx512() and idot.available():  # AVX2: the formats idot takes, the rest float32
+        kept = kept and fmt not in ("Q2_K", "Q3_K", "F16", "BF16")
+        assert getattr(model, "_lp_quant", None) == ("exact4" if kept else None)
+        assert all(isinstance(m, idot.IDotLinear) for m in kernels)
+        assert isinstance(model.get_output_embeddings(), idot.IBlockHead) == kept
+    if kept and (extension().avx512() or idot.available()):
         assert model._lp_quant == "exact4"
         assert on_kernels == len(linears), f"{on_kernels} of {len(linears)} decoder linears on exact kernels"
         big = [n for n, p in model.named_parameters() if p.dim() == 2 and p.dtype == torch.float32]
         assert not big, f"float32 copies of file blocks: {big[:4]}"
-        assert isinstance(model.get_output_embeddings(), BlockHead)
+        assert isinstance(model.get_output_embeddings(), BlockHead)  # idot's IBlockHead is one
         if fmt in ("F16", "BF16"):  # 2-byte floats everywhere, the embedding's rows widened from them
             assert all(m.bits == 16 for m in kernels) and model.get_output_embeddings().bits == 16
             emb = model.get_input_embeddings()
@@ -92,8 +98,9 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
             head, emb = model.get_output_embeddings(), model.get_input_embeddings()
             from lp.kernels.fused import kernel_kind
 
-            # linears on Q6_K's codes: idot's kind 25 where the CPU has VNNI, else exactq's kind 8
-            assert head.qkind == 8 and all(kernel_kind(m) in (8, 25) for m in kernels) and head.h8 is not None
+            # linears on Q6_K's codes: idot's kind 25 where the CPU has VNNI, else exactq's kind 8; the
+            # head exactq's kind 8 with AVX-512, idot's 25 on AVX2
+            assert head.qkind in (8, 25) and all(kernel_kind(m) in (8, 25) for m in kernels) and head.h8 is not None
             assert (emb.source is head) == (arch in TIED)
             every = torch.arange(emb.num_embeddings)
             assert torch.equal(emb(every), ref.get_input_embeddings().weight)
@@ -116,7 +123,7 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     runner = ModelRunner(model)
     if arch in OTHERS:  # transformers' modules, and the log line says why
         assert runner.fused is None and type(ref.model.layers[0]).__name__ in runner.fused_why
-    elif kept and extension().avx512():
+    elif kept and (extension().avx512() or idot.available()):
         assert runner.fused is not None, runner.fused_why  # lp's own stack (C++ or its layer loop), bit-equal
         if arch in CPP_STACK:  # its C++ layers, whatever the mix of kernel kinds, with q/k/v biases
             assert isinstance(runner.fused, FusedDecoder), runner.fused
@@ -127,7 +134,7 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
         prompts = [ids, ids[5:], ids[:9] * 2]
         for prompt, got in zip(prompts, batch_outputs(runner, DecodingConfig(max_new_tokens=16), prompts, eos)):
             assert_equal_or_tie(ref, prompt, got, hf_greedy(ref, prompt, 16), what=f"{arch} {fmt} batched")
-        if arch in CPP_STACK and extension().avx512():  # as one decoder_paged call a step
+        if arch in CPP_STACK and (extension().avx512() or idot.available()):  # as one decoder_paged call a step
             assert runner.fused.paged_calls > 0
 
     dense, _ = load_model(file, "auto", quant="none", tokenizer=False)

@@ -497,11 +497,15 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
     file_blocks: dict = {}
     kept = dequantized = 0
     qkinds = dict(QKINDS)
+    qhead = QHEAD
     if keep:
         from lp.kernels import idot
+        from lp.kernels.exact4 import extension
 
         if idot.available():  # Q4_K as its codes too: idot runs them at 4.75 bits a weight, faster than exact4
             qkinds["Q4_K"] = KINDS["Q4_K"]
+            if not extension().avx512():  # a Q5_1 / Q5_K head as codes too: idot's head takes them (_block_head)
+                qhead = QHEAD + ("Q5_1", "Q5_K")
     for t in file_tensors(file):
         kind = t.tensor_type.name
         hf = mapping.get(t.name)
@@ -510,7 +514,7 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
             n, k = ends[hf].weight.shape
             size, per, bits = KEPT[kind]
             if k % per == 0 and t.data.size == n * k // per * size:
-                file_blocks[hf] = (QParts(QKINDS[kind], blocksq_of(t.data, kind, n, k)) if kind in QHEAD
+                file_blocks[hf] = (QParts(QKINDS[kind], blocksq_of(t.data, kind, n, k)) if kind in qhead
                                    else _read_blocks(t.data, kind, n, k, bits))
                 kept += 1
                 continue
