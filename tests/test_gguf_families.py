@@ -78,12 +78,14 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     kernels = [m for m in model.modules() if isinstance(m, Exact4Linear)]
     on_kernels = sum(len(m.splits) for m in kernels)
     kept = fmt == "Q4_K_M" or fmt in KEPT
-    if not extension().avx512() and idot.available():  # AVX2: the formats idot takes, the rest float32
+    avx512 = extension().avx512()
+    fast = avx512 or idot.available()  # lp's exact kernels: AVX-512, or idot's AVX2 form
+    if not avx512 and fast:  # AVX2: the formats idot takes, the rest float32
         kept = kept and fmt not in ("Q2_K", "Q3_K", "F16", "BF16")
         assert getattr(model, "_lp_quant", None) == ("exact4" if kept else None)
         assert all(isinstance(m, idot.IDotLinear) for m in kernels)
         assert isinstance(model.get_output_embeddings(), idot.IBlockHead) == kept
-    if kept and (extension().avx512() or idot.available()):
+    if kept and fast:
         assert model._lp_quant == "exact4"
         assert on_kernels == len(linears), f"{on_kernels} of {len(linears)} decoder linears on exact kernels"
         big = [n for n, p in model.named_parameters() if p.dim() == 2 and p.dtype == torch.float32]
@@ -123,7 +125,7 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     runner = ModelRunner(model)
     if arch in OTHERS:  # transformers' modules, and the log line says why
         assert runner.fused is None and type(ref.model.layers[0]).__name__ in runner.fused_why
-    elif kept and (extension().avx512() or idot.available()):
+    elif kept and fast:
         assert runner.fused is not None, runner.fused_why  # lp's own stack (C++ or its layer loop), bit-equal
         if arch in CPP_STACK:  # its C++ layers, whatever the mix of kernel kinds, with q/k/v biases
             assert isinstance(runner.fused, FusedDecoder), runner.fused
@@ -134,7 +136,7 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
         prompts = [ids, ids[5:], ids[:9] * 2]
         for prompt, got in zip(prompts, batch_outputs(runner, DecodingConfig(max_new_tokens=16), prompts, eos)):
             assert_equal_or_tie(ref, prompt, got, hf_greedy(ref, prompt, 16), what=f"{arch} {fmt} batched")
-        if arch in CPP_STACK and (extension().avx512() or idot.available()):  # as one decoder_paged call a step
+        if arch in CPP_STACK and fast:  # as one decoder_paged call a step
             assert runner.fused.paged_calls > 0
 
     dense, _ = load_model(file, "auto", quant="none", tokenizer=False)

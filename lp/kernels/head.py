@@ -180,8 +180,6 @@ def screen_head(model: nn.Module, mode: str) -> HeadScreen | None:
     return screen
 
 
-
-
 def _fastest(fn, reps: int = 5) -> float:
     fn()
     best = float("inf")

@@ -41,7 +41,6 @@ GEMV is as fast). The calibration times Q = 1 both ways like any other Q.
 from __future__ import annotations
 
 import functools
-
 import itertools
 import weakref
 
