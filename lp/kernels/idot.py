@@ -10,7 +10,14 @@ weights ``w = D u + C`` (u the block's unsigned code) and x held per 32 inputs a
 X = round(x 2^e) (e from the block's largest |x|). ``reference`` is that arithmetic in torch
 (float64, bit for bit the kernel's for kinds 20-25); unit rows give the file's float32 weights
 exactly (the check ``of`` runs). A row's output depends on that row only: the decode of the weights
-is shared by the rows of a call, no sum is. Only where the build has AVX-512 VNNI (``available``).
+is shared by the rows of a call, no sum is. Where the build has AVX-512 VNNI.
+
+On AVX2 (no VNNI: an int8 digit's product takes vpmaddubsw + vpmaddwd, three digits a row) ``mmi``
+widens the same packed codes to the file's float32 weights ``fma(D, u, C)`` in the kernel and sums
+``w x`` in float32 multiply-adds, four partial sums per output (``reference_float``): at one row
+0.6-1.0x the digits' time, at 8-16 rows 0.5-0.9x (a Q5_0 / Q8_0 / Q4_K / Q6_K product, AMD EPYC
+Zen 3). The greedy head's screen (``IScreen``) stays on x's top int8 digit; its bound covers the
+float32 sums.
 
 Why: the float kernels (exact4, exactq) widen each weight to float32 before the multiply-add: at one
 row that decode is the cost (bench/results/gguf_formats/exactq_kernels.md: bound by instructions,
@@ -121,7 +128,29 @@ def _scales(kind: int, parts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tensor:
-    """``mmi``'s arithmetic in torch (module doc): per row and 32-input block, e with the block's
+    """``mmi``'s arithmetic on this build: ``reference_float`` on AVX2, else ``reference_digits``."""
+    if extension().idot_float():
+        return reference_float(x_MK, kind, parts)
+    return reference_digits(x_MK, kind, parts)
+
+
+def reference_float(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tensor:
+    """The AVX2 build's arithmetic (csrc ``fdot_group``) in torch: the file's float32 weights
+    (``widened``), per row and output four float32 partial sums, input i's ``fma(w, x, p)`` into
+    partial i mod 4 in input order, y = (p_0 + p_1) + (p_2 + p_3). Each multiply-add is formed in
+    float64 (the product exact) and rounded to float32: the kernel's bits wherever that sum is exact
+    in float64 (operands within 2^29 of each other: random rows in tests)."""
+    w = widened(kind, parts).double()  # [N, K]
+    x = x_MK.double()
+    m, k = x.shape
+    acc = torch.zeros(4, m, w.shape[0], dtype=torch.float32)
+    for i in range(k):
+        acc[i % 4] = (acc[i % 4].double() + x[:, i:i + 1] * w[:, i][None, :]).float()
+    return (acc[0] + acc[1]) + (acc[2] + acc[3])
+
+
+def reference_digits(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tensor:
+    """The AVX-512 VNNI build's arithmetic in torch (module doc): per row and 32-input block, e with the block's
     largest |x| 2^e in [2^22, 2^23) (one less where it would pass 8355711), X = round(x 2^e) (ties
     to even), then in float64 per block (and per half of it for Q6_K's scales per 16):
     acc += t (D 2^-e); acc += C (sum X 2^-e), t = sum u X; float32 at the end. Bit for bit the

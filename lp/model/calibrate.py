@@ -29,7 +29,7 @@ from lp.kernels.head import argmax_rows
 # every size up to 16 (small sizes are where a BLAS switches kernels), then coarser
 QS = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)
 PREFIX = 128
-VERSION = "v11"  # bumped when QS, the measurement or a kernel it prices changes: older files are not read
+VERSION = "v12"  # bumped when QS, the measurement or a kernel it prices changes: older files are not read
 # a cached t(1) above STALE x (and STALE_MIN_S above) the one timed at start-up: measured too slow
 STALE, STALE_MIN_S = 1.3, 0.002
 

@@ -28,9 +28,9 @@
 #include <immintrin.h>
 #endif
 
-// lp.kernels.idot's two builds: AVX-512 VNNI (vpdpbusd, 16 outputs a register) or AVX2 with FMA and F16C
-// (vpmaddubsw, 8 outputs a register; vpdpbusd's 256-bit form where AVX-VNNI is there): the same integers, the
-// same double operations in the same order, so the same bits
+// lp.kernels.idot's two builds: AVX-512 VNNI (vpdpbusd on x's three int8 digits, 16 outputs a register) or
+// AVX2 with FMA and F16C (the same packed codes widened to the file's float32 weights, float32 multiply-adds:
+// fdot_group; the greedy head's screen on x's top digit alone, idot_group)
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define LP_IDOT512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -796,8 +796,11 @@ IDotX idot_prep(const float* x, int64_t M, int64_t K) {
         s[4 * B + b] = static_cast<double>(sum1[0]) * 65536.0 * sc;
         if (!finite) resid = NAN;
       }
-      // ||x - x'|| with 0.1% slack, plus 2^-30 ||x||: the double sums' own roundings (< 2^-40 ||w|| ||x||)
-      out.resid[m] = 1.001 * std::sqrt(resid) + std::ldexp(std::sqrt(norm), -30);
+      // ||X 2^-e - x'|| with 0.1% slack, plus, times ||x||: ||x - X 2^-e|| (< sqrt(32) 2^-22 ||x|| block by
+      // block) and the float32 sums of mmi's AVX2 product (fdot_group: chains of K / 4 + 2 roundings, each
+      // within 2^-24 of the sum of |w x|, that sum at most ||w|| ||x||)
+      const double slack = 6.0 * std::ldexp(1.0, -22) + 1.01 * static_cast<double>(K / 4 + 3) * std::ldexp(1.0, -24) + std::ldexp(1.0, -30);
+      out.resid[m] = 1.001 * std::sqrt(resid) + 1.001 * slack * std::sqrt(norm);
     }
   });
   return out;
@@ -956,6 +959,160 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
     }
   }
 }
+
+// AVX2's product (mmi without AVX-512 VNNI): the same packed codes, each block's 512 weights widened once to the
+// file's float32 values w = fma(D, u, C) (one rounding of the exact D u + C: gguf.dequantize's weights), then a
+// float32 fma chain per row: output n's four partial sums p_t (t = input mod 4) run over the inputs in order,
+// y = (p_0 + p_1) + (p_2 + p_3). On AVX2 an int8 product takes vpmaddubsw + vpmaddwd per digit (three digits a
+// row); a float multiply-add a weight and row costs half that, and the rows of a call share the decode.
+// A row's result depends on that row only; lp.kernels.idot.reference_float is this arithmetic in torch.
+// fdot_group's one- and two-row step over a half block: the widened weights of input 4 j + t go straight into
+// partial t of each row (acc rows 64 floats apart)
+template <int R>
+inline void fdot_fused(const __m256i* u, const __m256* D, const __m256* C, const __m256i* pick, const float* xr, int64_t K,
+                       float* ar) {
+  const float* xs = xr + (R == 2 ? K : 0);
+  float* br = ar + (R == 2 ? 64 : 0);
+  __m256 a0 = _mm256_load_ps(ar), a1 = _mm256_load_ps(ar + 8), a2 = _mm256_load_ps(ar + 16), a3 = _mm256_load_ps(ar + 24);
+  __m256 b0, b1, b2, b3;
+  if constexpr (R == 2) b0 = _mm256_load_ps(br), b1 = _mm256_load_ps(br + 8), b2 = _mm256_load_ps(br + 16), b3 = _mm256_load_ps(br + 24);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    const __m256 d = D[j / 4], c = C[j / 4];
+    const __m256 w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(u[j], pick[0])), c);
+    const __m256 w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(u[j], pick[1])), c);
+    const __m256 w2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(u[j], pick[2])), c);
+    const __m256 w3 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(u[j], pick[3])), c);
+    a0 = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xr + 4 * j), a0);
+    a1 = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xr + 4 * j + 1), a1);
+    a2 = _mm256_fmadd_ps(w2, _mm256_broadcast_ss(xr + 4 * j + 2), a2);
+    a3 = _mm256_fmadd_ps(w3, _mm256_broadcast_ss(xr + 4 * j + 3), a3);
+    if constexpr (R == 2) {
+      b0 = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xs + 4 * j), b0);
+      b1 = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xs + 4 * j + 1), b1);
+      b2 = _mm256_fmadd_ps(w2, _mm256_broadcast_ss(xs + 4 * j + 2), b2);
+      b3 = _mm256_fmadd_ps(w3, _mm256_broadcast_ss(xs + 4 * j + 3), b3);
+    }
+  }
+  _mm256_store_ps(ar, a0), _mm256_store_ps(ar + 8, a1), _mm256_store_ps(ar + 16, a2), _mm256_store_ps(ar + 24, a3);
+  if constexpr (R == 2) _mm256_store_ps(br, b0), _mm256_store_ps(br + 8, b1), _mm256_store_ps(br + 16, b2), _mm256_store_ps(br + 24, b3);
+}
+
+template <class F, int CODE, int SCALE>
+void fdot_group(const uint8_t* grp, int64_t entries, const float* x, int64_t M, int64_t K, float* y, int64_t N,
+                int64_t n0, bool prefetch) {
+  alignas(32) float acc[kIdotRows][64];  // per row: [half o][partial t][8 outputs]
+  alignas(32) float w[2][32][8];         // the block's weights: [half o][input][8 outputs]
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                                          3, 3, 3, 3);
+  const __m256i bits = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  auto expand = [&](uint32_t mask, int bit) {
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread), bits);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bits), _mm256_set1_epi8(static_cast<char>(bit)));
+  };
+  __m256i pick[4];  // byte t of every 32-bit lane, zero-extended
+  for (int t = 0; t < 4; ++t) {
+    alignas(32) int8_t c[32];
+    for (int l = 0; l < 32; ++l) c[l] = (l % 4 == 0) ? static_cast<int8_t>((l / 4 % 4) * 4 + t) : static_cast<int8_t>(-128);
+    pick[t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c));
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kIdotRows) {
+    const int64_t mt = std::min<int64_t>(kIdotRows, M - m0);
+    for (int64_t m = 0; m < mt; ++m)
+      for (int i = 0; i < 64; i += 8) _mm256_store_ps(acc[m] + i, _mm256_setzero_ps());
+    for (int64_t en = 0; en < entries; ++en) {
+      const uint8_t* e = grp + en * F::kBytes;
+      for (int r = 0; r < F::kSuper; ++r) {
+        const int64_t b = en * F::kSuper + r;
+        const uint8_t* blk = e + F::kHead + r * F::kBlockBytes;
+        if (prefetch && m0 == 0)
+          for (int64_t l = 0; l < F::kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + l, _MM_HINT_T0);
+        const uint8_t* sc = blk + F::kCodes;
+        for (int o = 0; o < 2; ++o) {  // outputs 8 o .. 8 o + 7: the 32-byte half o of every 64-byte vector
+          __m256i u[8];  // u[j]: inputs 4 j .. 4 j + 3 (byte t of each output's lane)
+          if constexpr (CODE == 3) {
+            for (int c = 0; c < 8; ++c) u[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * o));
+          } else {
+            for (int c = 0; c < 4; ++c) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * o));
+              u[2 * c] = _mm256_and_si256(v, m4);
+              u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            for (int p = 0; p < CODE; ++p) {
+              const uint32_t* plane = reinterpret_cast<const uint32_t*>(blk + 256 + 64 * p);
+              for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], expand(plane[2 * j + o], p == 0 ? 16 : 32));
+            }
+          }
+          __m256 D[2], C[2];  // of inputs 0-15 and 16-31 (one pair but for Q6_K)
+          if constexpr (SCALE == 4) {
+            D[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * o)));
+            C[0] = _mm256_mul_ps(D[0], _mm256_set1_ps(CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f)));
+          } else if constexpr (SCALE == 0) {
+            D[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * o)));
+            C[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 + 16 * o)));
+          } else if constexpr (SCALE == 1) {
+            D[0] = _mm256_loadu_ps(reinterpret_cast<const float*>(sc) + 8 * o);
+            C[0] = _mm256_loadu_ps(reinterpret_cast<const float*>(sc + 64) + 8 * o);
+          } else if constexpr (SCALE == 2) {
+            const float* hd = reinterpret_cast<const float*>(e);
+            D[0] = _mm256_mul_ps(_mm256_loadu_ps(hd + 8 * o), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * o)))));
+            C[0] = _mm256_mul_ps(_mm256_loadu_ps(hd + 16 + 8 * o), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 + 8 * o)))));
+          } else {
+            const __m256 hd = _mm256_loadu_ps(reinterpret_cast<const float*>(e) + 8 * o);
+            for (int h = 0; h < 2; ++h) {
+              D[h] = _mm256_mul_ps(hd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * h + 8 * o)))));
+              C[h] = _mm256_mul_ps(D[h], _mm256_set1_ps(-32.0f));
+            }
+          }
+          if constexpr (SCALE != 3) D[1] = D[0], C[1] = C[0];
+          if (mt <= 2) {  // one or two rows: each weight into the rows' multiply-adds as it is widened (the same sums, same order)
+            if (mt == 1)
+              fdot_fused<1>(u, D, C, pick, x + m0 * K + b * kBlock, K, acc[0] + 32 * o);
+            else
+              fdot_fused<2>(u, D, C, pick, x + m0 * K + b * kBlock, K, acc[0] + 32 * o);
+            continue;
+          }
+          for (int j = 0; j < 8; ++j)
+            for (int t = 0; t < 4; ++t)
+              _mm256_store_ps(w[o][4 * j + t], _mm256_fmadd_ps(D[j / 4], _mm256_cvtepi32_ps(_mm256_shuffle_epi8(u[j], pick[t])), C[j / 4]));
+        }
+        for (int64_t m = 0; m < mt && mt > 2; ++m) {
+          const float* xr = x + (m0 + m) * K + b * kBlock;
+          float* ar = acc[m];
+          __m256 a0 = _mm256_load_ps(ar), a1 = _mm256_load_ps(ar + 8), a2 = _mm256_load_ps(ar + 16),
+                 a3 = _mm256_load_ps(ar + 24), b0 = _mm256_load_ps(ar + 32), b1 = _mm256_load_ps(ar + 40),
+                 b2 = _mm256_load_ps(ar + 48), b3 = _mm256_load_ps(ar + 56);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) {  // partial t of input 4 j + t
+            const __m256 x0 = _mm256_broadcast_ss(xr + 4 * j), x1 = _mm256_broadcast_ss(xr + 4 * j + 1),
+                         x2 = _mm256_broadcast_ss(xr + 4 * j + 2), x3 = _mm256_broadcast_ss(xr + 4 * j + 3);
+            a0 = _mm256_fmadd_ps(_mm256_load_ps(w[0][4 * j]), x0, a0);
+            a1 = _mm256_fmadd_ps(_mm256_load_ps(w[0][4 * j + 1]), x1, a1);
+            a2 = _mm256_fmadd_ps(_mm256_load_ps(w[0][4 * j + 2]), x2, a2);
+            a3 = _mm256_fmadd_ps(_mm256_load_ps(w[0][4 * j + 3]), x3, a3);
+            b0 = _mm256_fmadd_ps(_mm256_load_ps(w[1][4 * j]), x0, b0);
+            b1 = _mm256_fmadd_ps(_mm256_load_ps(w[1][4 * j + 1]), x1, b1);
+            b2 = _mm256_fmadd_ps(_mm256_load_ps(w[1][4 * j + 2]), x2, b2);
+            b3 = _mm256_fmadd_ps(_mm256_load_ps(w[1][4 * j + 3]), x3, b3);
+          }
+          _mm256_store_ps(ar, a0), _mm256_store_ps(ar + 8, a1), _mm256_store_ps(ar + 16, a2), _mm256_store_ps(ar + 24, a3);
+          _mm256_store_ps(ar + 32, b0), _mm256_store_ps(ar + 40, b1), _mm256_store_ps(ar + 48, b2), _mm256_store_ps(ar + 56, b3);
+        }
+      }
+    }
+    for (int64_t m = 0; m < mt; ++m) {
+      alignas(32) float out[16];
+      for (int o = 0; o < 2; ++o) {
+        const float* ar = acc[m] + 32 * o;
+        const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(ar), _mm256_load_ps(ar + 8)),
+                                       _mm256_add_ps(_mm256_load_ps(ar + 16), _mm256_load_ps(ar + 24)));
+        _mm256_store_ps(out + 8 * o, s);
+      }
+      for (int i = 0; i < 16 && n0 + i < N; ++i) y[(m0 + m) * N + n0 + i] = out[i];
+    }
+  }
+}
 #endif
 
 #if defined(LP_IDOT512) || defined(LP_IDOT256)
@@ -972,15 +1129,23 @@ torch::Tensor idot_run(torch::Tensor x, const torch::Tensor& p, int64_t N) {
   x = x.contiguous();
   at::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  const IDotX xd = idot_prep(x.data_ptr<float>(), M, K);
   const uint8_t* pp = p.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t group_bytes = p.size(1) * F::kBytes;
   const bool prefetch = g_prefetch.load(std::memory_order_relaxed);
+#if defined(LP_IDOT256)
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      fdot_group<F, CODE, SCALE>(pp + g * group_bytes, p.size(1), xp, M, K, yp, N, g * 16, prefetch);
+  });
+#else
+  const IDotX xd = idot_prep(x.data_ptr<float>(), M, K);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       idot_group<F, CODE, SCALE>(pp + g * group_bytes, p.size(1), xd, M, K, yp, N, g * 16, prefetch);
   });
+#endif
   return y;
 }
 #endif
@@ -2056,6 +2221,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screeni", &idot_screen, py::call_guard<py::gil_scoped_release>(),
         "(ok, kept groups of 16): the idot head's greedy screen (x, p, n, kind, wnorm, max_groups)");
   m.def("screeni_available", &idot_screen_available, "whether this build runs screeni (idot's AVX2 form)");
+  m.def("idot_float", &idot_screen_available, "whether mmi's product is AVX2's float32 one (fdot_group) rather than the int8 digits'");
   m.def("rowsi", &idot_rows, "rows ids of an idot-packed weight (p, ids, n rows, kind) as float32 [len(ids), K]");
   m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31");
   m.def("idot", &idot_available, "whether this build runs lp.kernels.idot (AVX-512 VNNI and BW, or AVX2 with FMA and F16C)");
