@@ -30,7 +30,7 @@
 
 // lp.kernels.idot's two builds: AVX-512 VNNI (vpdpbusd on x's three int8 digits, 16 outputs a register) or
 // AVX2 with FMA and F16C (the same packed codes widened to the file's float32 weights, float32 multiply-adds:
-// fdot_group; the greedy head's screen on x's top digit alone, idot_group)
+// fdot_group; the greedy head's screen on x's top digit alone, screen_group)
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define LP_IDOT512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -828,22 +828,80 @@ inline __m256i dot4(const __m256i* u, const int32_t* xw, int j0, int j1) {
 #endif
 }
 
-// NDIG 1: the screen's product (lp.kernels.idot.IBlockHead): x's top digit alone, X' = 2^16 x1 (its own sums)
-template <class F, int CODE, int SCALE, int NDIG = 3>
-void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M, int64_t K, float* y, int64_t N,
-                int64_t n0, bool prefetch) {
-  const int64_t B = K / kBlock;
-  alignas(64) double acc[kIdotRows][16];
-  const __m256i m4 = _mm256_set1_epi8(0x0f);
-  const __m256d k16 = _mm256_set1_pd(65536.0);
-  // a 32-bit mask's bits as bytes: byte i = bit where bit i is set (the planes' fifth and sixth code bits)
+// a 32-bit plane word's bits as bytes: byte i of the result = bit where bit i of mask is set (the fifth and sixth
+// code bits of Q5_x / Q6_K)
+inline __m256i plane256(uint32_t mask, int bit) {
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
                                           3, 3, 3, 3);
   const __m256i bits = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  auto expand = [&](uint32_t mask, int bit) {
-    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread), bits);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bits), _mm256_set1_epi8(static_cast<char>(bit)));
-  };
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread), bits);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bits), _mm256_set1_epi8(static_cast<char>(bit)));
+}
+
+// Half o (outputs 8 o .. 8 o + 7: the 32-byte half o of every 64-byte vector) of a block's codes: u[j] holds
+// inputs 4 j .. 4 j + 3 of each output's 32-bit lane (byte t: input 4 j + t). SPLIT8: 8-bit codes as low
+// nibbles u[0..7] and high nibbles u[8..15] (vpmaddubsw's int16 bound)
+template <int CODE, bool SPLIT8>
+inline void codes256(const uint8_t* blk, int o, __m256i* u) {
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  if constexpr (CODE == 3) {
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * o));
+      if constexpr (SPLIT8) {
+        u[c] = _mm256_and_si256(v, m4);
+        u[8 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      } else {
+        u[c] = v;
+      }
+    }
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * o));
+      u[2 * c] = _mm256_and_si256(v, m4);
+      u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    for (int p = 0; p < CODE; ++p) {
+      const uint32_t* plane = reinterpret_cast<const uint32_t*>(blk + 256 + 64 * p);
+      for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], plane256(plane[2 * j + o], p == 0 ? 16 : 32));
+    }
+  }
+}
+
+// D and C (float32, each exact) of half o's 8 outputs for the block at blk (entry e, scales sc); [h]: of inputs
+// 16 h .. 16 h + 15 (they differ for Q6_K only)
+template <int CODE, int SCALE>
+inline void scales256(const uint8_t* e, const uint8_t* sc, int o, __m256* D, __m256* C) {
+  if constexpr (SCALE == 4) {  // Q4_0 / Q5_0 / Q8_0: C = -8 / -16 / -128 D
+    D[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * o)));
+    C[0] = _mm256_mul_ps(D[0], _mm256_set1_ps(CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f)));
+  } else if constexpr (SCALE == 0) {
+    D[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * o)));
+    C[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 + 16 * o)));
+  } else if constexpr (SCALE == 1) {
+    D[0] = _mm256_loadu_ps(reinterpret_cast<const float*>(sc) + 8 * o);
+    C[0] = _mm256_loadu_ps(reinterpret_cast<const float*>(sc + 64) + 8 * o);
+  } else if constexpr (SCALE == 2) {  // d sc, nm mn
+    const float* hd = reinterpret_cast<const float*>(e);
+    D[0] = _mm256_mul_ps(_mm256_loadu_ps(hd + 8 * o), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * o)))));
+    C[0] = _mm256_mul_ps(_mm256_loadu_ps(hd + 16 + 8 * o), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 + 8 * o)))));
+  } else {  // Q6_K: d sc per 16 inputs, C = -32 D
+    const __m256 hd = _mm256_loadu_ps(reinterpret_cast<const float*>(e) + 8 * o);
+    for (int h = 0; h < 2; ++h) {
+      D[h] = _mm256_mul_ps(hd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * h + 8 * o)))));
+      C[h] = _mm256_mul_ps(D[h], _mm256_set1_ps(-32.0f));
+    }
+  }
+  if constexpr (SCALE != 3) D[1] = D[0], C[1] = C[0];
+}
+
+// The greedy head's screen product (lp.kernels.idot.IScreen): x's top digit alone, X' = 2^16 x1 per block, on
+// the int8 dots (per block t = 2^16 sum(u x1) exact; acc += t (D 2^-e) + C (sum X' 2^-e) in double)
+template <class F, int CODE, int SCALE>
+void screen_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M, int64_t K, float* y, int64_t N,
+                  int64_t n0, bool prefetch) {
+  const int64_t B = K / kBlock;
+  alignas(64) double acc[kIdotRows][16];
+  const __m256d k16 = _mm256_set1_pd(65536.0);
   auto lo_pd = [](const __m256 v) { return _mm256_cvtps_pd(_mm256_castps256_ps128(v)); };
   auto hi_pd = [](const __m256 v) { return _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)); };
   for (int64_t m0 = 0; m0 < M; m0 += kIdotRows) {
@@ -857,89 +915,37 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
         const uint8_t* blk = e + F::kHead + r * F::kBlockBytes;
         if (prefetch && m0 == 0)
           for (int64_t l = 0; l < F::kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + l, _MM_HINT_T0);
-        const uint8_t* sc = blk + F::kCodes;
-        for (int o = 0; o < 2; ++o) {  // outputs 8 o .. 8 o + 7: the 32-byte half o of every 64-byte vector
-          // the codes: u[j] (4 inputs a lane); 8-bit codes as low nibbles u[0..7] and high nibbles u[8..15]
+        for (int o = 0; o < 2; ++o) {
           __m256i u[16];
-          if constexpr (CODE == 3) {
-            for (int c = 0; c < 8; ++c) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * o));
 #if defined(__AVXVNNI__)
-              u[c] = v;
+          codes256<CODE, false>(blk, o, u);
 #else
-              u[c] = _mm256_and_si256(v, m4);
-              u[8 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          codes256<CODE, true>(blk, o, u);
 #endif
-            }
-          } else {
-            for (int c = 0; c < 4; ++c) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * o));
-              u[2 * c] = _mm256_and_si256(v, m4);
-              u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            }
-            for (int p = 0; p < CODE; ++p) {
-              const uint32_t* plane = reinterpret_cast<const uint32_t*>(blk + 256 + 64 * p);
-              for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], expand(plane[2 * j + o], p == 0 ? 16 : 32));
-            }
-          }
-          // the 8 outputs' D and C (double, outputs 0-3 and 4-7 of the half; Q6_K: of inputs 0-15, then 16-31)
-          __m256d D[2][2], C[2][2];
-          if constexpr (SCALE == 0 || SCALE == 1 || SCALE == 4) {
-            __m256 d, c;
-            if constexpr (SCALE == 4) {
-              d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * o)));
-              c = _mm256_mul_ps(d, _mm256_set1_ps(CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f)));
-            } else if constexpr (SCALE == 0) {
-              d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * o)));
-              c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 + 16 * o)));
-            } else {
-              d = _mm256_loadu_ps(reinterpret_cast<const float*>(sc) + 8 * o);
-              c = _mm256_loadu_ps(reinterpret_cast<const float*>(sc + 64) + 8 * o);
-            }
-            D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);
-          } else if constexpr (SCALE == 2) {
-            const float* hd = reinterpret_cast<const float*>(e);
-            const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(hd + 8 * o), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * o)))));
-            const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(hd + 16 + 8 * o), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 + 8 * o)))));
-            D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);
-          } else {
-            const __m256 hd = _mm256_loadu_ps(reinterpret_cast<const float*>(e) + 8 * o);
-            for (int h = 0; h < 2; ++h) {
-              const __m256 d = _mm256_mul_ps(hd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * h + 8 * o)))));
-              const __m256 c = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
-              D[h][0] = lo_pd(d), D[h][1] = hi_pd(d), C[h][0] = lo_pd(c), C[h][1] = hi_pd(c);
-            }
-          }
+          __m256 Df[2], Cf[2];
+          scales256<CODE, SCALE>(e, blk + F::kCodes, o, Df, Cf);
+          const __m256d D[2][2] = {{lo_pd(Df[0]), hi_pd(Df[0])}, {lo_pd(Df[1]), hi_pd(Df[1])}};
+          const __m256d C[2][2] = {{lo_pd(Cf[0]), hi_pd(Cf[0])}, {lo_pd(Cf[1]), hi_pd(Cf[1])}};
           for (int64_t m = 0; m < mt; ++m) {
-            const int8_t* xr = xd.digits.data() + 3 * (m0 + m) * K + b * kBlock;
-            const int32_t* w[3] = {reinterpret_cast<const int32_t*>(xr), reinterpret_cast<const int32_t*>(xr + K),
-                                   reinterpret_cast<const int32_t*>(xr + 2 * K)};
+            const int32_t* w1 = reinterpret_cast<const int32_t*>(xd.digits.data() + 3 * (m0 + m) * K + b * kBlock);
             const double* sr = xd.scales.data() + 5 * (m0 + m) * B;
             const __m256d s = _mm256_set1_pd(sr[b]);
             double* ar = acc[m] + 8 * o;
             __m256d a0 = _mm256_load_pd(ar), a1 = _mm256_load_pd(ar + 4);
             for (int h = 0; h < F::kHalves; ++h) {
               constexpr int per = 8 / F::kHalves;
-              __m256i S[3];
-              S[1] = S[2] = _mm256_setzero_si256();
-              for (int k = 0; k < NDIG; ++k) {
+              __m256i S;
 #if defined(__AVXVNNI__)
-                S[k] = dot4<CODE>(u, w[k], h * per, (h + 1) * per);
+              S = dot4<CODE>(u, w1, h * per, (h + 1) * per);
 #else
-                if constexpr (CODE == 3)
-                  S[k] = _mm256_add_epi32(_mm256_slli_epi32(dot4<0>(u + 8, w[k], h * per, (h + 1) * per), 4),
-                                          dot4<0>(u, w[k], h * per, (h + 1) * per));
-                else
-                  S[k] = dot4<CODE>(u, w[k], h * per, (h + 1) * per);
+              if constexpr (CODE == 3)
+                S = _mm256_add_epi32(_mm256_slli_epi32(dot4<0>(u + 8, w1, h * per, (h + 1) * per), 4), dot4<0>(u, w1, h * per, (h + 1) * per));
+              else
+                S = dot4<CODE>(u, w1, h * per, (h + 1) * per);
 #endif
-              }
-              const __m256i R = _mm256_add_epi32(_mm256_slli_epi32(S[1], 8), S[2]);
-              const __m256d t0 = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(S[0])), k16,
-                                                 _mm256_cvtepi32_pd(_mm256_castsi256_si128(R)));
-              const __m256d t1 = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(S[0], 1)), k16,
-                                                 _mm256_cvtepi32_pd(_mm256_extracti128_si256(R, 1)));
-              constexpr int64_t all = NDIG == 3 ? 1 : 3, first = NDIG == 3 ? 2 : 4;
-              const double sx = F::kHalves == 1 ? sr[all * B + b] : (h == 0 ? sr[first * B + b] : sr[all * B + b] - sr[first * B + b]);
+              const __m256d t0 = _mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(S)), k16);
+              const __m256d t1 = _mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(S, 1)), k16);
+              const double sx = F::kHalves == 1 ? sr[3 * B + b] : (h == 0 ? sr[4 * B + b] : sr[3 * B + b] - sr[4 * B + b]);
               const __m256d sxv = _mm256_set1_pd(sx);
               a0 = _mm256_fmadd_pd(t0, _mm256_mul_pd(D[h][0], s), a0);
               a1 = _mm256_fmadd_pd(t1, _mm256_mul_pd(D[h][1], s), a1);
@@ -960,12 +966,6 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
   }
 }
 
-// AVX2's product (mmi without AVX-512 VNNI): the same packed codes, each block's 512 weights widened once to the
-// file's float32 values w = fma(D, u, C) (one rounding of the exact D u + C: gguf.dequantize's weights), then a
-// float32 fma chain per row: output n's four partial sums p_t (t = input mod 4) run over the inputs in order,
-// y = (p_0 + p_1) + (p_2 + p_3). On AVX2 an int8 product takes vpmaddubsw + vpmaddwd per digit (three digits a
-// row); a float multiply-add a weight and row costs half that, and the rows of a call share the decode.
-// A row's result depends on that row only; lp.kernels.idot.reference_float is this arithmetic in torch.
 // fdot_group's one- and two-row step over a half block: the widened weights of input 4 j + t go straight into
 // partial t of each row (acc rows 64 floats apart)
 template <int R>
@@ -998,19 +998,17 @@ inline void fdot_fused(const __m256i* u, const __m256* D, const __m256* C, const
   if constexpr (R == 2) _mm256_store_ps(br, b0), _mm256_store_ps(br + 8, b1), _mm256_store_ps(br + 16, b2), _mm256_store_ps(br + 24, b3);
 }
 
+// AVX2's product (mmi without AVX-512 VNNI): the same packed codes, each block's 512 weights widened once to the
+// file's float32 values w = fma(D, u, C) (one rounding of the exact D u + C: gguf.dequantize's weights), then a
+// float32 fma chain per row: output n's four partial sums p_t (t = input mod 4) run over the inputs in order,
+// y = (p_0 + p_1) + (p_2 + p_3). On AVX2 an int8 product takes vpmaddubsw + vpmaddwd per digit (three digits a
+// row); a float multiply-add a weight and row costs half that, and the rows of a call share the decode.
+// A row's result depends on that row only; lp.kernels.idot.reference_float is this arithmetic in torch.
 template <class F, int CODE, int SCALE>
 void fdot_group(const uint8_t* grp, int64_t entries, const float* x, int64_t M, int64_t K, float* y, int64_t N,
                 int64_t n0, bool prefetch) {
   alignas(32) float acc[kIdotRows][64];  // per row: [half o][partial t][8 outputs]
   alignas(32) float w[2][32][8];         // the block's weights: [half o][input][8 outputs]
-  const __m256i m4 = _mm256_set1_epi8(0x0f);
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
-                                          3, 3, 3, 3);
-  const __m256i bits = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  auto expand = [&](uint32_t mask, int bit) {
-    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread), bits);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bits), _mm256_set1_epi8(static_cast<char>(bit)));
-  };
   __m256i pick[4];  // byte t of every 32-bit lane, zero-extended
   for (int t = 0; t < 4; ++t) {
     alignas(32) int8_t c[32];
@@ -1030,42 +1028,10 @@ void fdot_group(const uint8_t* grp, int64_t entries, const float* x, int64_t M, 
           for (int64_t l = 0; l < F::kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + l, _MM_HINT_T0);
         const uint8_t* sc = blk + F::kCodes;
         for (int o = 0; o < 2; ++o) {  // outputs 8 o .. 8 o + 7: the 32-byte half o of every 64-byte vector
-          __m256i u[8];  // u[j]: inputs 4 j .. 4 j + 3 (byte t of each output's lane)
-          if constexpr (CODE == 3) {
-            for (int c = 0; c < 8; ++c) u[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * o));
-          } else {
-            for (int c = 0; c < 4; ++c) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * o));
-              u[2 * c] = _mm256_and_si256(v, m4);
-              u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            }
-            for (int p = 0; p < CODE; ++p) {
-              const uint32_t* plane = reinterpret_cast<const uint32_t*>(blk + 256 + 64 * p);
-              for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], expand(plane[2 * j + o], p == 0 ? 16 : 32));
-            }
-          }
-          __m256 D[2], C[2];  // of inputs 0-15 and 16-31 (one pair but for Q6_K)
-          if constexpr (SCALE == 4) {
-            D[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * o)));
-            C[0] = _mm256_mul_ps(D[0], _mm256_set1_ps(CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f)));
-          } else if constexpr (SCALE == 0) {
-            D[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * o)));
-            C[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 + 16 * o)));
-          } else if constexpr (SCALE == 1) {
-            D[0] = _mm256_loadu_ps(reinterpret_cast<const float*>(sc) + 8 * o);
-            C[0] = _mm256_loadu_ps(reinterpret_cast<const float*>(sc + 64) + 8 * o);
-          } else if constexpr (SCALE == 2) {
-            const float* hd = reinterpret_cast<const float*>(e);
-            D[0] = _mm256_mul_ps(_mm256_loadu_ps(hd + 8 * o), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * o)))));
-            C[0] = _mm256_mul_ps(_mm256_loadu_ps(hd + 16 + 8 * o), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 + 8 * o)))));
-          } else {
-            const __m256 hd = _mm256_loadu_ps(reinterpret_cast<const float*>(e) + 8 * o);
-            for (int h = 0; h < 2; ++h) {
-              D[h] = _mm256_mul_ps(hd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16 * h + 8 * o)))));
-              C[h] = _mm256_mul_ps(D[h], _mm256_set1_ps(-32.0f));
-            }
-          }
-          if constexpr (SCALE != 3) D[1] = D[0], C[1] = C[0];
+          __m256i u[8];
+          codes256<CODE, false>(blk, o, u);
+          __m256 D[2], C[2];
+          scales256<CODE, SCALE>(e, sc, o, D, C);
           if (mt <= 2) {  // one or two rows: each weight into the rows' multiply-adds as it is widened (the same sums, same order)
             if (mt == 1)
               fdot_fused<1>(u, D, C, pick, x + m0 * K + b * kBlock, K, acc[0] + 32 * o);
@@ -1077,7 +1043,7 @@ void fdot_group(const uint8_t* grp, int64_t entries, const float* x, int64_t M, 
             for (int t = 0; t < 4; ++t)
               _mm256_store_ps(w[o][4 * j + t], _mm256_fmadd_ps(D[j / 4], _mm256_cvtepi32_ps(_mm256_shuffle_epi8(u[j], pick[t])), C[j / 4]));
         }
-        for (int64_t m = 0; m < mt && mt > 2; ++m) {
+        for (int64_t m = 0; mt > 2 && m < mt; ++m) {  // three rows or more: over the widened block
           const float* xr = x + (m0 + m) * K + b * kBlock;
           float* ar = acc[m];
           __m256 a0 = _mm256_load_ps(ar), a1 = _mm256_load_ps(ar + 8), a2 = _mm256_load_ps(ar + 16),
@@ -1219,7 +1185,7 @@ std::tuple<bool, at::Tensor> idot_screen_run(torch::Tensor x, const torch::Tenso
   const bool prefetch = g_prefetch.load(std::memory_order_relaxed);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      idot_group<F, CODE, SCALE, 1>(pp + g * group_bytes, p.size(1), xd, M, K, y.data(), N, g * 16, prefetch);
+      screen_group<F, CODE, SCALE>(pp + g * group_bytes, p.size(1), xd, M, K, y.data(), N, g * 16, prefetch);
   });
   const float* wn = wnorm.data_ptr<float>();
   std::vector<float> low(M, -INFINITY);
