@@ -168,7 +168,10 @@ def test_logprobs_equal_generate_streamed_and_not(server, smollm2, prompt_ids):
     for i, (e, s) in enumerate(zip(content, streamed)):
         assert e.token == tok.decode([ref[i]])
         assert e.logprob == pytest.approx(ref_lp[i, ref[i]].item(), abs=1e-4)
-        assert s.logprob == pytest.approx(e.logprob, abs=1e-6)
+        # the two requests step differently (the second drafts from the first's text): a verify step of more than
+        # lp.kernels.attention.NATIVE_ROWS rows runs ATen's sdpa, whose float32 sums differ from lp's one-row
+        # kernel in the last bits (1.8e-6 here on an AVX2 EPYC)
+        assert s.logprob == pytest.approx(e.logprob, abs=1e-5)
         vals, top = ref_lp[i].topk(3)
         assert [t.token for t in e.top_logprobs] == [tok.decode([t]) for t in top.tolist()]
         assert [t.logprob for t in e.top_logprobs] == pytest.approx(vals.tolist(), abs=1e-4)
