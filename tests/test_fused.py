@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reaso
 @pytest.fixture(scope="module")
 def q4_llama(tiny_factory):
     """A tiny Llama (head size 32, as the fused rotation needs) whose linears are 4-bit blocks, converted
-    (exact4's float kernels with AVX-512; lp.kernels.idot's integer dots on an AVX2-only CPU)."""
+    (exact4's float kernels with AVX-512; lp.kernels.idot's float product on an AVX2-only CPU)."""
     from lp.kernels import exact4, idot
 
     if not exact4.extension().avx512() and not idot.available():

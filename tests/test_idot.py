@@ -1,4 +1,4 @@
-"""GGUF blocks on integer dot products (lp.kernels.idot): the arithmetic its docstring states, rows alone.
+"""GGUF blocks on lp.kernels.idot (integer dot products with AVX-512 VNNI, float32 multiply-adds over the widened codes on AVX2): the arithmetic its docstring states, rows alone.
 
 For every block format a file holds (random blocks, as lp.model.gguf reads them):
 
