@@ -293,6 +293,9 @@ def rowsi(p: torch.Tensor, ids: torch.Tensor, n: int, kind: int) -> torch.Tensor
     return rows.reshape(*ids.shape, rows.shape[-1])
 
 
+HEAD_ROWS = 16384  # rows of a head widened at once while IBlockHead.of checks it and takes its row norms
+
+
 class IBlockHead(BlockHead):
     """An LM head (and the tied embedding's source) held as a GGUF file's codes on ``mmi``: its
     products for any number of float32 rows (no greedy screen: every row's logits are the exact
@@ -333,16 +336,22 @@ class IBlockHead(BlockHead):
         p = packi(kind, cparts)
         n, k = cparts[0].shape
         idx, unit_RK = _unit_rows(k)
-        w = widened(kind, cparts)
-        if not torch.equal(mmi(unit_RK, p, n, kind), w[:, idx].t()):
-            return None
-        probe = torch.tensor([0, n // 2, n - 1])
-        if not torch.equal(rowsi(p, probe, n, kind), w[probe]):
-            return None
-        # each token's ||w_v||, rounded up to float32 (the screen's bound)
-        norm = torch.linalg.vector_norm(w, dim=1, dtype=torch.float64)
-        wnorm = torch.nextafter(norm.float(), torch.tensor(float("inf")))
-        del w
+        unit_RN = mmi(unit_RK, p, n, kind)
+        probe = [0, n // 2, n - 1]
+        probe_rows = rowsi(p, torch.tensor(probe), n, kind)
+        norms = []
+        # the file's weights a slice of rows at a time (Gemma-3's 262,144-token head is 671 MB in float32,
+        # and its widening's temporaries were a 2 GB peak at load)
+        for r0 in range(0, n, HEAD_ROWS):
+            w = widened(kind, tuple(t[r0:r0 + HEAD_ROWS] for t in cparts))
+            r1 = r0 + w.shape[0]
+            if not torch.equal(unit_RN[:, r0:r1], w[:, idx].t()):
+                return None
+            if any(not torch.equal(probe_rows[i], w[v - r0]) for i, v in enumerate(probe) if r0 <= v < r1):
+                return None
+            norms.append(torch.linalg.vector_norm(w, dim=1, dtype=torch.float64))  # each token's ||w_v||
+        # rounded up to float32 (the screen's bound)
+        wnorm = torch.nextafter(torch.cat(norms).float(), torch.tensor(float("inf")))
         return cls(p, kind, n, k, wnorm)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
