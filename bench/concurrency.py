@@ -394,7 +394,7 @@ def cfg_command() -> str:
 
 def git_commit() -> str | None:
     """The checkout's short commit, '+dirty' with uncommitted changes (bench.envelope.commit):
-    bench.report --readme cites it next to the numbers."""
+    bench.report --doc cites it next to the numbers."""
     from bench.envelope import commit
 
     return commit()

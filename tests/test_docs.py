@@ -1,6 +1,6 @@
 """The docs point at real things: README.md, docs/*.md and bench's markdown (links resolve, their
 Hydra overrides name real fields, their command-line flags parse), and ``python -m bench.report
---readme`` builds the README's results table from bench/results.
+--doc`` builds docs/benchmarks.md's results tables from bench/results.
 
 Contract of the checkers (each test runs them on the real docs and on literal bad snippets, so a
 broken checker fails too):
@@ -489,7 +489,7 @@ def test_flag_checker_rejects_bad_flags_and_accepts_placeholders():
     good = ("```bash\nlp run --nproc N --nnodes 2 --node-rank 1 --rdzv-endpoint HOST:PORT parallel.tp=2\n"
             "python launch/lp_run.py --module lp.serve parallel.workers=K\n"
             "python -m bench.scaling measure --out DIR --dtype float32 --threads N > log.txt\n"
-            "python -m bench.tp_memory --tps 1,2 --out bench/results/tp_memory && python -m bench.report --readme\n"
+            "python -m bench.tp_memory --tps 1,2 --out bench/results/tp_memory && python -m bench.report --doc\n"
             "```\n"
             "`python -m bench.scaling search --fit ...`, `python -m bench.scaling measure`\n")
     found = [c for t in BAD_FLAG_SNIPPETS + [good] for c in doc_flag_commands(t)]
@@ -542,7 +542,7 @@ def test_override_checker_accepts_good_ones():
 
 
 # ---------------------------------------------------------------------------
-# python -m bench.report --readme
+# python -m bench.report --doc
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -552,15 +552,15 @@ def _median(xs):
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
-def test_report_readme_builds_the_table_from_bench_results(tmp_path):
-    """A README with the markers gets a table whose cells are the medians of the real JSON points,
+def test_report_doc_builds_the_table_from_bench_results(tmp_path):
+    """A doc with the markers gets a table whose cells are the medians of the real JSON points,
     with the commit and command; the text outside the markers is untouched; a second run changes nothing."""
     from bench.report import BEGIN, END
 
     readme = tmp_path / "README.md"
     before, after = "# Title\n\nintro line\n", "\n## Next\ntail `lp generate`\n"
     readme.write_text(f"{before}{BEGIN}\nstale table\n{END}{after}")
-    proc = subprocess.run([sys.executable, "-m", "bench.report", "--readme", str(readme)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "bench.report", "--doc", str(readme)], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = readme.read_text()
@@ -601,7 +601,7 @@ def test_report_readme_builds_the_table_from_bench_results(tmp_path):
     # (lp's and vLLM's 96 each: 2 repeats of 8 + 8 + 16 + 16 requests)
     assert "192 of 192 texts equal" in block and "llama.cpp's texts are not compared" in block
     assert "out_dir=bench/results/defaults_vs_peers    # bench/results/defaults_vs_peers" in block
-    proc = subprocess.run([sys.executable, "-m", "bench.report", "--readme", str(readme)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "bench.report", "--doc", str(readme)], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0 and "unchanged" in proc.stdout and readme.read_text() == out
 
@@ -609,24 +609,24 @@ def test_report_readme_builds_the_table_from_bench_results(tmp_path):
 @pytest.mark.parametrize("text", ["# no markers\n", "<!-- results:begin -->\nonly the start\n",
                                   "<!-- results:end -->\n<!-- results:begin -->\n",
                                   "<!-- results:begin -->\n<!-- results:begin -->\n<!-- results:end -->\n"])
-def test_report_readme_refuses_a_readme_without_markers(tmp_path, text):
+def test_report_doc_refuses_a_doc_without_markers(tmp_path, text):
     readme = tmp_path / "README.md"
     readme.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "bench.report", "--readme", str(readme)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "bench.report", "--doc", str(readme)], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2
     assert "<!-- results:begin -->" in proc.stderr and "<!-- results:end -->" in proc.stderr, proc.stderr
     assert readme.read_text() == text  # nothing written
 
 
-def test_real_readme_results_block_is_current():
-    """Once README.md has the markers, its block is what bench.report builds from bench/results."""
+def test_real_results_block_is_current():
+    """docs/benchmarks.md's results block is what bench.report builds from bench/results."""
     from bench.report import BEGIN, END, replace_between_markers, results_block
 
-    text = (ROOT / "README.md").read_text()
-    assert BEGIN in text and END in text, "README.md lost its results markers"
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert BEGIN in text and END in text, "docs/benchmarks.md lost its results markers"
     assert replace_between_markers(text, results_block(RESULTS)) == text, \
-        "README's results table is stale: run python -m bench.report --readme"
+        "docs/benchmarks.md's results tables are stale: run python -m bench.report --doc"
 
 
 def test_no_code_reads_a_removed_results_folder():
