@@ -20,8 +20,10 @@ import torch
 
 from tests.gguf_tiny import random_blocks
 
-FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-FILE_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625}
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K")
+# Q3_K is held as Q6_K's codes (lp.model.gguf.QKINDS): its bits are Q6_K's, not the file's 3.4375
+FILE_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625,
+             "Q3_K": 6.5625}
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +38,11 @@ def idot():
 
 def _linear(raw: np.ndarray, fmt: str, n: int, k: int) -> torch.nn.Linear:
     """A meta linear holding the file blocks as lp.model.gguf sets them."""
-    from lp.model.gguf import KEPT, KINDS, _read_blocks, blocksq_of
+    from lp.model.gguf import KEPT, KINDS, QKINDS, _read_blocks, blocksq_of
 
     lin = torch.nn.Linear(k, n, bias=False, device="meta")
-    if fmt in KINDS:
-        lin._lp_blocksq = (KINDS[fmt], blocksq_of(raw, fmt, n, k))
+    if fmt in KINDS or fmt in QKINDS:
+        lin._lp_blocksq = (QKINDS.get(fmt, KINDS.get(fmt)), blocksq_of(raw, fmt, n, k))
     elif KEPT[fmt][2] == 8:
         lin._lp_blocks8 = _read_blocks(raw, fmt, n, k, 8)
     else:

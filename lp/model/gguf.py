@@ -21,8 +21,9 @@ float32 rounding of an exact value:
 * 8-bit, ``q * d`` (``Exact8Linear``): Q8_0 ``d * q``; Q5_0 ``d * (q - 16)``; IQ4_NL ``d * value``
   (q the code's int8 value); IQ4_XS ``(d * (scale - 32)) * value`` per 32;
 * 8-bit, ``fma(q, D, C)`` per 16 weights (``Exact8xLinear``): Q6_K ``(d * scale) * q``; Q5_K as
-  Q4_K with 5-bit q; Q5_1 ``d * q + m``; Q3_K ``(d * (scale - 32)) * q``; Q2_K ``(d * scale) * q
-  - dmin * min``.
+  Q4_K with 5-bit q; Q5_1 ``d * q + m``; Q2_K ``(d * scale) * q - dmin * min`` (its scale and min
+  per 16: no idot kind takes it, float32 on AVX2);
+* Q3_K ``(d * (scale - 32)) * q`` as Q6_K's codes (``QKINDS``: the same weights, 6.6 bits a weight).
 
 Where the blocks do not run (``model.quant=none``, a CPU without exact4's AVX-512 path, a non-CPU
 device) they are widened to those same float32 weights. The token embedding and the LM head in a
@@ -62,8 +63,11 @@ KEPT = {"Q4_0": (18, 32, 4), "Q4_1": (20, 32, 4), "Q4_K": (144, SUPER, 4), "Q8_0
 # held as the file codes them (lp.kernels.exactq); Q4_K stays exact4 (6 bits a weight, not exactq's 4.75):
 # its table-driven loads ran 1.1-1.3x faster at 1-2 rows, the steps that stream the weights (bench/results/gguf_formats);
 # where lp.kernels.idot runs (AVX-512 VNNI), Q4_K is held as its codes too (_read_tensors)
-QKINDS = {kind: kid for kind, kid in KINDS.items() if kind != "Q4_K"}
-QHEAD = ("Q6_K",)  # embedding / head formats held as exactq parts (kind 8: lp.kernels.exact4.BlockHead)
+# Q3_K as Q6_K's parts: (d (scale - 32)) q = (d sc) (u - 32) with sc = scale - 32 and u = q + 32 (q in -4..3), the
+# same float32 weights (each d sc exact, then one exact product), at Q6_K's 6.6 bits a weight (the file: 3.4375;
+# exact8x's form was 12 bits, and no idot kind took it: float32 on AVX2)
+QKINDS = {**{kind: kid for kind, kid in KINDS.items() if kind != "Q4_K"}, "Q3_K": KINDS["Q6_K"]}
+QHEAD = ("Q6_K", "Q3_K")  # embedding / head formats held as exactq parts (kind 8: lp.kernels.exact4.BlockHead)
 SCALED8 = ("Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS")  # 8-bit kinds w = q * d per 32 (the others: fma(q, D, C) per 16)
 # IQ4_NL / IQ4_XS's sixteen 4-bit code values (gguf.quants.IQ4_NL.kvalues)
 IQ4_VALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.int8)
@@ -178,11 +182,8 @@ def blocks8x_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tens
         q = ((qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03)
         q = q.reshape(-1, 16, 16).astype(np.int8)
     elif kind == "Q3_K":  # 32 bytes of high-bit masks, 64 of 2-bit q, 12 of 6-bit scales, d: (d * (s - 32)) * q
-        hmask, qs, sc, d = raw[:, :32], raw[:, 32:96], raw[:, 96:108], _f16(raw[:, 108:110])
-        lo = (sc[:, None, :8] >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
-        hi = (sc[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(-1, 16)
-        scale = ((lo & 0x0F) | ((hi & 0x03) << 4)).astype(np.int8) - np.int8(32)
-        big_d = d[:, None] * scale.astype(np.float32)
+        hmask, qs, d = raw[:, :32], raw[:, 32:96], _f16(raw[:, 108:110])
+        big_d = d[:, None] * _q3k_scales(raw[:, 96:108]).astype(np.float32)
         ql = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)).reshape(-1, 16, 16) & 0x03
         qh = (hmask.reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).reshape(-1, 16, 16) & 0x01
         q = ql.astype(np.int8) - ((qh ^ 1) << 2).astype(np.int8)  # the 4 subtracted where the mask bit is 0
@@ -197,6 +198,13 @@ def blocks8x_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tens
     return (torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
             torch.from_numpy(np.ascontiguousarray(big_d, dtype=np.float32).reshape(n, k // 16)),
             torch.from_numpy(np.ascontiguousarray(big_c, dtype=np.float32).reshape(n, k // 16)))
+
+
+def _q3k_scales(sc: np.ndarray) -> np.ndarray:
+    """Q3_K's sixteen 6-bit scales of each super-block (its 12 scale bytes [blocks, 12]), minus 32: int8 [blocks, 16]."""
+    lo = (sc[:, None, :8] >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
+    hi = (sc[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(-1, 16)
+    return ((lo & 0x0F) | ((hi & 0x03) << 4)).astype(np.int8) - np.int8(32)
 
 
 def blocks8_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,7 +242,8 @@ def blocks8_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tenso
 def blocksq_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tensor, ...]:
     """A Q5_0, Q5_1, Q4_K, Q5_K or Q6_K tensor's codes as lp.kernels.exactq's parts (its module
     doc): the unsigned q [N, K] uint8 and the scales as the file codes them, so that widenq (and
-    the kernel) give gguf.dequantize's float32 weights bit for bit."""
+    the kernel) give gguf.dequantize's float32 weights bit for bit. A Q3_K tensor gives Q6_K's
+    parts (``QKINDS``): u = q + 32, sc = its 6-bit scale - 32, its d."""
     size, per, _ = KEPT[kind]
     raw = np.ascontiguousarray(data).reshape(n * (k // per), size)
     if kind in ("Q5_0", "Q5_1"):
@@ -248,11 +257,11 @@ def blocksq_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tenso
             parts = (big_d.numpy()[:, ::2], big_c.numpy()[:, ::2])
         return (torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
                 *(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32).reshape(n, k // BLOCK)) for x in parts))
-    d = _f16(raw[:, 208:210]) if kind == "Q6_K" else _f16(raw[:, 0:2])
-    if kind == "Q6_K":
+    d = _f16(raw[:, 208:210]) if kind == "Q6_K" else (_f16(raw[:, 108:110]) if kind == "Q3_K" else _f16(raw[:, 0:2]))
+    if kind in ("Q6_K", "Q3_K"):
         q8 = blocks8x_of(data, kind, n, k)[0].numpy()
         q = (q8.astype(np.int16) + 32).astype(np.uint8)
-        sc = raw[:, 192:208].copy().view(np.int8)
+        sc = raw[:, 192:208].copy().view(np.int8) if kind == "Q6_K" else _q3k_scales(raw[:, 96:108])
         return (torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
                 torch.from_numpy(np.ascontiguousarray(sc).reshape(n, k // 16)),
                 torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32).reshape(n, k // SUPER)))
