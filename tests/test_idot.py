@@ -20,10 +20,10 @@ import torch
 
 from tests.gguf_tiny import random_blocks
 
-FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K")
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "F16", "BF16")
 # Q3_K is held as Q6_K's codes (lp.model.gguf.QKINDS): its bits are Q6_K's, not the file's 3.4375
 FILE_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625,
-             "Q3_K": 6.5625}
+             "Q3_K": 6.5625, "F16": 16.0, "BF16": 16.0}
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,22 @@ def idot():
     return idot
 
 
+def _blocks(fmt: str, n: int, k: int, rng) -> np.ndarray:
+    """A file tensor's bytes [n, bytes of a row]: random blocks, or for F16 / BF16 normal floats."""
+    if fmt in ("F16", "BF16"):
+        w = torch.from_numpy(rng.normal(0.0, 0.05, (n, k)).astype(np.float32))
+        return w.to(torch.float16 if fmt == "F16" else torch.bfloat16).view(torch.uint8).numpy()
+    return random_blocks(fmt, n, k, 0.05, rng)
+
+
 def _linear(raw: np.ndarray, fmt: str, n: int, k: int) -> torch.nn.Linear:
     """A meta linear holding the file blocks as lp.model.gguf sets them."""
     from lp.model.gguf import KEPT, KINDS, QKINDS, _read_blocks, blocksq_of
 
     lin = torch.nn.Linear(k, n, bias=False, device="meta")
-    if fmt in KINDS or fmt in QKINDS:
+    if KEPT[fmt][2] == 16:
+        lin._lp_weight16 = _read_blocks(raw, fmt, n, k, 16)[0]
+    elif fmt in KINDS or fmt in QKINDS:
         lin._lp_blocksq = (QKINDS.get(fmt, KINDS.get(fmt)), blocksq_of(raw, fmt, n, k))
     elif KEPT[fmt][2] == 8:
         lin._lp_blocks8 = _read_blocks(raw, fmt, n, k, 8)
@@ -54,14 +64,18 @@ def _linear(raw: np.ndarray, fmt: str, n: int, k: int) -> torch.nn.Linear:
 def test_idot_is_its_stated_arithmetic_rows_alone(fmt, idot):
     import gguf
 
+    from lp.kernels.exact4 import extension
+
+    if fmt in ("F16", "BF16") and not extension().idot_float():
+        pytest.skip("16-bit floats run on idot in its AVX2 build (with AVX-512: exact4's Exact16Linear)")
     rng = np.random.default_rng(11)
     for n, k in ((13, 512), (40, 768)):  # 13: a padded group of 16 outputs
-        raw = random_blocks(fmt, n, k, 0.05, rng)
+        raw = _blocks(fmt, n, k, rng)
         want_w = torch.from_numpy(np.ascontiguousarray(
             gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[fmt]).reshape(n, k), dtype=np.float32))
         lin = _linear(raw, fmt, n, k)
         kind, parts = idot.codes_of(lin)
-        assert kind in (*range(20, 26), 29, 30, 31), kind  # the float16 / code-scale kinds for every real format
+        assert kind in (*range(20, 26), 29, 30, 31, 32, 33), kind  # the float16 / code-scale kinds for every real format
         assert torch.equal(idot.widened(kind, parts).view(torch.int32), want_w.view(torch.int32))
         p = idot.packi(kind, parts)
         assert p.numel() * 8 / (n * k) <= FILE_BITS[fmt] * 1.06 * (-(-n // 16) * 16) / n, (fmt, p.numel())
@@ -106,13 +120,13 @@ def test_idot_rows_of_any_magnitude_and_a_nan_row_alone(idot):
 
 def test_idot_errors_name_the_kind(idot):
     p = torch.zeros(1, 1, 10, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="kind must be 20..31"):
+    with pytest.raises(RuntimeError, match="kind must be 20..33"):
         idot.mmi(torch.zeros(1, 32), p, 16, 19)
     with pytest.raises(RuntimeError, match="packed"):
         idot.mmi(torch.zeros(1, 32), p, 16, 20)
 
 
-@pytest.mark.parametrize("fmt", ("Q4_0", "Q4_1", "Q8_0", "Q6_K"))
+@pytest.mark.parametrize("fmt", ("Q4_0", "Q4_1", "Q8_0", "Q6_K", "BF16"))
 def test_idot_head_rows_and_products_are_the_files(fmt, idot):
     """``IBlockHead`` (a GGUF head and its tied embedding on idot, where the float kernels lack
     AVX-512): ``rows`` equal gguf.dequantize's rows (as floats: a Q6_K code of 32 gives +0.0 where
@@ -121,13 +135,17 @@ def test_idot_head_rows_and_products_are_the_files(fmt, idot):
 
     from lp.model.gguf import KINDS, QParts, _read_blocks, blocksq_of
 
+    from lp.kernels.exact4 import extension
+
+    if fmt == "BF16" and not extension().idot_float():
+        pytest.skip("16-bit floats run on idot in its AVX2 build (with AVX-512: exact4's 16-bit BlockHead)")
     rng = np.random.default_rng(5)
     n, k = 45, 512
-    raw = random_blocks(fmt, n, k, 0.05, rng)
+    raw = _blocks(fmt, n, k, rng)
     want_w = torch.from_numpy(np.ascontiguousarray(
         gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[fmt]).reshape(n, k), dtype=np.float32))
     parts = (QParts(KINDS[fmt], blocksq_of(raw, fmt, n, k)) if fmt == "Q6_K"
-             else _read_blocks(raw, fmt, n, k, 8 if fmt == "Q8_0" else 4))
+             else _read_blocks(raw, fmt, n, k, {"Q8_0": 8, "BF16": 16}.get(fmt, 4)))
     head = idot.IBlockHead.of(parts)
     assert head is not None
     ids = torch.tensor([[0, 17, 44], [31, 16, 15]])

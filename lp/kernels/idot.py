@@ -27,8 +27,11 @@ Q4_K 4.75, Q6_K 6.6; scales float16 where the file's are).
 
 Kinds (csrc ``IDot<CODE, SCALE>``): 29 Q4_0, 30 Q5_0, 31 Q8_0 (D float16, C = -8 / -16 / -128 D
 formed in the kernel), 20 Q4_1, 21 Q5_1, 22 8-bit codes with D and C float16, 23 Q4_K, 24 Q5_K,
-25 Q6_K, and 26 / 27 / 28 as 20 / 21 / 22 with float32 scales (where a D or C is not a float16
-value).
+25 Q6_K (and Q3_K, as lp.model.gguf holds it), and 26 / 27 / 28 as 20 / 21 / 22 with float32 scales
+(where a D or C is not a float16 value). On AVX2 also 32 / 33: 16-bit float weights (float16 /
+bfloat16: a GGUF F16 / BF16 tensor, or a float32 weight whose every value is one, as a bf16 / fp16
+checkpoint holds), 2 bytes a weight, widened in the kernel (exact) and summed as ``reference_float``
+(with AVX-512 those run as exact4's ``Exact16Linear``). The greedy screen takes kinds 20-31 only.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ from lp.kernels.exact4 import BlockHead, Exact4Linear, _code, _unit_rows, extens
 from lp.kernels.exactq import grouped_rows, widenq
 
 GROUP, BLOCK = 16, 32
-BITS = {20: 5.0, 21: 6.0, 22: 9.0, 23: 4.75, 24: 5.75, 25: 6.625, 26: 6.0, 27: 7.0, 28: 10.0, 29: 4.5, 30: 5.5, 31: 8.5}
+BITS = {20: 5.0, 21: 6.0, 22: 9.0, 23: 4.75, 24: 5.75, 25: 6.625, 26: 6.0, 27: 7.0, 28: 10.0, 29: 4.5, 30: 5.5, 31: 8.5,
+        32: 16.0, 33: 16.0}
+HALF = {32: torch.float16, 33: torch.bfloat16}  # the 16-bit kinds (AVX2 build)
 OFFSET = {29: -8.0, 30: -16.0, 31: -128.0}  # C = OFFSET D: Q4_0, Q5_0, Q8_0 hold D alone
 
 
@@ -64,7 +69,14 @@ def _f16(t: torch.Tensor) -> bool:
 def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
     """(kind, (u uint8 [N, K], scales...)) of a linear's file blocks (module doc), else None.
     Scales: kinds 20-22 / 26-28 (D, C float32 [N, K / 32]); 23 / 24 (sc, mn uint8 [N, K / 32],
-    d, nm float32 [N, K / 256]); 25 (sc int8 [N, K / 16], d float32 [N, K / 256])."""
+    d, nm float32 [N, K / 256]); 25 (sc int8 [N, K / 16], d float32 [N, K / 256]). Kinds 32 / 33
+    (the AVX2 build): (w float16 / bfloat16 [N, K],)."""
+    if extension().idot_float():
+        from lp.kernels.exact4 import _weight16
+
+        w16 = _weight16(lin) if isinstance(lin, nn.Linear) else None
+        if w16 is not None and w16.dim() == 2 and not w16.shape[1] % BLOCK:
+            return (33 if w16.dtype == torch.bfloat16 else 32), (w16,)
     q = getattr(lin, "_lp_blocksq", None)
     if q is not None:
         kind, parts = q
@@ -103,6 +115,8 @@ def _legacy(f16: int, d0: int, f32: int, u: torch.Tensor, D: torch.Tensor, C: to
 
 def widened(kind: int, parts: tuple) -> torch.Tensor:
     """The float32 weights [N, K] (each one rounding of D u + C: gguf.dequantize's)."""
+    if kind in HALF:
+        return parts[0].float()
     if kind in (23, 24):
         return widenq(5, parts)
     if kind == 25:
@@ -183,6 +197,12 @@ def reference_digits(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tenso
 
 def packi(kind: int, parts: tuple) -> torch.Tensor:
     """``parts`` (``codes_of``) in ``mmi``'s layout: uint8 [groups of 16, entries, entry bytes]."""
+    if kind in HALF:  # per group of 16 and block of 32 inputs: [half o][input][8 outputs] of 2 bytes
+        w = parts[0].view(torch.int16)
+        n, k = w.shape
+        g, b = -(-n // GROUP), k // BLOCK
+        w_GoLbI = grouped_rows(w, GROUP).reshape(g, 2, 8, b, BLOCK)
+        return w_GoLbI.permute(0, 3, 1, 4, 2).contiguous().view(torch.uint8).reshape(g, b, 1024)
     supers, head, code_bytes, block_bytes, entry_bytes = extension().layouti(kind)
     u = parts[0]
     n, k = u.shape
@@ -273,7 +293,13 @@ def has_codes(model: nn.Module) -> bool:
     (a GGUF file's, or exact 4-bit ones in float32 weights); stops at the first that does."""
     from lp.kernels.exact4 import _blocks, _head, _local, _plain
 
+    from lp.kernels.exact4 import _weight16
+
+    half = extension().idot_float()
+
     def takes(m) -> bool:  # codes_of's cases, without building the codes
+        if half and _weight16(m) is not None:
+            return True
         q, b8 = getattr(m, "_lp_blocksq", None), getattr(m, "_lp_blocks8", None)
         if q is not None:
             return q[0] in (4, 5, 6, 7, 8)
@@ -289,6 +315,14 @@ def has_codes(model: nn.Module) -> bool:
 def rowsi(p: torch.Tensor, ids: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     """Rows ``ids`` of a ``packi``-packed weight of ``n`` rows, float32 [*ids.shape, K]: each weight
     what a unit row's product gives (the file's float32 weight)."""
+    if kind in HALF:  # packi's 16-bit layout, gathered
+        flat = ids.reshape(-1).long()
+        bad = flat[(flat < 0) | (flat >= n)]
+        if bad.numel():
+            raise RuntimeError(f"rowsi: row {int(bad[0])} outside 0..{n - 1}")
+        w = p.view(torch.int16).reshape(p.shape[0], p.shape[1], 2, BLOCK, 8)  # [g, b, o, i, l]
+        rows = w[flat // GROUP, :, (flat % GROUP) // 8, :, flat % 8].reshape(flat.numel(), -1)
+        return rows.view(HALF[kind]).float().reshape(*ids.shape, rows.shape[-1])
     rows = extension().rowsi(p, ids, n, kind)
     return rows.reshape(*ids.shape, rows.shape[-1])
 
@@ -300,17 +334,19 @@ class IBlockHead(BlockHead):
     """An LM head (and the tied embedding's source) held as a GGUF file's codes on ``mmi``: its
     products for any number of float32 rows (no greedy screen: every row's logits are the exact
     product), its rows (``rows``) decoded from the same packed codes. Built by ``of`` from the
-    file's parts as lp.model.gguf reads them (4-bit, 8-bit or exactq ``QParts``)."""
+    file's parts as lp.model.gguf reads them (4-bit, 8-bit or exactq ``QParts``; on AVX2 also a
+    F16 / BF16 tensor's 2-byte floats, kinds 32 / 33, without the screen)."""
 
     def __init__(self, p: torch.Tensor, kind: int, n: int, k: int, wnorm: torch.Tensor | None = None):
         nn.Module.__init__(self)
         self.qkind = kind
         self.out_features, self.in_features = n, k
-        self.offsets, self.bits = True, 8
+        self.offsets, self.bits = True, (16 if kind in HALF else 8)
         self.register_buffer("p", p)
         self.kernel = lambda x_MK, p, n: mmi(x_MK, p, n, kind)
         # BlockHead.forward (and the runner, through exact4.head8) route greedy-only rows to h8.argmax_logits
-        self.h8 = IScreen(self, wnorm) if wnorm is not None and extension().screeni_available() else None
+        self.h8 = (IScreen(self, wnorm) if wnorm is not None and kind not in HALF and extension().screeni_available()
+                   else None)
 
     @classmethod
     def of(cls, parts) -> IBlockHead | None:
@@ -321,7 +357,9 @@ class IBlockHead(BlockHead):
             return None
         q = parts[0]
         lin = nn.Linear(1, 1, bias=False, device="meta")  # codes_of reads the blocks off a linear
-        if isinstance(q, int):  # lp.model.gguf.QParts (kind, parts)
+        if len(parts) == 1 and q.dtype in (torch.float16, torch.bfloat16):  # a F16 / BF16 tensor (AVX2 build)
+            lin._lp_weight16 = q
+        elif isinstance(q, int):  # lp.model.gguf.QParts (kind, parts)
             lin._lp_blocksq = tuple(parts)
         elif len(parts) == 2 and q.dtype == torch.int8:
             lin._lp_blocks8 = tuple(parts)
@@ -349,9 +387,10 @@ class IBlockHead(BlockHead):
                 return None
             if any(not torch.equal(probe_rows[i], w[v - r0]) for i, v in enumerate(probe) if r0 <= v < r1):
                 return None
-            norms.append(torch.linalg.vector_norm(w, dim=1, dtype=torch.float64))  # each token's ||w_v||
+            if kind not in HALF:  # the screen's (kinds 20-31)
+                norms.append(torch.linalg.vector_norm(w, dim=1, dtype=torch.float64))  # each token's ||w_v||
         # rounded up to float32 (the screen's bound)
-        wnorm = torch.nextafter(torch.cat(norms).float(), torch.tensor(float("inf")))
+        wnorm = torch.nextafter(torch.cat(norms).float(), torch.tensor(float("inf"))) if norms else None
         return cls(p, kind, n, k, wnorm)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

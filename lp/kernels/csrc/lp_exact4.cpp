@@ -1082,6 +1082,76 @@ void fdot_group(const uint8_t* grp, int64_t entries, const float* x, int64_t M, 
 }
 #endif
 
+#if defined(LP_IDOT256)
+// idot kinds 32 / 33 (the AVX2 build): 16-bit float weights (GGUF F16 / BF16 tensors, a bf16 / fp16
+// checkpoint's weights) widened exactly in the kernel (a float16 or bfloat16 value is a float32 value),
+// then fdot_group's sums: four float32 partial sums an output, input i into partial i mod 4 in input order,
+// y = (p0 + p1) + (p2 + p3) (lp.kernels.idot.reference_float). Layout (lp.kernels.idot.packi): per group
+// of 16 outputs and block of 32 inputs, [half o][input][8 outputs] of 2 bytes, 1024 bytes. A row at a time,
+// its eight partial sums in registers over the whole group (the group's 32 K bytes stay in cache for the
+// next row).
+template <bool BF16>
+inline __m256 widen16(const uint8_t* at) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+template <bool BF16>
+void f16dot_group(const uint8_t* grp, int64_t blocks, const float* x, int64_t M, int64_t K, float* y, int64_t N,
+                  int64_t n0, bool prefetch) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    __m256 a[2][4];
+    for (int o = 0; o < 2; ++o)
+      for (int t = 0; t < 4; ++t) a[o][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = grp + b * 1024;
+      if (prefetch && m == 0)
+        for (int64_t l = 0; l < 1024; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + l, _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        for (int t = 0; t < 4; ++t) {
+          const int i = 4 * j + t;
+          const __m256 xv = _mm256_broadcast_ss(xr + b * kBlock + i);
+          a[0][t] = _mm256_fmadd_ps(widen16<BF16>(blk + 16 * i), xv, a[0][t]);
+          a[1][t] = _mm256_fmadd_ps(widen16<BF16>(blk + 512 + 16 * i), xv, a[1][t]);
+        }
+      }
+    }
+    alignas(32) float out[16];
+    for (int o = 0; o < 2; ++o)
+      _mm256_store_ps(out + 8 * o, _mm256_add_ps(_mm256_add_ps(a[o][0], a[o][1]), _mm256_add_ps(a[o][2], a[o][3])));
+    for (int i = 0; i < 16 && n0 + i < N; ++i) y[m * N + n0 + i] = out[i];
+  }
+}
+
+torch::Tensor idot16_run(torch::Tensor x, const torch::Tensor& p, int64_t N, bool bf16) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "mmi: x must be [M, K] float32");
+  TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(2) == 1024,
+              "mmi: p must be a packed [groups, blocks, 1024] uint8 tensor (kinds 32 / 33)");
+  const int64_t M = x.size(0), K = x.size(1), groups = p.size(0);
+  TORCH_CHECK(K % kBlock == 0 && p.size(1) == K / kBlock && N > 0 && (N + 15) / 16 == groups, "mmi: shapes do not match");
+  x = x.contiguous();
+  at::Tensor y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t group_bytes = p.size(1) * 1024;
+  const bool prefetch = g_prefetch.load(std::memory_order_relaxed);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      if (bf16)
+        f16dot_group<true>(pp + g * group_bytes, p.size(1), xp, M, K, yp, N, g * 16, prefetch);
+      else
+        f16dot_group<false>(pp + g * group_bytes, p.size(1), xp, M, K, yp, N, g * 16, prefetch);
+    }
+  });
+  return y;
+}
+#endif
+
 #if defined(LP_IDOT512) || defined(LP_IDOT256)
 
 template <int CODE, int SCALE>
@@ -1129,7 +1199,14 @@ bool idot_available() {
 }
 
 torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind) {
-  TORCH_CHECK(kind >= 20 && kind <= 31, "mmi: kind must be 20..31 (lp.kernels.idot), got ", kind);
+  TORCH_CHECK(kind >= 20 && kind <= 33, "mmi: kind must be 20..33 (lp.kernels.idot), got ", kind);
+  if (kind >= 32) {  // 16-bit floats: 32 float16, 33 bfloat16
+#if defined(LP_IDOT256)
+    return idot16_run(x, p, n, kind == 33);
+#else
+    TORCH_CHECK(false, "mmi: kinds 32 / 33 (16-bit floats) run in idot's AVX2 build; with AVX-512 they run as exact16 (mm16)");
+#endif
+  }
 #if defined(LP_IDOT512) || defined(LP_IDOT256)
   switch (kind) {
     case 20: return idot_run<0, 0>(x, p, n);
@@ -1245,6 +1322,15 @@ std::tuple<bool, at::Tensor> idot_screen(torch::Tensor x, torch::Tensor p, int64
   }
 #else
   TORCH_CHECK(false, "screeni: built for idot's AVX2 form only (lp.kernels.idot.IBlockHead runs where exact4 lacks AVX-512)");
+#endif
+}
+
+// whether mmi runs AVX2's float32 product (fdot_group, and the 16-bit kinds 32 / 33): the LP_IDOT256 build
+bool idot_float() {
+#if defined(LP_IDOT256)
+  return true;
+#else
+  return false;
 #endif
 }
 
@@ -2188,7 +2274,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screeni", &idot_screen, py::call_guard<py::gil_scoped_release>(),
         "(ok, kept groups of 16): the idot head's greedy screen (x, p, n, kind, wnorm, max_groups)");
   m.def("screeni_available", &idot_screen_available, "whether this build runs screeni (idot's AVX2 form)");
-  m.def("idot_float", &idot_screen_available, "whether mmi's product is AVX2's float32 one (fdot_group) rather than the int8 digits'");
+  m.def("idot_float", &idot_float, "whether mmi's product is AVX2's float32 one (fdot_group) rather than the int8 digits' (and runs kinds 32 / 33)");
   m.def("rowsi", &idot_rows, "rows ids of an idot-packed weight (p, ids, n rows, kind) as float32 [len(ids), K]");
   m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31");
   m.def("idot", &idot_available, "whether this build runs lp.kernels.idot (AVX-512 VNNI and BW, or AVX2 with FMA and F16C)");
