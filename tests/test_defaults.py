@@ -14,7 +14,7 @@ from torch import nn
 
 from lp.config import DecodingConfig, GenerateConfig, ModelConfig
 from lp.model import loader
-from lp.kernels import exact4
+from lp.kernels import exact4, idot
 from lp.model.loader import load_model, load_tokenizer, resolve_model_path
 from lp.model.quant import quantize
 from tests.helpers import hf_greedy, make_tiny_model
@@ -27,8 +27,6 @@ pytestmark = [pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reaso
 
 def _fast_kernel() -> bool:
     """auto's exact4 on q4_dir's Q4_1 blocks: exact4's AVX-512 kernels, or idot's AVX2 ones."""
-    from lp.kernels import idot
-
     return _avx512() or idot.available()
 
 
@@ -136,13 +134,17 @@ def test_a_16_bit_checkpoint_runs_its_2_byte_weights_exactly_by_default(half_dir
         monkeypatch.setattr(loader, "cpu_has_amx_bf16", lambda: amx)
         model, _ = load_model(path, "auto", quant="auto", tokenizer=False)
         assert next(model.parameters()).dtype == torch.float32
-        if not _avx512():
+        half = not _avx512() and idot.available() and exact4.extension().idot_float()  # AVX2: idot's kinds 32 / 33
+        if not _avx512() and not half:
             assert getattr(model, "_lp_quant", None) is None
             continue
-        kernels = [m for m in model.modules() if isinstance(m, exact4.Exact16Linear)]
+        kernels = [m for m in model.modules() if isinstance(m, idot.IDotLinear if half else exact4.Exact16Linear)]
         linears = [m for m in ref.model.layers.modules() if isinstance(m, nn.Linear)]
         assert sum(len(m.splits) for m in kernels) == len(linears) and model._lp_quant == "exact4"
-        assert all(m.bf16 == (dtype == torch.bfloat16) for m in kernels)
+        if half:
+            assert all(m.ikind == (33 if dtype == torch.bfloat16 else 32) for m in kernels)
+        else:
+            assert all(m.bf16 == (dtype == torch.bfloat16) for m in kernels)
         assert not [n for n, p in model.model.layers.named_parameters() if p.dim() == 2]  # no float32 copy
         runner = ModelRunner(model)
         got = LookaheadDecoder(runner, DC(max_new_tokens=40)).generate(REPETITIVE_PROMPT).output_ids

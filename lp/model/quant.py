@@ -117,8 +117,9 @@ def resolve_auto(model, device: torch.device) -> tuple[str, str]:
         from lp.kernels import idot
 
         if idot.available() and idot.has_codes(model):
-            return "exact4", ("its linears hold a GGUF file's blocks: they run on lp.kernels.idot's AVX2 kernel (the file's "
-                              "codes widened to its float32 weights in the kernel); linears idot cannot take stay float32 (exact4's float kernels need AVX-512)")
+            return "exact4", ("its linears hold a GGUF file's blocks or 16-bit floats: they run on lp.kernels.idot's AVX2 "
+                              "kernels (the file's codes or 2-byte floats widened to the float32 weights in the kernel); linears "
+                              "idot cannot take stay float32 (exact4's float kernels need AVX-512)")
         return "none", "this CPU builds exact4's scalar loop only (no AVX-512): float32 linears are faster"
     if blocks:
         return "exact4", "its linears are exact 4-bit blocks: the same weights in 0.75 bytes each"
