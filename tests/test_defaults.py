@@ -134,7 +134,7 @@ def test_a_16_bit_checkpoint_runs_its_2_byte_weights_exactly_by_default(half_dir
         monkeypatch.setattr(loader, "cpu_has_amx_bf16", lambda: amx)
         model, _ = load_model(path, "auto", quant="auto", tokenizer=False)
         assert next(model.parameters()).dtype == torch.float32
-        half = not _avx512() and idot.available() and exact4.extension().idot_float()  # AVX2: idot's kinds 32 / 33
+        half = idot.half_kinds()  # AVX2 without AVX-512: idot's kinds 32 / 33
         if not _avx512() and not half:
             assert getattr(model, "_lp_quant", None) is None
             continue

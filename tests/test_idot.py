@@ -64,10 +64,8 @@ def _linear(raw: np.ndarray, fmt: str, n: int, k: int) -> torch.nn.Linear:
 def test_idot_is_its_stated_arithmetic_rows_alone(fmt, idot):
     import gguf
 
-    from lp.kernels.exact4 import extension
-
-    if fmt in ("F16", "BF16") and not extension().idot_float():
-        pytest.skip("16-bit floats run on idot in its AVX2 build (with AVX-512: exact4's Exact16Linear)")
+    if fmt in ("F16", "BF16") and not idot.half_kinds():
+        pytest.skip("16-bit floats run on idot in its AVX2 build without AVX-512 (with it: exact4's Exact16Linear)")
     rng = np.random.default_rng(11)
     for n, k in ((13, 512), (40, 768)):  # 13: a padded group of 16 outputs
         raw = _blocks(fmt, n, k, rng)
@@ -135,10 +133,8 @@ def test_idot_head_rows_and_products_are_the_files(fmt, idot):
 
     from lp.model.gguf import KINDS, QParts, _read_blocks, blocksq_of
 
-    from lp.kernels.exact4 import extension
-
-    if fmt == "BF16" and not extension().idot_float():
-        pytest.skip("16-bit floats run on idot in its AVX2 build (with AVX-512: exact4's 16-bit BlockHead)")
+    if fmt == "BF16" and not idot.half_kinds():
+        pytest.skip("16-bit floats run on idot in its AVX2 build without AVX-512 (with it: exact4's 16-bit BlockHead)")
     rng = np.random.default_rng(5)
     n, k = 45, 512
     raw = _blocks(fmt, n, k, rng)

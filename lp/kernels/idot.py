@@ -62,6 +62,12 @@ def mmi(x_MK: torch.Tensor, p: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     return torch.ops.lp_exact4.mmi(x_MK, p, n, kind)
 
 
+def half_kinds() -> bool:
+    """Whether 16-bit float weights run on idot here (kinds 32 / 33): its AVX2 build on a CPU whose
+    exact4 float kernels lack AVX-512 (with AVX-512 they run as exact4's ``Exact16Linear``)."""
+    return available() and bool(extension().idot_float()) and not extension().avx512()
+
+
 def _f16(t: torch.Tensor) -> bool:
     return bool(torch.equal(t.half().float(), t)) and bool(torch.isfinite(t.half()).all())
 
@@ -71,7 +77,7 @@ def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
     Scales: kinds 20-22 / 26-28 (D, C float32 [N, K / 32]); 23 / 24 (sc, mn uint8 [N, K / 32],
     d, nm float32 [N, K / 256]); 25 (sc int8 [N, K / 16], d float32 [N, K / 256]). Kinds 32 / 33
     (the AVX2 build): (w float16 / bfloat16 [N, K],)."""
-    if extension().idot_float():
+    if half_kinds():
         from lp.kernels.exact4 import _weight16
 
         w16 = _weight16(lin) if isinstance(lin, nn.Linear) else None
@@ -295,7 +301,7 @@ def has_codes(model: nn.Module) -> bool:
 
     from lp.kernels.exact4 import _weight16
 
-    half = extension().idot_float()
+    half = half_kinds()
 
     def takes(m) -> bool:  # codes_of's cases, without building the codes
         if half and _weight16(m) is not None:
