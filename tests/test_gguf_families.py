@@ -60,6 +60,7 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     from lp.kernels.exact4 import BlockHead, Exact4Linear, extension
     from lp.kernels.fused import FusedDecoder
     from lp.model.gguf import KEPT
+    from lp.model import calibrate
     from lp.model.loader import load_model
     from lp.model.runner import ModelRunner
     from tests.helpers import batch_outputs, hf_greedy
@@ -139,9 +140,11 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
         if arch in CPP_STACK and fast:  # as one decoder_paged call a step
             assert runner.fused.paged_calls > 0
 
-    dense, _ = load_model(file, "auto", quant="none", tokenizer=False)
+    dense, _ = load_model(file, "auto", quant="none", tokenizer=False)  # a restart: the kept metadata, not a parse
     for name, p in ref.named_parameters():
         assert torch.equal(dense.get_parameter(name), p), name
+    # the same t(Q) cache key as the first load's parse (else a restart measures t(Q) again)
+    assert calibrate.cache_key(dense) == calibrate.cache_key(model)
 
 
 def test_chat_template_override(tokenizer, tmp_path):

@@ -40,11 +40,7 @@ _probed: set[Path] = set()  # cache files re-timed in this process (each rank re
 def cache_path(runner) -> Path:
     from lp.model.loader import default_cache_dir
 
-    cfg = runner.model.config
-    blob = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
-    # a GGUF file's block formats change the kernels a step runs: one curve per file (name and size)
-    blob += getattr(runner.model, "_lp_gguf_id", "")
-    digest = hashlib.sha1(blob.encode()).hexdigest()[:12]
+    digest = cache_key(runner.model)
     dtype = str(runner.dtype).replace("torch.", "")
     tp = tp_degree(runner.model)  # a TP step (all-reduces included) is not a one-device step
     name = (f"{digest}-{runner.device.type}-{dtype}-t{torch.get_num_threads()}{f'-tp{tp}' if tp > 1 else ''}"
@@ -53,6 +49,24 @@ def cache_path(runner) -> Path:
             f"{'-fused' if getattr(runner, 'fused', None) is not None else ''}"
             f"{_quant_tag(runner)}-{VERSION}.json")
     return default_cache_dir() / "tq" / name
+
+
+def cache_key(model) -> str:
+    """The model's part of its cache file name: a digest of its config, every field but where it was
+    read from (``_name_or_path``: a GGUF file's parsed config and its kept copy under ``$LP_CACHE/gguf``
+    name different folders, so a restart would measure again) and the stored dtype and version (the
+    file name carries the runner's dtype), and of a GGUF file's name and size (its block formats
+    change the kernels a step runs: one curve per file)."""
+    cfg = model.config
+    if hasattr(cfg, "to_dict"):
+        blob = json.dumps({k: v for k, v in cfg.to_dict().items() if k not in VOLATILE}, sort_keys=True, default=str)
+    else:
+        blob = repr(cfg)
+    blob += getattr(model, "_lp_gguf_id", "")
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+VOLATILE = ("_name_or_path", "dtype", "torch_dtype", "transformers_version")
 
 
 def _quant_tag(runner) -> str:
