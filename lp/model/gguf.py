@@ -442,7 +442,7 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     import gc
 
     gc.collect()  # the replaced linears and their unpacked codes sit in reference cycles (1B shape: ~650 MB)
-    _trim_heap()
+    trim_heap()
     return model, tok
 
 
@@ -578,9 +578,10 @@ def _finish(file: Path, model, quant: str, dev: torch.device, file_blocks: dict,
                          "transformers' GGUF name map does not cover this model")
 
 
-def _trim_heap() -> None:
-    """Hand the heap the load freed (the blocks' staging copies, the parse) back to the OS: glibc keeps
-    it otherwise (Gemma-3-270M: resident 1294 -> 1125 MB). A no-op where there is no glibc."""
+def trim_heap() -> None:
+    """Hand the heap the process freed back to the OS (a load's staging copies and parse, a start-up
+    measurement's engine, a finished burst's activations): glibc keeps it otherwise (Gemma-3-270M's
+    load: resident 1294 -> 1125 MB). A no-op where there is no glibc."""
     import ctypes
 
     try:

@@ -37,6 +37,7 @@ import threading
 import time
 
 from lp.engine.batch import BatchEngine
+from lp.model.gguf import trim_heap
 from lp.model.paged import BLOCK_SIZE
 from lp.parallel.dist import RequestChannel, WorkerFailure
 from lp.server.engine import Outcome, QueueFull, Unavailable, pack_step, unpack_step
@@ -146,6 +147,8 @@ class BatchedEngine:
                     last = time.monotonic()
                 if self.batch.has_work:
                     self._step(admit, cached)
+                    if not self.batch.has_work:  # the burst is over: its activations' heap back to the OS
+                        trim_heap()
                 self._gauges()
         except WorkerFailure as e:
             self._fatal(f"worker failure: {e}")
