@@ -75,6 +75,8 @@ def test_idot_is_its_stated_arithmetic_rows_alone(fmt, idot):
         kind, parts = idot.codes_of(lin)
         assert kind in (*range(20, 26), 29, 30, 31, 32, 33), kind  # the float16 / code-scale kinds for every real format
         assert torch.equal(idot.widened(kind, parts).view(torch.int32), want_w.view(torch.int32))
+        cols = torch.tensor([0, 1, 31, 32, 200, 255, 256, k - 17, k - 1])  # the load's check widens these alone
+        assert torch.equal(idot.widened(kind, parts, cols).view(torch.int32), want_w[:, cols].view(torch.int32))
         p = idot.packi(kind, parts)
         assert p.numel() * 8 / (n * k) <= FILE_BITS[fmt] * 1.06 * (-(-n // 16) * 16) / n, (fmt, p.numel())
         unit = torch.eye(k)[:: max(1, k // 97)]

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from lp.kernels.exact4 import BlockHead, Exact4Linear, _code, _unit_rows, extension
-from lp.kernels.exactq import grouped_rows, widenq
+from lp.kernels.exactq import grouped_rows, scales16, widenq
 
 GROUP, BLOCK = 16, 32
 BITS = {20: 5.0, 21: 6.0, 22: 9.0, 23: 4.75, 24: 5.75, 25: 6.625, 26: 6.0, 27: 7.0, 28: 10.0, 29: 4.5, 30: 5.5, 31: 8.5,
@@ -119,17 +119,34 @@ def _legacy(f16: int, d0: int, f32: int, u: torch.Tensor, D: torch.Tensor, C: to
     return (f16 if _f16(D) and _f16(C) else f32), (u, D, C)
 
 
-def widened(kind: int, parts: tuple) -> torch.Tensor:
-    """The float32 weights [N, K] (each one rounding of D u + C: gguf.dequantize's)."""
+def widened(kind: int, parts: tuple, cols: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weights [N, K] (each one rounding of D u + C: gguf.dequantize's), or only the
+    columns ``cols`` [N, len(cols)] (the same arithmetic a weight, without widening the matrix:
+    ``IDotLinear.of``'s check at load)."""
+    if cols is None:
+        if kind in HALF:
+            return parts[0].float()
+        if kind in (23, 24):
+            return widenq(5, parts)
+        if kind == 25:
+            return widenq(7, parts)
+        u, D, C = parts
+        n, k = u.shape
+        return (u.float().reshape(n, -1, BLOCK) * D[..., None] + C[..., None]).reshape(n, k)
+    k = parts[0].shape[1]
+
+    def at(t: torch.Tensor) -> torch.Tensor:  # a per-block tensor [N, K / size] at the columns' blocks
+        return t[:, cols // (k // t.shape[1])]
+
+    u = parts[0][:, cols]
     if kind in HALF:
-        return parts[0].float()
-    if kind in (23, 24):
-        return widenq(5, parts)
-    if kind == 25:
-        return widenq(7, parts)
-    u, D, C = parts
-    n, k = u.shape
-    return (u.float().reshape(n, -1, BLOCK) * D[..., None] + C[..., None]).reshape(n, k)
+        return u.float()
+    if kind in (23, 24):  # widenq(5): D = d sc, C = nm mn per 32, then u D + C
+        _, sc, mn, d, nm = parts
+        return u.float() * (at(d) * at(sc).float()) + at(nm) * at(mn).float()
+    if kind == 25:  # widenq(7): (u - 32) D16
+        return (u.float() - 32) * at(scales16(*parts[1:]))
+    return u.float() * at(parts[1]) + at(parts[2])
 
 
 def _scales(kind: int, parts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,7 +303,7 @@ class IDotLinear(Exact4Linear):
         p = packi(kind, parts)
         n = parts[0].shape[0]
         idx, unit_RK = _unit_rows(parts[0].shape[1])
-        if not torch.equal(mmi(unit_RK, p, n, kind), widened(kind, parts)[:, idx].t()):
+        if not torch.equal(mmi(unit_RK, p, n, kind), widened(kind, parts, idx).t()):
             return None
         return cls(linears, p, kind)
 

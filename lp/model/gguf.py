@@ -231,12 +231,17 @@ def blocks8_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tenso
         q = raw[..., 2:34].copy().view(np.int8)
     elif kind == "IQ4_NL":  # d, then code j | code j + 16 << 4
         q = IQ4_VALUES[np.concatenate([raw[..., 2:18] & 0x0F, raw[..., 2:18] >> 4], axis=-1)]
-    else:  # Q5_0: 4 bytes of high bits (bit i for weight i), then weight j | weight j + 16 << 4
-        qh = raw[..., 2:6].copy().view("<u4")[..., 0]
-        high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-        low = np.concatenate([raw[..., 6:22] & 0x0F, raw[..., 6:22] >> 4], axis=-1)
-        q = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
+    else:  # Q5_0: its unsigned 5-bit codes minus 16
+        q = (_q5_codes(raw) - np.uint8(16)).view(np.int8)
     return torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)), torch.from_numpy(d)
+
+
+def _q5_codes(raw: np.ndarray) -> np.ndarray:
+    """The unsigned 5-bit codes uint8 [..., 32] of Q5_0 blocks [..., 22 bytes]: 4 bytes of high bits
+    (bit i of the little-endian word for weight i), then weight j | weight j + 16 << 4."""
+    high = np.unpackbits(raw[..., 2:6], axis=-1, bitorder="little")  # [..., 32]: bit i of byte i // 8 = weight i
+    low = np.concatenate([raw[..., 6:22] & 0x0F, raw[..., 6:22] >> 4], axis=-1)
+    return low | (high << 4)
 
 
 def blocksq_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -248,9 +253,10 @@ def blocksq_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tenso
     raw = np.ascontiguousarray(data).reshape(n * (k // per), size)
     if kind in ("Q5_0", "Q5_1"):
         if kind == "Q5_0":
-            q8, d = blocks8_of(data, kind, n, k)
-            q = (q8.numpy().astype(np.int16) + 16).astype(np.uint8)
-            parts = (d.numpy(), -16.0 * d.numpy())  # exact: a power of two times a float16 value
+            blocks = raw.reshape(n, k // BLOCK, size)
+            q = _q5_codes(blocks)
+            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            parts = (d, -16.0 * d)  # exact: a power of two times a float16 value
         else:
             q8, big_d, big_c = blocks8x_of(data, kind, n, k)
             q = q8.numpy().astype(np.uint8)
@@ -533,11 +539,13 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
             size, per, bits = KEPT[kind]
             rows = _row_permutation(processor, t.name, n, mapping, parsed)
             if rows is not None and t.data.size == n * k // per * size:
+                # the rows moved as the file's bytes (a row's blocks are its own), before any unpacking
+                data = t.data if np.array_equal(rows, np.arange(n)) else t.data.reshape(n, -1)[rows]
                 if kind in qkinds:  # lp.kernels.exactq / idot: the file's codes, at about its size
-                    owner._lp_blocksq = (qkinds[kind], tuple(x[rows] for x in blocksq_of(t.data, kind, n, k)))
+                    owner._lp_blocksq = (qkinds[kind], blocksq_of(data, kind, n, k))
                     kept += 1
                     continue
-                parts = tuple(x[rows] for x in _read_blocks(t.data, kind, n, k, bits))
+                parts = _read_blocks(data, kind, n, k, bits)
                 if bits == 16:
                     owner._lp_weight16 = parts[0]
                 elif bits == 8:
