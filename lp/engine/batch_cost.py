@@ -5,7 +5,8 @@ joint draft budget of a batched step (``BatchEngine._propose``) adds ``seq_s`` p
 after the first and ``draft_s`` per sequence that verifies drafts to t(rows). The engine only
 takes it (``BatchEngine(batch_cost=)``; lp.serve measures it at start-up and passes it):
 measuring builds a BatchEngine of its own, so the engine cannot call it. Measured on
-the batch engine's own forward: S sequences with a 128-token prefix, a step of one row each
+the batch engine's own forward: S sequences of a 128-token prompt (a 127-token prefix they share,
+prefilled once through the prefix cache, and a last token each: their blocks past it their own), a step of one row each
 (T1) and of two rows each (a one-node draft tree: T2), each the fastest of ``repeats``,
 interleaved with the chain step's t(S) and t(2S) (lp.model.calibrate.measure) over ``rounds``
 rounds, medians over the rounds:
@@ -66,12 +67,16 @@ def batch_step_cost(runner, refresh: bool = False, rounds: int = 3) -> BatchCost
 
 
 @torch.inference_mode()
-def measure(runner, rounds: int = 3, repeats: int = 5) -> BatchCost:
+def measure(runner, rounds: int = 3, repeats: int = 5, shared: bool = True) -> BatchCost:
     # a given curve: this engine never measures (it is the measurement)
-    engine = BatchEngine(runner, kv_tokens=SEQS * (PREFIX + 64), max_batch=SEQS, tq_curve=[(1, 1.0), (2, 1.0)])
+    # one shared prompt prefix, computed once (the prefix cache), and a last token each: the steps
+    # attend over a PREFIX-token cache each as before, without prefilling SEQS prompts (0.5B shape,
+    # 2-vCPU AVX2 EPYC: ~10 s of a fresh start-up's 15-25 s here)
+    engine = BatchEngine(runner, kv_tokens=SEQS * (PREFIX + 64), max_batch=SEQS, tq_curve=[(1, 1.0), (2, 1.0)],
+                         prefix_cache=shared)
     vocab = runner.vocab_size
     for s in range(SEQS):
-        prompt = [(97 * s + 31 * i) % (vocab - 3) + 3 for i in range(PREFIX)]
+        prompt = [(97 * (0 if shared else s) + 31 * i) % (vocab - 3) + 3 for i in range(PREFIX - 1)] + [3 + s]
         engine.add(prompt, DecodingConfig(max_new_tokens=32, W=1, N=2, G=0))
     while engine.waiting or any(r.run.step == 0 for r in engine.running):
         engine.step()  # the prompts in, one token decoded each
