@@ -185,3 +185,53 @@ def test_chat_template_override(tokenizer, tmp_path):
     ran = subprocess.run(env_cmd + [f"model.chat_template={raising}"], capture_output=True, text=True, timeout=300,
                          cwd=root)
     assert ran.returncode != 0 and "the override ran" in ran.stderr + ran.stdout
+
+
+def test_file_blocks_are_unpacked_one_group_at_a_time(tokenizer, tmp_path, monkeypatch):
+    """The load stages each kept tensor as the file's bytes (lp.kernels.exact4.Staged) and unpacks it
+    only when a kernel's maker reads it; a linear replaced by a kernel drops its codes at once, so a
+    whole model's unpacked codes (about a byte a weight) never sit beside its packed ones."""
+    from lp.kernels import exact4, idot
+    from lp.model import gguf as lp_gguf
+    from lp.model.loader import load_model
+
+    if not (exact4.extension().avx512() or idot.available()):
+        pytest.skip("no exact kernel runs the file's blocks on this CPU")
+    monkeypatch.setenv("LP_CACHE", str(tmp_path / "cache"))
+    file = write_tiny_gguf(tmp_path / "qwen2-Q4_K_M.gguf", "qwen2", Q4_K_M, tokenizer, seed=3)
+    staged, made = [], []
+    read = lp_gguf._read_tensors
+
+    def read_and_look(file, model, info, keep, ends):
+        out = read(file, model, info, keep, ends)
+        for m in model.modules():
+            for name in exact4.STAGED:
+                value = m.__dict__.get(name)
+                if value is not None:
+                    assert isinstance(value, exact4.Staged) and value.value is None, name  # nothing unpacked yet
+                    staged.append(m)
+        return out
+
+    consuming = exact4._consuming
+
+    def watched(make):
+        inner = consuming(make)
+
+        def made_one(linears):
+            module = inner(linears)
+            if module is not None:  # the replaced linears hold no codes any more
+                assert not any(name in lin.__dict__ for lin in linears for name in exact4.STAGED)
+                unpacked = [m for m in staged if m not in linears and any(
+                    isinstance(v, exact4.Staged) and v.value is not None for v in (m.__dict__.get(n) for n in exact4.STAGED))]
+                made.append(len(unpacked))
+            return module
+
+        return made_one
+
+    monkeypatch.setattr(lp_gguf, "_read_tensors", read_and_look)
+    monkeypatch.setattr(exact4, "_consuming", watched)
+    model, _ = load_model(file, "auto", quant="auto", tokenizer=False)
+    assert staged and made and model._lp_quant == "exact4"
+    # when a kernel is made, no other linear holds unpacked codes (a declined group released them)
+    assert max(made) == 0, made
+    assert not any(name in m.__dict__ for m in model.modules() for name in exact4.STAGED)

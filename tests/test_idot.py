@@ -79,6 +79,9 @@ def test_idot_is_its_stated_arithmetic_rows_alone(fmt, idot):
         assert torch.equal(idot.widened(kind, parts, cols).view(torch.int32), want_w[:, cols].view(torch.int32))
         p = idot.packi(kind, parts)
         assert p.numel() * 8 / (n * k) <= FILE_BITS[fmt] * 1.06 * (-(-n // 16) * 16) / n, (fmt, p.numel())
+        with pytest.MonkeyPatch.context() as mp:  # packed a slice of rows at a time: the same bytes
+            mp.setattr(idot, "PACK_ROWS", 16)
+            assert torch.equal(idot.packi(kind, parts), p)
         unit = torch.eye(k)[:: max(1, k // 97)]
         assert torch.equal(idot.mmi(unit, p, n, kind), want_w[:, :: max(1, k // 97)].t())
         g = torch.Generator().manual_seed(n)

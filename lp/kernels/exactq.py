@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lp.kernels.exact4 import BlockHead, Exact4Linear, Head8, _unit_rows, extension
+from lp.kernels.exact4 import BlockHead, Exact4Linear, Head8, _unit_rows, extension, staged
 
 KINDS = {"Q5_0": 4, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 8}
 HI = {4: 1, 5: 0, 6: 1, 7: 2, 8: 0}  # bit planes above the nibble (8: none, the codes are bytes)
@@ -134,7 +134,7 @@ class ExactQLinear(Exact4Linear):
     def of(cls, linears: list[nn.Linear]) -> ExactQLinear | None:
         """The siblings' codes stacked, packed and checked through the kernel on unit rows against
         ``widenq``; None unless every sibling holds ``_lp_blocksq`` of one kind."""
-        codes = [getattr(lin, "_lp_blocksq", None) for lin in linears]
+        codes = [staged(lin, "_lp_blocksq") for lin in linears]
         if any(c is None for c in codes) or len({c[0] for c in codes}) != 1:
             return None
         kind = codes[0][0]

@@ -41,7 +41,7 @@ import os
 import torch
 from torch import nn
 
-from lp.kernels.exact4 import BlockHead, Exact4Linear, _code, _unit_rows, extension
+from lp.kernels.exact4 import BlockHead, Exact4Linear, _code, _unit_rows, extension, staged
 from lp.kernels.exactq import grouped_rows, scales16, widenq
 
 GROUP, BLOCK = 16, 32
@@ -83,7 +83,7 @@ def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
         w16 = _weight16(lin) if isinstance(lin, nn.Linear) else None
         if w16 is not None and w16.dim() == 2 and not w16.shape[1] % BLOCK:
             return (33 if w16.dtype == torch.bfloat16 else 32), (w16,)
-    q = getattr(lin, "_lp_blocksq", None)
+    q = staged(lin, "_lp_blocksq")
     if q is not None:
         kind, parts = q
         if kind == 4:
@@ -92,12 +92,12 @@ def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
         if kind in (5, 6):
             return (23 if kind == 5 else 24), parts
         return 25, parts  # 7, 8: Q6_K
-    b8 = getattr(lin, "_lp_blocks8", None)
+    b8 = staged(lin, "_lp_blocks8")
     if b8 is not None:
         if len(b8) != 2:
             return None
         q8, d = b8
-        u = (q8.to(torch.int16) + 128).to(torch.uint8)
+        u = q8.view(torch.uint8) ^ 0x80  # q + 128 as a byte (its sign bit flipped), no wider copy
         return _legacy(22, 31, 28, u, d, d * -128.0)
     if not isinstance(lin, nn.Linear) or lin.weight.dtype != torch.float32:
         return None
@@ -218,8 +218,27 @@ def reference_digits(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tenso
     return acc.float()
 
 
+PACK_ROWS = 4096  # rows packed at once (a multiple of GROUP): packing's copies stay a slice's, not a head's
+
+
 def packi(kind: int, parts: tuple) -> torch.Tensor:
-    """``parts`` (``codes_of``) in ``mmi``'s layout: uint8 [groups of 16, entries, entry bytes]."""
+    """``parts`` (``codes_of``) in ``mmi``'s layout: uint8 [groups of 16, entries, entry bytes],
+    ``PACK_ROWS`` rows at a time into the one output (each group of 16 outputs is packed from its
+    own rows alone: Qwen2.5's 151,936-token Q8_0 embedding held 3-4 copies of its codes at once)."""
+    n = parts[0].shape[0]
+    if n <= PACK_ROWS:
+        return _packi(kind, parts)
+    first = _packi(kind, tuple(t[:PACK_ROWS] for t in parts))
+    out = first.new_empty((-(-n // GROUP), *first.shape[1:]))
+    out[:first.shape[0]] = first
+    del first
+    for r0 in range(PACK_ROWS, n, PACK_ROWS):
+        chunk = _packi(kind, tuple(t[r0:r0 + PACK_ROWS] for t in parts))
+        out[r0 // GROUP:r0 // GROUP + chunk.shape[0]] = chunk
+    return out
+
+
+def _packi(kind: int, parts: tuple) -> torch.Tensor:
     if kind in HALF:  # per group of 16 and block of 32 inputs: [half o][input][8 outputs] of 2 bytes
         w = parts[0].view(torch.int16)
         n, k = w.shape
@@ -323,7 +342,7 @@ def has_codes(model: nn.Module) -> bool:
     def takes(m) -> bool:  # codes_of's cases, without building the codes
         if half and _weight16(m) is not None:
             return True
-        q, b8 = getattr(m, "_lp_blocksq", None), getattr(m, "_lp_blocks8", None)
+        q, b8 = staged(m, "_lp_blocksq"), staged(m, "_lp_blocks8")  # the first such linear's, unpacked once
         if q is not None:
             return q[0] in (4, 5, 6, 7, 8)
         if b8 is not None:
@@ -350,7 +369,7 @@ def rowsi(p: torch.Tensor, ids: torch.Tensor, n: int, kind: int) -> torch.Tensor
     return rows.reshape(*ids.shape, rows.shape[-1])
 
 
-HEAD_ROWS = 16384  # rows of a head widened at once while IBlockHead.of checks it and takes its row norms
+HEAD_ROWS = 4096  # rows of a head widened at once while IBlockHead.of checks it and takes its row norms
 
 
 class IBlockHead(BlockHead):

@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lp.kernels.exact4 import trim_heap  # noqa: F401  (lp.serve, lp.server.batched: after a phase, a burst)
 from lp.kernels.exactq import KINDS, QParts
 
 log = logging.getLogger(__name__)
@@ -504,6 +505,8 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
     from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
+    from lp.kernels.exact4 import Staged
+
     parsed = {"config": info["config"], "tensors": {}}  # what the tensor processors may read
     processor = TENSOR_PROCESSORS.get(info["arch"], TensorProcessor)(config=info["config"])
     mapping = info["mapping"]
@@ -541,17 +544,18 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
             if rows is not None and t.data.size == n * k // per * size:
                 # the rows moved as the file's bytes (a row's blocks are its own), before any unpacking
                 data = t.data if np.array_equal(rows, np.arange(n)) else t.data.reshape(n, -1)[rows]
+                # staged as the file's bytes, unpacked when a kernel's maker reads them (lp.kernels.exact4.Staged)
                 if kind in qkinds:  # lp.kernels.exactq / idot: the file's codes, at about its size
-                    owner._lp_blocksq = (qkinds[kind], blocksq_of(data, kind, n, k))
+                    owner._lp_blocksq = Staged(lambda q=qkinds[kind], a=(data, kind, n, k): (q, blocksq_of(*a)))
                     kept += 1
                     continue
-                parts = _read_blocks(data, kind, n, k, bits)
+                unpack = lambda a=(data, kind, n, k, bits): _read_blocks(*a)  # noqa: E731
                 if bits == 16:
-                    owner._lp_weight16 = parts[0]
+                    owner._lp_weight16 = Staged(lambda f=unpack: f()[0])
                 elif bits == 8:
-                    owner._lp_blocks8 = parts
+                    owner._lp_blocks8 = Staged(unpack)
                 else:
-                    owner._lp_blocks = parts
+                    owner._lp_blocks = Staged(unpack)
                 kept += 1
                 continue
         weights = dequantize(t.data, t.tensor_type)
@@ -584,18 +588,6 @@ def _finish(file: Path, model, quant: str, dev: torch.device, file_blocks: dict,
     if missing:
         raise ValueError(f"{file}: the GGUF file holds no tensor for {missing[:4]}{' ...' if len(missing) > 4 else ''}: "
                          "transformers' GGUF name map does not cover this model")
-
-
-def trim_heap() -> None:
-    """Hand the heap the process freed back to the OS (a load's staging copies and parse, a start-up
-    measurement's engine, a finished burst's activations): glibc keeps it otherwise (Gemma-3-270M's
-    load: resident 1294 -> 1125 MB). A no-op where there is no glibc."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def gguf_tokenizer(file: Path, cache_dir: Path | None = None):
@@ -684,6 +676,8 @@ def _ends_from_blocks(model, file_blocks: dict, ends: dict, exact: bool) -> None
     log.info("model.quant=exact4: the %s run on the file's blocks (no float32 copy)",
              " and ".join(w for w, on in (("embedding", emb_name in file_blocks), ("LM head", block_head is not None))
                           if on))
+    file_blocks.clear()  # their unpacked codes: packed now
+    trim_heap()
 
 
 def _block_head(parts, screen: bool = True):
@@ -717,15 +711,14 @@ def _assign(model, hf: str, value: torch.Tensor) -> None:
 
 def _widen_left(model) -> int:
     """Every linear still holding file blocks (not run on exact4) gets their float32 weights."""
-    from lp.kernels.exact4 import widen, widen8
+    from lp.kernels.exact4 import Staged, widen, widen8
     from lp.kernels.exactq import widenq
 
     count = 0
     for m in model.modules():
-        blocks = m.__dict__.pop("_lp_blocks", None)
-        blocks8 = m.__dict__.pop("_lp_blocks8", None)
-        blocksq = m.__dict__.pop("_lp_blocksq", None)
-        w16 = m.__dict__.pop("_lp_weight16", None)
+        blocks, blocks8, blocksq, w16 = (m.__dict__.pop(name, None) for name in
+                                          ("_lp_blocks", "_lp_blocks8", "_lp_blocksq", "_lp_weight16"))
+        blocks, blocks8, blocksq, w16 = (v.get() if isinstance(v, Staged) else v for v in (blocks, blocks8, blocksq, w16))
         if isinstance(m, torch.nn.Linear) and m.weight.is_meta and (blocks or blocks8 or blocksq or w16 is not None):
             w = (widen(*blocks) if blocks else widen8(*blocks8) if blocks8 else widenq(*blocksq) if blocksq
                  else w16.float())
