@@ -235,3 +235,27 @@ def test_file_blocks_are_unpacked_one_group_at_a_time(tokenizer, tmp_path, monke
     # when a kernel is made, no other linear holds unpacked codes (a declined group released them)
     assert max(made) == 0, made
     assert not any(name in m.__dict__ for m in model.modules() for name in exact4.STAGED)
+
+
+def test_a_first_read_parses_the_file_once(tokenizer, tmp_path, monkeypatch):
+    """A file's first load reads its config and its tokenizer, and transformers parses the whole file
+    (every vocabulary string) for each; lp.model.gguf runs that parse once and puts transformers'
+    function back afterwards. The second load reads the kept metadata: no parse."""
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    from lp.model.loader import load_model
+
+    monkeypatch.setenv("LP_CACHE", str(tmp_path / "cache"))
+    file = write_tiny_gguf(tmp_path / "llama-Q8_0.gguf", "llama", _kinds("Q8_0"), tokenizer, seed=5)
+    real, calls = hf_gguf.load_gguf_checkpoint, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", counted)
+    _, tok = load_model(file, "auto", quant="none")
+    assert len(calls) == 1, calls
+    assert hf_gguf.load_gguf_checkpoint is counted  # transformers' function (here the counter) back in place
+    _, again = load_model(file, "auto", quant="none")
+    assert len(calls) == 1 and again("a b c")["input_ids"] == tok("a b c")["input_ids"]

@@ -41,7 +41,9 @@ a float32 folder and could not open any other GGUF. Legend: N output rows, K inp
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -459,9 +461,7 @@ def _empty_model(file: Path, cache_dir: Path | None, tokenizer: bool):
     file and kept there (with the tokenizer's files when ``tokenizer``)."""
     import json
 
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers import AutoConfig
 
     meta = metadata_dir(file, cache_dir) if cache_dir is not None else None
     known = meta is not None and (meta / "gguf.json").is_file()
@@ -469,15 +469,21 @@ def _empty_model(file: Path, cache_dir: Path | None, tokenizer: bool):
         config = AutoConfig.from_pretrained(meta)
         info = json.loads((meta / "gguf.json").read_text())
     else:
-        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
-    with init_empty_weights():
-        try:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-        except ValueError:  # a family without sdpa (Gemma 2's soft-capped attention): its eager kernel
-            log.info("%s: transformers has no sdpa attention for %s; eager", file.name, type(config).__name__)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    if known:
-        return model, info
+        with _parsed_once():
+            return _first_read(file, meta, tokenizer)
+    return _meta_model(file, config), info
+
+
+def _first_read(file: Path, meta: Path | None, tokenizer: bool):
+    """``_empty_model`` for a file read the first time: its config and name map (and tokenizer) parsed,
+    then kept in ``meta``."""
+    import json
+
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    model = _meta_model(file, config)
     # the tensor processors read the config transformers parsed (the same keys as config.json);
     # not load_gguf_checkpoint's second parse of the whole file
     arch = file_fields(file, ("general.architecture",)).get("general.architecture")
@@ -495,6 +501,46 @@ def _empty_model(file: Path, cache_dir: Path | None, tokenizer: bool):
 
         _save_dir(meta, write)
     return model, info
+
+
+def _meta_model(file: Path, config):
+    """The float32 model of ``config`` with its weights on the meta device (sdpa attention, else eager)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        except ValueError:  # a family without sdpa (Gemma 2's soft-capped attention): its eager kernel
+            log.info("%s: transformers has no sdpa attention for %s; eager", file.name, type(config).__name__)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+
+
+@contextlib.contextmanager
+def _parsed_once():
+    """transformers' legacy GGUF parse (``load_gguf_checkpoint`` without tensors: every field of the file,
+    each string of the vocabulary a numpy view; Gemma-3-270M ~16 s) run once for a file while a first
+    read needs it twice (the config, then the tokenizer's model type), each caller given its own copy
+    of the config; transformers' function is back in place on exit."""
+    import copy
+
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    real, seen = hf_gguf.load_gguf_checkpoint, {}
+
+    def once(path, return_tensors=False, model_to_load=None, torch_dtype=None):
+        if return_tensors or model_to_load is not None or torch_dtype is not None:
+            return real(path, return_tensors, model_to_load, torch_dtype)
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen[key] = real(path, return_tensors=False)
+        return {**seen[key], "config": copy.deepcopy(seen[key]["config"])}  # the part its callers read and change
+
+    hf_gguf.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        hf_gguf.load_gguf_checkpoint = real
 
 
 def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict:
