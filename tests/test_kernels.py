@@ -105,6 +105,29 @@ def test_calibration_picks_small_rows_per_row_count(tiny_factory, tmp_path, monk
     assert off.small_rows_mode == "off" and off.small_rows == frozenset() and max(QS) >= 32
 
 
+def test_calibration_leaves_out_sizes_past_16_rows_that_cost_above_cap(tiny_factory, monkeypatch):
+    """lp.model.calibrate.measure: a size past 16 rows whose warm-up step took above CAP x t(1) is not
+    timed and not in the curve (its price extrapolated); sizes up to 16 always are. Steps made
+    unambiguous: 20 ms more for every step past 16 rows."""
+    from lp.model import calibrate
+
+    runner = ModelRunner(tiny_factory("llama"), small_rows="off")
+    real = runner.forward
+
+    def slowed(layout, cache, *args, **kwargs):
+        if len(layout.tokens) > 16:
+            time.sleep(0.02)
+        return real(layout, cache, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", slowed)
+    qs = (1, 2, 16, 20, 32)
+    monkeypatch.setattr(calibrate, "CAP", 1e9)
+    assert [q for q, _ in calibrate.measure(runner, qs, repeats=1)[0]] == list(qs)
+    monkeypatch.setattr(calibrate, "CAP", 2.0)  # t(1) of a tiny model: well under 10 ms
+    curve = calibrate.measure(runner, qs, repeats=1)[0]
+    assert [q for q, _ in curve] == [1, 2, 16] and all(t > 0 for _, t in curve)
+
+
 def test_stale_curve_is_measured_again(tiny_factory, tmp_path, monkeypatch):
     """A cached t(Q) curve whose t(1) is far slower than a re-time now (measured while a build
     ran: the load average missed it) is measured again and rewritten; one at or below today's
