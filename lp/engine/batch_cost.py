@@ -67,7 +67,7 @@ def batch_step_cost(runner, refresh: bool = False, rounds: int = 3) -> BatchCost
 
 
 @torch.inference_mode()
-def measure(runner, rounds: int = 3, repeats: int = 5, shared: bool = True) -> BatchCost:
+def measure(runner, rounds: int = 3, repeats: int = 3, shared: bool = True) -> BatchCost:
     # a given curve: this engine never measures (it is the measurement)
     # one shared prompt prefix, computed once (the prefix cache), and a last token each: the steps
     # attend over a PREFIX-token cache each as before, without prefilling SEQS prompts (0.5B shape,
