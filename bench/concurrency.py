@@ -364,10 +364,13 @@ def run_concurrency(cfg, out: Path, model_path: Path) -> list[dict]:
                         print(f"[concurrency]   {point['tokens_per_s']} tok/s, TTFT p50 {point['ttft_p50_s']} s, "
                               f"{point['completed']}/{point['requests']} done, {eq}", file=sys.stderr, flush=True)
             finally:
+                mem = srv.memory()  # after its last workload: resident now and the peak since its start
                 rc = srv.stop()
             for p in mine:
                 p["server_command"] = commands[server]
                 p["server_exit_code"] = rc
+                if mem is not None:
+                    p.update(mem)
             points += mine
     summary = {"command": cfg_command(), "commit": git_commit(), "machine_before": before, "machine_after": machine(),
                "max_tokens": cc.max_tokens, "threads": cfg.threads, "repeats": cc.repeats,
@@ -456,13 +459,14 @@ def markdown(s: dict) -> str:
             lines.append(f"| {srv} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["| server | workload | clients | repeat | requests | completed | equal lp greedy | tokens | wall s | "
-              "start-up s | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "start-up s | resident MiB at the end (peak) | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in pts:
+        mem = f"{p['rss_mib']} ({p['rss_peak_mib']})" if "rss_mib" in p else "-"
         lines.append(f"| {p['server']} | {p.get('workload', 'chat')} | {p['clients']} | {p.get('repeat', 0)} | "
                      f"{p['requests']} | {p['completed']} | "
                      f"{'not compared' if p['equal_lp_greedy'] is None else p['equal_lp_greedy']} | "
                      f"{p['completion_tokens']} | "
-                     f"{p['wall_s']} | {p.get('startup_s', '-')} | {p['load_avg']} |")
+                     f"{p['wall_s']} | {p.get('startup_s', '-')} | {mem} | {p['load_avg']} |")
     lines += ["", "Servers:"]
     for srv in servers:
         cmd = next(p.get("server_command", "") for p in pts if p["server"] == srv)

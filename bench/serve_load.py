@@ -86,6 +86,26 @@ class ServerProcess:
                 raise RuntimeError(f"server not healthy after {start_timeout_s:g} s; see {log_path}")
             time.sleep(0.5)
 
+    def memory(self) -> dict | None:
+        """The server's resident memory now and at its peak (Linux /proc: VmRSS and VmHWM summed over
+        the processes of its session: lp.serve's one, torchrun's workers), MiB; None where /proc is missing."""
+        now = peak = 0
+        found = False
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                stat = (d / "stat").read_text()
+                if int(stat[stat.rindex(")") + 2:].split()[3]) != self.proc.pid:  # its session's group
+                    continue
+                fields = dict(line.split(":", 1) for line in (d / "status").read_text().splitlines() if ":" in line)
+                now += int(fields["VmRSS"].split()[0])
+                peak += int(fields["VmHWM"].split()[0])
+                found = True
+            except (OSError, ValueError, KeyError, IndexError):
+                continue
+        return {"rss_mib": now // 1024, "rss_peak_mib": peak // 1024} if found else None
+
     def stop(self) -> int | None:
         for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
             if self.proc.poll() is None:

@@ -229,3 +229,41 @@ def test_concurrency_tables_per_workload():
                    "repeats": 3, "points": pts, "server_env": {"vllm": {"VLLM_TARGET_DEVICE": "cpu"}}})
     assert "## chat" in md and "## code" in md and "| lp | 20.0 [10.0-30.0] (0.1 / 0.2) |" in md
     assert "`VLLM_TARGET_DEVICE=cpu x`" in md
+
+
+def test_server_memory_reads_its_session_and_the_table_shows_it():
+    """bench.serve_load.ServerProcess.memory sums VmRSS / VmHWM over the processes of the server's
+    session (a parent and its child here, ~64 MB touched by the child alone); the concurrency table
+    shows them per point."""
+    import subprocess
+    import sys
+
+    from bench.concurrency import markdown
+    from bench.serve_load import ServerProcess
+
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+            "'b = bytearray(64 << 20); import time; time.sleep(30)']); time.sleep(30)")
+    srv = ServerProcess.__new__(ServerProcess)
+    srv.proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        import time
+
+        deadline = time.monotonic() + 20
+        mem = srv.memory()
+        while (mem is None or mem["rss_mib"] < 64) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            mem = srv.memory()
+        assert mem is not None and 64 <= mem["rss_mib"] <= mem["rss_peak_mib"] < 1024, mem
+    finally:
+        import os
+        import signal
+
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+    m = {"cpus": 2, "load_avg": [0, 0, 0]}
+    pt = {"server": "lp", "workload": "chat", "clients": 1, "repeat": 0, "requests": 2, "completed": 2, "errors": [],
+          "equal_lp_greedy": 2, "wall_s": 1.0, "completion_tokens": 32, "tokens_per_s": 9.0, "ttft_p50_s": 0.1,
+          "ttft_p90_s": 0.2, "load_avg": [0, 0, 0], "server_command": "x", "startup_s": 3.0, **mem}
+    md = markdown({"command": "c", "machine_before": m, "machine_after": m, "max_tokens": 16, "threads": 1,
+                   "repeats": 1, "points": [pt]})
+    assert f"| 3.0 | {mem['rss_mib']} ({mem['rss_peak_mib']}) |" in md
