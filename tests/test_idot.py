@@ -149,6 +149,13 @@ def test_idot_head_rows_and_products_are_the_files(fmt, idot):
              else _read_blocks(raw, fmt, n, k, {"Q8_0": 8, "BF16": 16}.get(fmt, 4)))
     head = idot.IBlockHead.of(parts)
     assert head is not None
+    with pytest.MonkeyPatch.context() as mp:  # built 16 rows at a time: the same packed bytes and row norms
+        mp.setattr(idot, "HEAD_ROWS", 16)
+        sliced = idot.IBlockHead.of(parts)
+    assert torch.equal(sliced.p, head.p) and sliced.qkind == head.qkind
+    assert (head.h8 is None) == (sliced.h8 is None)
+    if head.h8 is not None:
+        assert torch.equal(sliced.h8.wnorm, head.h8.wnorm)
     ids = torch.tensor([[0, 17, 44], [31, 16, 15]])
     assert torch.equal(head.rows(ids), want_w[ids])
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))

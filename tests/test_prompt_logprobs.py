@@ -77,3 +77,30 @@ def test_prompt_logprobs_checked(tiny_factory):
     while engine.has_work:
         engine.step()
     assert engine.result(one).prompt_logprobs == [None]
+
+
+def test_a_scored_prompt_carries_no_drafts(tiny_factory):
+    """A prompt whose logprobs are asked for is scored on a step without drafts after it, so its
+    logprobs are the same bits whatever the draft store holds: the same request again, once its
+    first answer taught the store its continuation, gives them bit for bit (drafts land later)."""
+    model = tiny_factory("llama")
+    engine = BatchEngine(ModelRunner(model), kv_tokens=1024, block_size=8, max_batch=4)
+    cfg = DecodingConfig(max_new_tokens=12, **TREE)  # draft_budget=all: every draft the store has is verified
+    seen = []
+    real = engine._propose
+
+    def spy(items, chunk_rows, seqs):
+        real(items, chunk_rows, seqs)
+        seen.extend((it.req.id, it.req.run.step, bool(it.prop.candidates)) for it in items)
+
+    engine._propose = spy
+    ids = []
+    for _ in range(2):
+        ids.append(engine.add(REPETITIVE_PROMPT, cfg, prompt_logprobs=1))
+        while engine.has_work:
+            engine.step()
+    first, second = (engine.result(i) for i in ids)
+    assert not any(drafted for rid, step, drafted in seen if step == 0)
+    assert any(drafted for rid, step, drafted in seen if rid == ids[1] and step > 0)  # the store's drafts, later
+    assert [(x.logprob, x.top) for x in first.prompt_logprobs[1:]] == [(x.logprob, x.top) for x in second.prompt_logprobs[1:]]
+    assert first.output_ids == second.output_ids == hf_greedy(model, REPETITIVE_PROMPT, 12)

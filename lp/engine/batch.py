@@ -485,12 +485,22 @@ class BatchEngine:
         batch of one while at most ``static_batch`` sequences decode and not at all above;
         ``none`` never drafts."""
         policy = self.draft_policy
+        # a prompt whose own logprobs are asked for is scored without drafts after it: the rows of its
+        # step, so its logits, are then the same however many drafts the store or the budget would add
+        # (attention over a longer step's keys need not round alike: a request and its streamed twin differed)
+        scored = [it for it in items if it.req.prompt_logprobs is not None and it.req.run.step == 0]
+        for it in scored:
+            it.opts = it.req.decoder.draft_options(it.req.run)
+            it.prop = it.req.decoder.proposal(it.req.run, it.opts, [])
+        items = [it for it in items if it not in scored]
+        if not items:
+            return
         if policy == "budget" and len(items) == 1 and len(self.running) == 1:
             it = items[0]
             it.prop = it.req.decoder.propose(it.req.run)  # a batch of one is today's step
             return
         drafts = policy == "budget" or (policy == "static" and len(items) <= self.static_batch)
-        joint, fixed = [], chunk_rows
+        joint, fixed = [], chunk_rows + sum(it.prop.plan[0].rows for it in scored)
         for it in items:
             dec, run = it.req.decoder, it.req.run
             c = dec.cfg

@@ -41,7 +41,7 @@ import os
 import torch
 from torch import nn
 
-from lp.kernels.exact4 import BlockHead, Exact4Linear, _code, _unit_rows, extension, staged
+from lp.kernels.exact4 import BlockHead, Exact4Linear, _code, _unit_rows, extension, staged, trim_heap
 from lp.kernels.exactq import grouped_rows, scales16, widenq
 
 GROUP, BLOCK = 16, 32
@@ -369,7 +369,25 @@ def rowsi(p: torch.Tensor, ids: torch.Tensor, n: int, kind: int) -> torch.Tensor
     return rows.reshape(*ids.shape, rows.shape[-1])
 
 
-HEAD_ROWS = 4096  # rows of a head widened at once while IBlockHead.of checks it and takes its row norms
+HEAD_ROWS = 4096  # rows of a head IBlockHead.of builds at once (a multiple of GROUP)
+
+
+def _staged(parts) -> nn.Linear | None:
+    """A meta linear holding a file tensor's ``parts`` as lp.model.gguf stages a linear's (what
+    ``codes_of`` reads), or None for parts of no kind it takes."""
+    q = parts[0]
+    lin = nn.Linear(1, 1, bias=False, device="meta")
+    if len(parts) == 1 and q.dtype in (torch.float16, torch.bfloat16):  # a F16 / BF16 tensor (AVX2 build)
+        lin._lp_weight16 = q
+    elif isinstance(q, int):  # lp.model.gguf.QParts (kind, parts)
+        lin._lp_blocksq = tuple(parts)
+    elif len(parts) == 2 and q.dtype == torch.int8:
+        lin._lp_blocks8 = tuple(parts)
+    elif len(parts) == 3 and q.dtype == torch.uint8:
+        lin._lp_blocks = tuple(parts)
+    else:
+        return None
+    return lin
 
 
 class IBlockHead(BlockHead):
@@ -394,43 +412,40 @@ class IBlockHead(BlockHead):
     def of(cls, parts) -> IBlockHead | None:
         """The head over ``parts`` (a file tensor's blocks: (q, d, c) 4-bit, (q, d) 8-bit, or exactq's
         (kind, parts)), checked on unit rows like ``IDotLinear.of``; None where idot does not run
-        here or does not take these blocks."""
+        here or does not take these blocks. Built ``HEAD_ROWS`` rows at a time (codes, packing,
+        checks and row norms): a head's whole codes and float32 weights never exist at once
+        (Gemma-3's 262,144-token head is 671 MB in float32; its codes alone are 168 MB)."""
         if not available():
             return None
-        q = parts[0]
-        lin = nn.Linear(1, 1, bias=False, device="meta")  # codes_of reads the blocks off a linear
-        if len(parts) == 1 and q.dtype in (torch.float16, torch.bfloat16):  # a F16 / BF16 tensor (AVX2 build)
-            lin._lp_weight16 = q
-        elif isinstance(q, int):  # lp.model.gguf.QParts (kind, parts)
-            lin._lp_blocksq = tuple(parts)
-        elif len(parts) == 2 and q.dtype == torch.int8:
-            lin._lp_blocks8 = tuple(parts)
-        elif len(parts) == 3 and q.dtype == torch.uint8:
-            lin._lp_blocks = tuple(parts)
-        else:
-            return None
-        code = codes_of(lin)
-        if code is None:
-            return None
-        kind, cparts = code
-        p = packi(kind, cparts)
-        n, k = cparts[0].shape
-        idx, unit_RK = _unit_rows(k)
-        unit_RN = mmi(unit_RK, p, n, kind)
-        probe = [0, n // 2, n - 1]
-        probe_rows = rowsi(p, torch.tensor(probe), n, kind)
-        norms = []
-        # the file's weights a slice of rows at a time (Gemma-3's 262,144-token head is 671 MB in float32,
-        # and its widening's temporaries were a 2 GB peak at load)
+        qparts = isinstance(parts[0], int)  # lp.model.gguf.QParts (kind, parts)
+        n = (parts[1][0] if qparts else parts[0]).shape[0]
+        kind = p = idx = unit_RK = None
+        probe, probe_w, norms = [0, n // 2, n - 1], {}, []
         for r0 in range(0, n, HEAD_ROWS):
-            w = widened(kind, tuple(t[r0:r0 + HEAD_ROWS] for t in cparts))
-            r1 = r0 + w.shape[0]
-            if not torch.equal(unit_RN[:, r0:r1], w[:, idx].t()):
+            r1 = min(n, r0 + HEAD_ROWS)
+            rows = (parts[0], tuple(t[r0:r1] for t in parts[1])) if qparts else tuple(t[r0:r1] for t in parts)
+            lin = _staged(rows)
+            code = codes_of(lin) if lin is not None else None
+            if code is None or (kind is not None and code[0] != kind):
                 return None
-            if any(not torch.equal(probe_rows[i], w[v - r0]) for i, v in enumerate(probe) if r0 <= v < r1):
+            kind, cparts = code
+            pc = packi(kind, cparts)
+            if p is None:
+                k = cparts[0].shape[1]
+                idx, unit_RK = _unit_rows(k)
+                p = pc.new_empty((-(-n // GROUP), *pc.shape[1:]))
+            p[r0 // GROUP:r0 // GROUP + pc.shape[0]] = pc  # HEAD_ROWS is a multiple of GROUP
+            w = widened(kind, cparts)
+            if not torch.equal(mmi(unit_RK, pc, r1 - r0, kind), w[:, idx].t()):
                 return None
+            probe_w.update({v: w[v - r0].clone() for v in probe if r0 <= v < r1})
             if kind not in HALF:  # the screen's (kinds 20-31)
                 norms.append(torch.linalg.vector_norm(w, dim=1, dtype=torch.float64))  # each token's ||w_v||
+            del lin, rows, cparts, pc, w
+            trim_heap()  # the slice's copies back to the OS before the next (glibc keeps them otherwise)
+        probe_rows = rowsi(p, torch.tensor(probe), n, kind)  # rows decoded from the whole packed head
+        if any(not torch.equal(probe_rows[i], probe_w[v]) for i, v in enumerate(probe)):
+            return None
         # rounded up to float32 (the screen's bound)
         wnorm = torch.nextafter(torch.cat(norms).float(), torch.tensor(float("inf"))) if norms else None
         return cls(p, kind, n, k, wnorm)
