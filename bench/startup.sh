@@ -5,7 +5,8 @@
 #   LP_CACHE dir: where lp keeps a GGUF file's metadata, t(Q) curve and batched-step costs; an empty
 #     folder measures a fresh start (the kernels come from `python -m lp.kernels.prebuild`, as
 #     launch/install.sh builds them), the same folder again a restart. Default: lp's own (~/.cache/lp).
-#   GGUF file: the model (model.path=...; default lp's, SmolLM2-135M-Instruct's Q4_1 file).
+#   GGUF file: the model (model.path=...; default lp's, SmolLM2-135M-Instruct's Q4_1 file), asked a
+#     16-token raw completion (the default model: a 16-token chat answer).
 #   Prints "<label>: first answer after N s, resident R MiB (peak P MiB)" (the server's VmRSS / VmHWM
 #   after that answer); the server's log goes to /tmp/lp_startup_<label>.log.
 # Polls the request every 0.5 s until it answers; stops the server after. docs/performance.md's
@@ -23,8 +24,13 @@ log=/tmp/lp_startup_$label.log
 t0=$(date +%s.%N)
 python -m lp.serve server.port=$port "${args[@]}" > "$log" 2>&1 &
 pid=$!
-until curl -s -m 60 "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
-    -d '{"model":"'"$model"'","messages":[{"role":"user","content":"Say hi."}],"max_tokens":16}' 2>/dev/null \
+url=/v1/chat/completions
+body='{"model":"'"$model"'","messages":[{"role":"user","content":"Say hi."}],"max_tokens":16}'
+if [ -n "$file" ]; then  # a file may hold no chat template (Gemma-3-270M's parts): a raw completion
+  url=/v1/completions
+  body='{"model":"'"$model"'","prompt":"def fibonacci(n):","max_tokens":16}'
+fi
+until curl -s -m 60 "http://127.0.0.1:$port$url" -H 'Content-Type: application/json' -d "$body" 2>/dev/null \
     | grep -q choices; do
   sleep 0.5
   if ! kill -0 $pid 2>/dev/null; then echo "$label: the server exited; its log: $log"; tail -5 "$log"; exit 1; fi
