@@ -32,7 +32,7 @@ Q4_K_M = {"attn": "Q4_K", "ffn": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 CASES = [(arch, "Q4_K_M") for arch in FAMILIES + OTHERS] + [("qwen2", kind) for kind in FORMATS] + \
         [("llama", "F16"), ("llama", "BF16"), ("qwen3", "Q6_K")]  # qwen3: a tied Q6_K embedding and head, one copy
-CPP_STACK = ("llama", "qwen2", "qwen3", "gemma3")  # families lp.kernels.fused runs as its C++ layers (the others: its loop)
+CPP_STACK = ("llama", "qwen2", "qwen3", "gemma3", "phi3")  # families lp.kernels.fused runs as its C++ layers (the others: its loop)
 TIED = ("qwen3",)  # as its small real models are; the others write an output tensor (a tied random model repeats its input token: a weak check)
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
 
@@ -259,3 +259,27 @@ def test_a_first_read_parses_the_file_once(tokenizer, tmp_path, monkeypatch):
     assert hf_gguf.load_gguf_checkpoint is counted  # transformers' function (here the counter) back in place
     _, again = load_model(file, "auto", quant="none")
     assert len(calls) == 1 and again("a b c")["input_ids"] == tok("a b c")["input_ids"]
+
+
+def test_phi3_layers_outside_the_cpp_stack_say_why(tokenizer, tmp_path, monkeypatch):
+    """Phi-3 layers run as lp's C++ layers (fused q/k/v and gate/up, the test above) only without a
+    sliding window and with a full rotary: the C++ stack has neither. Otherwise lp's layer loop, and
+    the reason names the field."""
+    from lp.kernels import exact4, fused, idot
+    from lp.model.loader import load_model
+
+    if not (exact4.extension().avx512() or idot.available()):
+        pytest.skip("lp's exact kernels: AVX-512, or idot's AVX2 form")
+    monkeypatch.setenv("LP_CACHE", str(tmp_path / "cache"))
+    file = write_tiny_gguf(tmp_path / "phi3.gguf", "phi3", Q4_K_M, tokenizer, seed=4)
+    model, _ = load_model(file, "auto", quant="auto", tokenizer=False)
+    layers, why = fused._plan(model)
+    assert layers and why == ""
+    model.config.sliding_window = 8
+    layers, why = fused._plan(model)
+    assert not layers and "config.sliding_window" in why
+    assert isinstance(fused.build(model)[0], fused.LayerLoop)
+    model.config.sliding_window = None
+    model.config.rope_parameters = {**model.config.rope_parameters, "partial_rotary_factor": 0.75}
+    layers, why = fused._plan(model)
+    assert not layers and "partial_rotary_factor 0.75" in why

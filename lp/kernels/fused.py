@@ -1,13 +1,13 @@
-"""A Llama-, Qwen2-, Qwen3- or Gemma-3-style model's decoder stack on lp's exact kernels in two C++ calls a layer,
+"""A Llama-, Qwen2-, Qwen3-, Gemma-3- or Phi-3-style model's decoder stack on lp's exact kernels in two C++ calls a layer,
 instead of transformers' module tree: the same operations on the same kernels, so the same bits,
 checked when built.
 
 Contract: ``build(model)`` returns a ``FusedDecoder`` for a model whose every decoder layer is
-Llama's, Qwen2's, Qwen3's or Gemma 3's (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``,
-``Qwen3DecoderLayer``, ``Gemma3DecoderLayer``: pre-norm attention and a gated MLP, SiLU or GELU-tanh,
+Llama's, Qwen2's, Qwen3's, Gemma 3's or Phi-3's (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``,
+``Qwen3DecoderLayer``, ``Gemma3DecoderLayer``, ``Phi3DecoderLayer``: pre-norm attention and a gated MLP, SiLU or GELU-tanh,
 rotary embeddings; biases on q/k/v only; Qwen3's and Gemma 3's RMSNorm of each q and k head before
 the rotation; Gemma 3's sandwich norms, its sliding-window layers with their own rotary table, no
-soft caps) with its norms
+soft caps; Phi-3's q/k/v and gate/up each one linear, no sliding window, full rotary) with its norms
 ``lp.kernels.exact4.FusedRMSNorm`` and every decoder linear on one of lp's exact kernels
 (``kernel_kind``: exact4, exact8, exact8x, exact16, exactq; siblings fused into one product or
 not, each product of its own kind: a GGUF Q4_K_M file's Q4_K q/k beside its Q6_K v), on an
@@ -30,7 +30,7 @@ runner keeps the fused stack only when it is (a transformers version whose layer
 anything differently falls back to its own forward).
 
 Other layers (``LayerLoop``, ``build``'s second choice): Llama and Qwen2 layers the C++ stack does
-not take (a linear off lp's kernels, a head size not a multiple of 32), Gemma 2 (soft caps) and Phi-3 layers run as lp's own Python loop over each
+not take (a linear off lp's kernels, a head size not a multiple of 32), Gemma 2 (soft caps) and Phi-3 layers with a sliding window or partial rotary run as lp's own Python loop over each
 layer's modules, the same ops as transformers' forward without its module plumbing, under the
 same ``agrees`` check.
 
@@ -50,7 +50,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Gemma3DecoderLayer")
+LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Gemma3DecoderLayer", "Phi3DecoderLayer")
 
 
 @dataclass
@@ -194,8 +194,17 @@ def _plan(model) -> tuple[list[_Layer], str]:
         if any(n is not None for n in qk) and not all(type(n) is FusedRMSNorm and tuple(n.weight.shape) == (attn.head_dim,)
                                                        for n in qk):
             return [], "q/k norms not one-op RMSNorms over a head"
-        qkv = _products([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = _products([mlp.gate_proj, mlp.up_proj])
+        # Phi-3: q/k/v one linear (q, k, v outputs in order, as the C++ split reads them) and gate/up one
+        # (gate then up: its forward's chunk(2)); up * act(gate) there, act(gate) * up here: the same bits
+        fused_qkv, fused_mlp = hasattr(attn, "qkv_proj"), hasattr(mlp, "gate_up_proj")
+        if fused_qkv or fused_mlp:
+            if getattr(config, "sliding_window", None) is not None:
+                return [], f"Phi-3 layers with a sliding window of {config.sliding_window} (config.sliding_window)"
+            rotary = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+            if int(attn.head_dim * rotary) != attn.head_dim:
+                return [], f"partial rotary embeddings (partial_rotary_factor {rotary})"
+        qkv = _products([attn.qkv_proj] if fused_qkv else [attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = _products([mlp.gate_up_proj] if fused_mlp else [mlp.gate_proj, mlp.up_proj])
         o, down = _products([attn.o_proj]), _products([mlp.down_proj])
         sandwich = LAYER_KINDS[type(layer).__name__] == "sandwich"
         norms = ((layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
@@ -208,16 +217,16 @@ def _plan(model) -> tuple[list[_Layer], str]:
             return [], "o, gate, up or down with a bias (the fused stack adds q/k/v biases only)"
         if not all(type(n) is FusedRMSNorm for n in norms):
             return [], "norms not one-op RMSNorms"
-        act = mlp.act_fn
+        act = mlp.activation_fn if fused_mlp else mlp.act_fn
         gelu = type(act).__name__ == "GELUTanh" and getattr(getattr(act, "act", None), "keywords", None) == {"approximate": "tanh"}
         if type(act).__name__ not in ("SiLU", "SiLUActivation") and not gelu:
             return [], f"activation {type(act).__name__} (silu, gelu tanh)"
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         d = attn.head_dim
-        if d % 32 or qkv[1] != [heads * d, kv_heads * d, kv_heads * d]:
+        if d % 32 or qkv[1] != ([(heads + 2 * kv_heads) * d] if fused_qkv else [heads * d, kv_heads * d, kv_heads * d]):
             return [], "head size not a multiple of 32, or q/k/v widths not the heads'"
-        inter = gate_up[1][0]
-        if gate_up[1] != [inter, inter]:
+        inter = gate_up[1][0] // (2 if fused_mlp else 1)
+        if gate_up[1] != ([2 * inter] if fused_mlp else [inter, inter]):
             return [], "gate and up of different widths"
         plan.append(_Layer(attn, norms[0].weight.detach(), float(norms[0].variance_epsilon),
                            norms[1].weight.detach(), float(norms[1].variance_epsilon), inter,
