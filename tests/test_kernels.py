@@ -128,6 +128,25 @@ def test_calibration_leaves_out_sizes_past_16_rows_that_cost_above_cap(tiny_fact
     assert [q for q, _ in curve] == [1, 2, 16] and all(t > 0 for _, t in curve)
 
 
+def test_tensor_parallel_ranks_agree_on_the_sizes_they_time(tiny_factory, monkeypatch):
+    """Under TP every forward is collective, so the sizes past 16 rows that calibrate.measure times
+    are agreed (lp.parallel.tp's ``_lp_tp_all``: true on every rank iff true on all): a size this
+    rank's own warm-up keeps but a peer's drops is dropped here too. Seen when it was not: an LP 2 x
+    TP 2 server's rank aborted at start-up on a gloo size mismatch (24 rows against its peer's 32)."""
+    from lp.model import calibrate
+
+    model = tiny_factory("llama")
+    runner = ModelRunner(model, small_rows="off")
+    monkeypatch.setattr(calibrate, "CAP", 1e9)  # this rank keeps every size
+    asked = []
+    model._lp_tp_all = lambda flag: asked.append(flag) or False  # a peer's warm-up dropped every size asked about
+    try:
+        curve = calibrate.measure(runner, (1, 2, 16, 20, 32), repeats=1)[0]
+    finally:
+        del model._lp_tp_all
+    assert asked == [True, True] and [q for q, _ in curve] == [1, 2, 16]
+
+
 def test_stale_curve_is_measured_again(tiny_factory, tmp_path, monkeypatch):
     """A cached t(Q) curve whose t(1) is far slower than a re-time now (measured while a build
     ran: the load average missed it) is measured again and rewritten; one at or below today's

@@ -197,7 +197,10 @@ def measure(runner, qs=QS, repeats: int = 3) -> tuple[list[tuple[int, float]], f
             for i in range(repeats + 1):
                 if i == 1 and warm:  # past 16 rows, sizes the warm-up round put above CAP x t(1) are not timed
                     one = min(t for (q, _), t in warm.items() if q == min(qs))
-                    group = [qv for qv in group if qv[0] <= 16 or warm[qv] <= CAP * one]
+                    # under TP the forwards are collective: a size is timed where every tp rank's own
+                    # warm-up keeps it (each rank asks in the same order), else a rank that skips it
+                    # meets its peers' forward of it with its next one (a gloo size mismatch, an abort)
+                    group = [qv for qv in group if qv[0] <= 16 or tp_all(runner.model, warm[qv] <= CAP * one)]
                 for q, v in group:
                     if v is not None:
                         runner.small_rows = frozenset([q]) if v else frozenset()
