@@ -187,6 +187,31 @@ def test_chat_template_override(tokenizer, tmp_path):
     assert ran.returncode != 0 and "the override ran" in ran.stderr + ran.stdout
 
 
+def test_a_file_without_a_chat_template_gets_llama_servers_chatml(tokenizer, tmp_path, monkeypatch, caplog):
+    """A GGUF file that holds no chat template (a base model's, as Gemma-3-270M's) is given ChatML,
+    the template llama-server falls back to, with a warning naming the file and the override; the
+    kept metadata does not keep it (a restart warns again), and model.chat_template still wins."""
+    import logging
+
+    from lp.model.gguf import CHATML
+    from lp.model.loader import load_tokenizer
+
+    monkeypatch.setenv("LP_CACHE", str(tmp_path / "cache"))
+    fields = [f for f in tokenizer if f[0] != "tokenizer.chat_template"]
+    file = write_tiny_gguf(tmp_path / "base.gguf", "llama", Q4_K_M, fields, seed=3, tie=False)
+    for start in ("first", "restart"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lp.model.gguf"):
+            tok = load_tokenizer(file)
+        assert tok.chat_template == CHATML, start
+        assert any("base.gguf holds no chat template" in r.getMessage() and "model.chat_template" in r.getMessage()
+                   for r in caplog.records), start
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    own = load_tokenizer(write_tiny_gguf(tmp_path / "own.gguf", "llama", Q4_K_M, tokenizer, seed=3, tie=False))
+    assert own.chat_template and own.chat_template != CHATML
+
+
 def test_file_blocks_are_unpacked_one_group_at_a_time(tokenizer, tmp_path, monkeypatch):
     """The load stages each kept tensor as the file's bytes (lp.kernels.exact4.Staged) and unpacks it
     only when a kernel's maker reads it; a linear replaced by a kernel drops its codes at once, so a

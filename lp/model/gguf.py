@@ -497,7 +497,7 @@ def _first_read(file: Path, meta: Path | None, tokenizer: bool):
             config.save_pretrained(tmp)
             (tmp / "gguf.json").write_text(json.dumps(info, default=str))
             if tokenizer:
-                gguf_tokenizer(file).save_pretrained(tmp)
+                _file_tokenizer(file).save_pretrained(tmp)
 
         _save_dir(meta, write)
     return model, info
@@ -636,10 +636,31 @@ def _finish(file: Path, model, quant: str, dev: torch.device, file_blocks: dict,
                          "transformers' GGUF name map does not cover this model")
 
 
+# llama-server's template for a file that holds none (llama.cpp common/chat.cpp, CHATML_TEMPLATE_SRC)
+CHATML = ("{%- for message in messages -%}\n"
+          "  {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}\n"
+          "{%- endfor -%}\n"
+          "{%- if add_generation_prompt -%}\n"
+          "  {{- '<|im_start|>assistant\\n' -}}\n"
+          "{%- endif -%}")
+
+
 def gguf_tokenizer(file: Path, cache_dir: Path | None = None):
     """The file's tokenizer through transformers' GGUF reader, with the file's own chat template
     (``tokenizer.chat_template``) where that reader leaves it unset; read from ``metadata_dir``
-    where an earlier load kept it."""
+    where an earlier load kept it. A file that holds no template (a base model's) gets ChatML,
+    the template llama-server falls back to there, with a warning saying so
+    (``model.chat_template`` replaces it): the same chat prompts as llama.cpp's users get, not a 400."""
+    tok = _file_tokenizer(file, cache_dir)
+    if not getattr(tok, "chat_template", None):
+        log.warning("%s holds no chat template (tokenizer.chat_template): chat requests use ChatML, the template "
+                    "llama-server falls back to (model.chat_template=<file.jinja> gives the model its own)", file.name)
+        tok.chat_template = CHATML
+    return tok
+
+
+def _file_tokenizer(file: Path, cache_dir: Path | None = None):
+    """``gguf_tokenizer`` without the fallback template (what ``metadata_dir`` keeps)."""
     from transformers import AutoTokenizer
 
     meta = metadata_dir(file, cache_dir) if cache_dir is not None else None
