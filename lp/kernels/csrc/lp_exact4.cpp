@@ -635,7 +635,8 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
           for (int p = 0; p < CODE; ++p) {
             const uint64_t* plane = reinterpret_cast<const uint64_t*>(blk + 256 + 64 * p);
             const __m512i bit = p == 0 ? one4 : one5;
-            for (int j = 0; j < 8; ++j) u[j] = _mm512_or_si512(u[j], _mm512_maskz_mov_epi8(plane[j], bit));
+            // the bit is 0 in the nibble code: a masked byte add sets it, one op (a masked move and an or: two)
+            for (int j = 0; j < 8; ++j) u[j] = _mm512_mask_add_epi8(u[j], plane[j], u[j], bit);
           }
         }
         // the 16 outputs' D and C (double, outputs 0-7 and 8-15; Q6_K: of inputs 0-15, then 16-31)
