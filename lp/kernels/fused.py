@@ -200,7 +200,8 @@ def _plan(model) -> tuple[list[_Layer], str]:
         if fused_qkv or fused_mlp:
             if getattr(config, "sliding_window", None) is not None:
                 return [], f"Phi-3 layers with a sliding window of {config.sliding_window} (config.sliding_window)"
-            rotary = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+            rotary = (getattr(config, "rope_parameters", None) or {}).get(
+                "partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
             if int(attn.head_dim * rotary) != attn.head_dim:
                 return [], f"partial rotary embeddings (partial_rotary_factor {rotary})"
         qkv = _products([attn.qkv_proj] if fused_qkv else [attn.q_proj, attn.k_proj, attn.v_proj])
