@@ -6,7 +6,8 @@ time and peak memory are its own): lp's load (``model.path=FILE``, the defaults:
 keeps the file's blocks in every format lp.model.gguf.KEPT names), the tensors' formats, how many
 linears run on which kernel, the decoder stack, the tensors the model holds and peak RSS against
 the file's size, then for the first prompts of HumanEval
-(raw) and MT-Bench (the chat template: the file's, or the ChatML lp gives a file that holds none) interleaved per repeat: transformers
+(raw) and MT-Bench (the chat template: the file's, or the ChatML lp gives a file that holds none)
+interleaved per repeat: transformers
 ``generate`` on lp's loaded model (greedy; the exactness reference: equal token for token), lp's
 lookahead with its defaults, and ``from_pretrained(gguf_file=...)`` in float32 (transformers' own
 loader: its texts are compared, equal up to near-ties since its dense products sum in another
