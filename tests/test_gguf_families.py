@@ -190,11 +190,12 @@ def test_chat_template_override(tokenizer, tmp_path):
 def test_a_file_without_a_chat_template_gets_llama_servers_chatml(tokenizer, tmp_path, monkeypatch, caplog):
     """A GGUF file that holds no chat template (a base model's, as Gemma-3-270M's) is given ChatML,
     the template llama-server falls back to, with a warning naming the file and the override; the
-    kept metadata does not keep it (a restart warns again), and model.chat_template still wins."""
+    metadata a first load keeps does not keep it (a restart, reading that metadata, warns again).
+    model.chat_template replacing it: test_chat_template_override."""
     import logging
 
-    from lp.model.gguf import CHATML
-    from lp.model.loader import load_tokenizer
+    from lp.model.gguf import CHATML, metadata_dir
+    from lp.model.loader import default_cache_dir, load_model, load_tokenizer
 
     monkeypatch.setenv("LP_CACHE", str(tmp_path / "cache"))
     fields = [f for f in tokenizer if f[0] != "tokenizer.chat_template"]
@@ -202,7 +203,9 @@ def test_a_file_without_a_chat_template_gets_llama_servers_chatml(tokenizer, tmp
     for start in ("first", "restart"):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="lp.model.gguf"):
-            tok = load_tokenizer(file)
+            tok = load_model(file, "auto", quant="none")[1] if start == "first" else load_tokenizer(file)
+        if start == "first":  # the load kept the file's metadata, its tokenizer among it: the restart reads that
+            assert (metadata_dir(file, default_cache_dir()) / "tokenizer_config.json").is_file()
         assert tok.chat_template == CHATML, start
         assert any("base.gguf holds no chat template" in r.getMessage() and "model.chat_template" in r.getMessage()
                    for r in caplog.records), start
