@@ -6,8 +6,8 @@ read it (``_lp_blocks``: Q4_0 / Q4_1; ``_lp_blocks8``: Q8_0; ``_lp_blocksq``: Q5
 Q5_K / Q6_K) or float32 weights that are exact 4-bit blocks (lp.kernels.exact4.encode: a Q4 GGUF
 converted to a transformers folder runs as its file does) and returns a linear whose product ``mmi`` computes, per output and row, the float32
 rounding of a double-precision sum over the input's blocks of exact products of the file's real
-weights ``w = D u + C`` (u the block's unsigned code) and x held per 32 inputs as a 23-bit integer
-X = round(x 2^e) (e from the block's largest |x|). ``reference`` is that arithmetic in torch
+weights ``w = D u + C`` (u the block's unsigned code) and x held per 32 inputs as a 21- to 23-bit
+integer X = round(x 2^e) (e from the block's largest |x|; the width per kind: ``INT32``). ``reference`` is that arithmetic in torch
 (float64, bit for bit the kernel's for kinds 20-25); unit rows give the file's float32 weights
 exactly (the check ``of`` runs). A row's output depends on that row only: the decode of the weights
 is shared by the rows of a call, no sum is. Where the build has AVX-512 VNNI.
@@ -186,20 +186,27 @@ def reference_float(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tensor
     return (acc[0] + acc[1]) + (acc[2] + acc[3])
 
 
+# The AVX-512 build's int32 block sums (csrc IDotInt): kind -> (X's top bit, centre k where C = -k D, or 0)
+INT32 = {29: (22, 8), 20: (21, 0), 23: (21, 0), 30: (21, 16), 21: (20, 0), 24: (20, 0), 25: (21, 32)}
+
+
 def reference_digits(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tensor:
     """The AVX-512 VNNI build's arithmetic in torch (module doc): per row and 32-input block, e with the block's
-    largest |x| 2^e in [2^22, 2^23) (one less where it would pass 8355711), X = round(x 2^e) (ties
-    to even), then in float64 per block (and per half of it for Q6_K's scales per 16):
-    acc += t (D 2^-e); acc += C (sum X 2^-e), t = sum u X; float32 at the end. Bit for bit the
-    kernel's where each product is exact in float64 (kinds 20-25)."""
+    largest |x| 2^e in [2^top, 2^(top + 1)) (one less where it would pass the cap: 8355711 for top 22, else
+    2^(top + 1) - 1), X = round(x 2^e) (ties to even), then in float64 per block (and per half of it for Q6_K's
+    scales per 16): acc += t (D 2^-e); acc += C (sum X 2^-e), t = sum u X; float32 at the end. The kinds of
+    ``INT32`` take a top (22 elsewhere) for which t fits int32; those whose C is -k D take t = sum (u - k) X
+    and no C term. Bit for bit the kernel's where each product is exact in float64 (kinds 20-25, 29-31)."""
     x = x_MK.double()
     m, k = x.shape
-    u = parts[0].to(torch.int64)
+    top, centre = INT32.get(kind, (22, 0))
+    cap = 8355711.0 if top == 22 else 2.0 ** (top + 1) - 1
+    u = parts[0].to(torch.int64) - centre
     n = u.shape[0]
     xb = x.reshape(m, k // BLOCK, BLOCK)
     mx = xb.abs().amax(-1)
-    e = torch.where(mx > 0, 22 - (torch.frexp(mx).exponent.to(torch.int64) - 1), 0)  # ilogb(mx) = exponent - 1
-    e = torch.where(torch.ldexp(mx, e.double()) > 8355711.0, e - 1, e)
+    e = torch.where(mx > 0, top - (torch.frexp(mx).exponent.to(torch.int64) - 1), 0)  # ilogb(mx) = exponent - 1
+    e = torch.where(torch.ldexp(mx, e.double()) > cap, e - 1, e)
     X = torch.round(torch.ldexp(xb, e.double()[..., None])).to(torch.int64)  # [M, B, 32]
     s = torch.ldexp(torch.ones_like(mx), -e.double())  # [M, B]
     D, C = _scales(kind, parts)  # [N, K / 16]
@@ -207,14 +214,17 @@ def reference_digits(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tenso
     per = BLOCK // halves
     ub = u.reshape(n, k // per, per)
     Xh = X.reshape(m, k // per, per)
-    t = torch.einsum("nbj,mbj->mnb", ub, Xh).double()  # exact: |t| < 2^53
+    t = torch.einsum("nbj,mbj->mnb", ub, Xh)  # exact
+    assert kind not in INT32 or t.abs().max() < 2 ** 31, "IDotInt: t must fit int32"
+    t = t.double()
     sx = Xh.sum(-1).double()  # [M, K / per]
     sh = s.repeat_interleave(halves, dim=1)  # [M, K / per]
     Dh, Ch = D[:, ::2 // halves], C[:, ::2 // halves]  # [N, K / per]
     acc = torch.zeros(m, n, dtype=torch.float64)
     for j in range(k // per):
         acc = acc + t[:, :, j] * (Dh[:, j][None, :] * sh[:, j:j + 1])
-        acc = acc + Ch[:, j][None, :] * (sx[:, j:j + 1] * sh[:, j:j + 1])
+        if not centre:
+            acc = acc + Ch[:, j][None, :] * (sx[:, j:j + 1] * sh[:, j:j + 1])
     return acc.float()
 
 

@@ -29,7 +29,7 @@ from lp.kernels.head import argmax_rows
 # every size up to 16 (small sizes are where a BLAS switches kernels), then coarser
 QS = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)
 PREFIX = 128
-VERSION = "v13"  # bumped when QS, the measurement or a kernel it prices changes: older files are not read
+VERSION = "v14"  # bumped when QS, the measurement or a kernel it prices changes: older files are not read
 # sizes past 16 rows whose warm-up step took above CAP x t(1) are left out of the curve (the draft
 # budget extrapolates it: lp.drafts.budget.cost): no draft pays for them, and on a 0.5B model on a
 # 2-vCPU AVX2 EPYC the 20- to 64-row steps (10-22 x t(1)) were 40% of a first start's t(Q) time

@@ -524,9 +524,11 @@ struct WeightsQ {
 // Every block format is w = D u + C per 32 inputs (u the unsigned code: Q4_0 D = d, C = -8 d; Q4_1 C = m;
 // Q5_0 / Q5_1 alike with 5 bits; Q8_0 u = q + 128, C = -128 d; Q4_K / Q5_K D = d sc, C = nm mn; Q6_K a D per
 // 16 inputs, C = -32 D). x is held per 32 inputs as X = x 2^e rounded to an integer, |X| < 2^23 (e from the
-// block's largest |x|: 23 significant bits, the largest element's rounding at most 2^-23 of it), split into
-// three signed int8 digits X = 2^16 x1 + 2^8 x2 + x3. AVX-512 VNNI's vpdpbusd forms sum(u x_i) exactly in int32,
-// 16 outputs a lane each; per block t = 2^16 S1 + (2^8 S2 + S3) is exact in double, and each output accumulates
+// block's largest |x|: 23 significant bits, the largest element's rounding at most 2^-23 of it; 21-22 bits for
+// the kinds of IDotInt), split into three signed int8 digits X = 2^16 x1 + 2^8 x2 + x3. AVX-512 VNNI's vpdpbusd
+// forms sum(u x_i) exactly in int32, 16 outputs a lane each; per block t = 2^16 S1 + (2^8 S2 + S3) is exact in
+// double (IDotInt's kinds: t, or t - k sum(X) where C = -k D, fits int32 and is formed there modulo 2^32; then no
+// C term), and each output accumulates
 // acc = fma(t, D 2^-e, acc); acc = fma(C, sum(X) 2^-e, acc) in double (each product exact, one rounding a step),
 // rounded to float32 once at the end. A row's result depends on that row only (rows share the weights' decode,
 // never a sum). Packed: per group of 16 outputs, entries of kSuper blocks: a header (K-quants: d[16], nm[16]
@@ -554,12 +556,26 @@ struct IDotX {
   std::vector<int8_t> digits;
   std::vector<double> scales;
   std::vector<double> resid;  // AVX2 build: per row ||x - x'||_2, x' = 2^16 x1 2^-e (the screen's bound)
+  std::vector<int32_t> sums;  // AVX-512 build: per row sum(X) over each block, then over each block's first 16 inputs
 };
 
 #if defined(LP_IDOT512)
-IDotX idot_prep(const float* x, int64_t M, int64_t K) {
+// X's width a kind takes (kIdotTop: |X| < 2^(top + 1)): the widest whose block sums t of integer codes times X fit
+// int32 (kinds 20-25, 29, 30: IDot::kInt), so t converts to double in one step; 22 otherwise (three int8 digits)
+template <int CODE, int SCALE>
+struct IDotInt {
+  // int32 t: 4-bit codes (centred where C = -8 D: |u - 8| <= 8) 22 / 23 bits, 5-bit codes 21 / 22, Q6_K 22
+  static constexpr bool kFold = SCALE == 3 || SCALE == 4;  // C = -k D: t = sum (u - k) X, no C term
+  static constexpr bool kOn = CODE <= 2 && SCALE != 1;
+  static constexpr int kCenter = CODE == 0 ? 8 : (CODE == 1 ? 16 : 32);
+  static constexpr int kTop = !kOn ? 22 : (CODE == 0 ? (kFold ? 22 : 21) : (CODE == 1 ? (kFold ? 21 : 20) : 21));
+};
+
+IDotX idot_prep(const float* x, int64_t M, int64_t K, int top = 22) {
   const int64_t B = K / kBlock;
-  IDotX out{std::vector<int8_t>(3 * M * K), std::vector<double>(3 * M * B)};
+  // the largest X: three int8 digits hold 8355711 (top 22); below, 2^(top + 1) - 1
+  const double cap = top == 22 ? 8355711.0 : std::ldexp(1.0, top + 1) - 1.0;
+  IDotX out{std::vector<int8_t>(3 * M * K), std::vector<double>(3 * M * B), {}, std::vector<int32_t>(2 * M * B)};
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
     for (int64_t m = m0; m < m1; ++m) {
@@ -572,8 +588,8 @@ IDotX idot_prep(const float* x, int64_t M, int64_t K) {
         const bool finite = std::isfinite(mx) && !(_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q));
         int e = 0;
         if (mx > 0.f && finite) {
-          e = 22 - std::ilogb(mx);  // mx 2^e in [2^22, 2^23)
-          if (std::ldexp(static_cast<double>(mx), e) > 8355711.0) e -= 1;  // the largest three int8 digits hold
+          e = top - std::ilogb(mx);  // mx 2^e in [2^top, 2^(top + 1))
+          if (std::ldexp(static_cast<double>(mx), e) > cap) e -= 1;  // round(mx 2^e) <= cap
         }
         const __m512 ev = _mm512_set1_ps(static_cast<float>(finite ? e : 0));
         int64_t sum[2];
@@ -593,6 +609,8 @@ IDotX idot_prep(const float* x, int64_t M, int64_t K) {
         s[b] = sc;
         s[B + b] = static_cast<double>(sum[0] + sum[1]) * sc;
         s[2 * B + b] = static_cast<double>(sum[0]) * sc;
+        out.sums[2 * m * B + b] = static_cast<int32_t>(sum[0] + sum[1]);  // |sum| < 2^28
+        out.sums[2 * m * B + B + b] = static_cast<int32_t>(sum[0]);
       }
     }
   });
@@ -602,6 +620,7 @@ IDotX idot_prep(const float* x, int64_t M, int64_t K) {
 template <class F, int CODE, int SCALE>
 void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M, int64_t K, float* y, int64_t N,
                 int64_t n0, bool prefetch) {
+  using I = IDotInt<CODE, SCALE>;
   const int64_t B = K / kBlock;
   alignas(64) double acc[kIdotRows][16];
   const __m512i m4 = _mm512_set1_epi8(0x0f), one4 = _mm512_set1_epi8(16), one5 = _mm512_set1_epi8(32);
@@ -691,6 +710,25 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
               T3 = _mm512_dpbusd_epi32(T3, u[j + 1], _mm512_set1_epi32(w3[j + 1]));
             }
             S1 = _mm512_add_epi32(S1, T1), S2 = _mm512_add_epi32(S2, T2), S3 = _mm512_add_epi32(S3, T3);
+            if constexpr (I::kOn) {
+              // t = 2^16 S1 + 2^8 S2 + S3 (- k sum X) fits int32 (IDotInt): summed modulo 2^32, exact
+              __m512i R = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(S1, 16), _mm512_slli_epi32(S2, 8)), S3);
+              if constexpr (I::kFold) {
+                const int32_t* xs = xd.sums.data() + 2 * (m0 + m) * B;
+                const int32_t sum = F::kHalves == 1 ? xs[b] : (h == 0 ? xs[B + b] : xs[b] - xs[B + b]);
+                R = _mm512_sub_epi32(R, _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(sum) * I::kCenter)));
+              }
+              const __m512d t0 = _mm512_cvtepi32_pd(_mm512_castsi512_si256(R));
+              const __m512d t1 = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(R, 1));
+              a0 = _mm512_fmadd_pd(t0, _mm512_mul_pd(D[h][0], s), a0);
+              a1 = _mm512_fmadd_pd(t1, _mm512_mul_pd(D[h][1], s), a1);
+              if constexpr (!I::kFold) {
+                const __m512d sxv = _mm512_set1_pd(sr[B + b]);
+                a0 = _mm512_fmadd_pd(C[h][0], sxv, a0);
+                a1 = _mm512_fmadd_pd(C[h][1], sxv, a1);
+              }
+              continue;
+            }
             // t = 2^16 S1 + (2^8 S2 + S3): the parenthesis fits int32 (|S2|, |S3| < 2^21), t is exact in double
             const __m512i R = _mm512_add_epi32(_mm512_slli_epi32(S2, 8), S3);
             const __m512d t0 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(S1)), k16,
@@ -1184,7 +1222,7 @@ torch::Tensor idot_run(torch::Tensor x, const torch::Tensor& p, int64_t N) {
       fdot_group<F, CODE, SCALE>(pp + g * group_bytes, p.size(1), xp, M, K, yp, N, g * 16, prefetch);
   });
 #else
-  const IDotX xd = idot_prep(x.data_ptr<float>(), M, K);
+  const IDotX xd = idot_prep(x.data_ptr<float>(), M, K, IDotInt<CODE, SCALE>::kTop);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       idot_group<F, CODE, SCALE>(pp + g * group_bytes, p.size(1), xd, M, K, yp, N, g * 16, prefetch);
