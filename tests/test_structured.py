@@ -286,7 +286,7 @@ def test_server_engine_warms_the_grammar_matcher_at_start(tiny, tok):
     assert gm._TOKENIZERS == built  # the request found the tokenizer built at start-up
 
 
-def test_a_tokenizer_asked_for_during_its_build_is_built_once(tok, monkeypatch):
+def test_a_tokenizer_asked_for_during_its_build_is_built_once(tok, monkeypatch, tmp_path):
     """A grammar request that arrives while lp.serve's start-up thread builds llguidance's
     tokenizer waits for that build (one lock) instead of building a second one."""
     import threading
@@ -302,6 +302,7 @@ def test_a_tokenizer_asked_for_during_its_build_is_built_once(tok, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow)
+    monkeypatch.setenv("LP_CACHE", str(tmp_path))  # no kept tokens: the build reads the tokenizer's JSON
     gm._TOKENIZERS.clear()
     eos = [tok.eos_token_id]
     got = []
@@ -312,4 +313,61 @@ def test_a_tokenizer_asked_for_during_its_build_is_built_once(tok, monkeypatch):
     for t in threads:
         t.join(60)
     assert len(calls) == 1 and len(got) == 3 and all(g is got[0] for g in got)
+    gm._TOKENIZERS.clear()
+
+
+def test_a_restart_builds_the_matcher_from_the_tokens_its_first_build_kept(tok, monkeypatch, tmp_path, caplog):
+    """The first build of llguidance's tokenizer reads the tokenizer's JSON and keeps every token's bytes
+    ($LP_CACHE/grammar); a later one (a restart) builds from those, never from the JSON, and is the same
+    tokenizer: every token's bytes and specialness, and each grammar's masks and forced tokens after
+    several prefixes. A damaged kept file is built again from the JSON, with a warning."""
+    import logging
+
+    import llguidance.hf
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    monkeypatch.setenv("LP_CACHE", str(tmp_path))
+    eos = [tok.eos_token_id]
+    gm._TOKENIZERS.clear()
+    first = gm.ll_tokenizer(tok, VOCAB, eos)
+    (kept,) = (tmp_path / "grammar").iterdir()
+    real = llguidance.hf.from_tokenizer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a restart read the tokenizer's JSON")
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", refuse)
+    gm._TOKENIZERS.clear()
+    again = gm.ll_tokenizer(tok, VOCAB, eos)
+    assert again is not first and again.vocab_size == first.vocab_size == VOCAB
+    assert again.eos_tokens == first.eos_tokens
+    for i in range(VOCAB):
+        assert again.decode_bytes([i]) == first.decode_bytes([i]), i
+        assert again.is_special_token(i) == first.is_special_token(i), i
+    prefixes = ["", '{"', '{"name": "A', "neg", "ok(1", "ab@"]
+    compared = 0
+    for kind, spec in GRAMMARS.values():
+        text = compile_grammar(kind, spec)
+        for prefix in prefixes:
+            a, b = (llguidance.LLMatcher(t, text, log_level=0) for t in (first, again))
+            ids = tok.encode(prefix, add_special_tokens=False)
+            a.consume_tokens(ids)
+            b.consume_tokens(ids)
+            assert a.is_error() == b.is_error(), (kind, prefix)
+            if a.is_error():
+                continue
+            ma, mb = allocate_token_bitmask(1, VOCAB), allocate_token_bitmask(1, VOCAB)
+            fill_next_token_bitmask(a, ma, 0)
+            fill_next_token_bitmask(b, mb, 0)
+            assert (ma == mb).all(), (kind, prefix)
+            assert a.compute_ff_tokens() == b.compute_ff_tokens(), (kind, prefix)
+            compared += 1
+    assert compared >= len(GRAMMARS)
+    kept.write_bytes(b"not an npz file")
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", real)
+    gm._TOKENIZERS.clear()
+    with caplog.at_level(logging.WARNING, logger="lp.grammar.matcher"):
+        rebuilt = gm.ll_tokenizer(tok, VOCAB, eos)
+    assert "do not read" in caplog.text and rebuilt.decode_bytes([100]) == first.decode_bytes([100])
+    assert kept.read_bytes()[:2] == b"PK"  # kept anew
     gm._TOKENIZERS.clear()
