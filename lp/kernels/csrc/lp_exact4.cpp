@@ -560,11 +560,13 @@ struct IDotX {
 };
 
 #if defined(LP_IDOT512)
-// X's width a kind takes (kIdotTop: |X| < 2^(top + 1)): the widest whose block sums t of integer codes times X fit
-// int32 (kinds 20-25, 29, 30: IDot::kInt), so t converts to double in one step; 22 otherwise (three int8 digits)
+// X's width a kind takes (kTop: |X| < 2^(kTop + 1)): the widest whose block sums t of integer codes times X fit
+// int32 (kOn: kinds 20, 21, 23, 24, 25, 29, 30), so t converts to double in one step; top 22 otherwise (the
+// three int8 digits' 8355711, t in two parts)
 template <int CODE, int SCALE>
 struct IDotInt {
-  // int32 t: 4-bit codes (centred where C = -8 D: |u - 8| <= 8) 22 / 23 bits, 5-bit codes 21 / 22, Q6_K 22
+  // |t| < 2^31: 4-bit codes 23 bits centred (C = -8 D: |u - 8| <= 8, 32 inputs), 22 not; 5-bit codes 22 centred,
+  // 21 not; Q6_K 22 (centred, 16 inputs a half)
   static constexpr bool kFold = SCALE == 3 || SCALE == 4;  // C = -k D: t = sum (u - k) X, no C term
   static constexpr bool kOn = CODE <= 2 && SCALE != 1;
   static constexpr int kCenter = CODE == 0 ? 8 : (CODE == 1 ? 16 : 32);
