@@ -165,7 +165,7 @@ def _build(hf_tokenizer, vocab_size: int, eos):
     (~0.5 s for Gemma-3, 0.3 for SmolLM2): the same tokens, so the same masks (tests/test_structured.py)."""
     from llguidance.hf import from_tokenizer
 
-    path = _tokens_file(hf_tokenizer, vocab_size, eos) if hasattr(hf_tokenizer, "encode") else None
+    path = _tokens_file(hf_tokenizer, vocab_size, eos)
     if path is not None and path.is_file():
         try:
             with np.load(path, allow_pickle=False) as kept:

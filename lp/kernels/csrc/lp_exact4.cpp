@@ -550,8 +550,8 @@ struct IDot {
 
 constexpr int kIdotRows = 32;  // rows a pass over a group's blocks holds accumulators for
 
-// x's digits and scales: per row 3 x K int8 (x1, x2, x3), per row and block s = 2^-e, sum(X) s over the
-// block and over its first 16 inputs (double)
+// x's digits and scales: per row 3 x K int8 (x1, x2, x3), per row and block s = 2^-e and sum(X) s (double;
+// the AVX2 build: also over the block's first 16 inputs, and the top digits' sums); sums: see below
 struct IDotX {
   std::vector<int8_t> digits;
   std::vector<double> scales;
@@ -567,8 +567,8 @@ template <int CODE, int SCALE>
 struct IDotInt {
   // |t| < 2^31: 4-bit codes 23 bits centred (C = -8 D: |u - 8| <= 8, 32 inputs), 22 not; 5-bit codes 22 centred,
   // 21 not; Q6_K 22 (centred, 16 inputs a half)
-  static constexpr bool kFold = SCALE == 3 || SCALE == 4;  // C = -k D: t = sum (u - k) X, no C term
   static constexpr bool kOn = CODE <= 2 && SCALE != 1;
+  static constexpr bool kFold = kOn && (SCALE == 3 || SCALE == 4);  // C = -k D: t = sum (u - k) X, no C term
   static constexpr int kCenter = CODE == 0 ? 8 : (CODE == 1 ? 16 : 32);
   static constexpr int kTop = !kOn ? 22 : (CODE == 0 ? (kFold ? 22 : 21) : (CODE == 1 ? (kFold ? 21 : 20) : 21));
 };
@@ -577,12 +577,12 @@ IDotX idot_prep(const float* x, int64_t M, int64_t K, int top = 22) {
   const int64_t B = K / kBlock;
   // the largest X: three int8 digits hold 8355711 (top 22); below, 2^(top + 1) - 1
   const double cap = top == 22 ? 8355711.0 : std::ldexp(1.0, top + 1) - 1.0;
-  IDotX out{std::vector<int8_t>(3 * M * K), std::vector<double>(3 * M * B), {}, std::vector<int32_t>(2 * M * B)};
+  IDotX out{std::vector<int8_t>(3 * M * K), std::vector<double>(2 * M * B), {}, std::vector<int32_t>(2 * M * B)};
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
     for (int64_t m = m0; m < m1; ++m) {
       int8_t* x1 = out.digits.data() + 3 * m * K;
-      double* s = out.scales.data() + 3 * m * B;
+      double* s = out.scales.data() + 2 * m * B;
       for (int64_t b = 0; b < B; ++b) {
         const float* xb = x + m * K + b * kBlock;
         const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
@@ -610,7 +610,6 @@ IDotX idot_prep(const float* x, int64_t M, int64_t K, int top = 22) {
         const double sc = finite ? std::ldexp(1.0, -e) : NAN;  // a non-finite x: the row's outputs NaN
         s[b] = sc;
         s[B + b] = static_cast<double>(sum[0] + sum[1]) * sc;
-        s[2 * B + b] = static_cast<double>(sum[0]) * sc;
         out.sums[2 * m * B + b] = static_cast<int32_t>(sum[0] + sum[1]);  // |sum| < 2^28
         out.sums[2 * m * B + B + b] = static_cast<int32_t>(sum[0]);
       }
@@ -695,7 +694,7 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
           const int32_t* w1 = reinterpret_cast<const int32_t*>(xr);
           const int32_t* w2 = reinterpret_cast<const int32_t*>(xr + K);
           const int32_t* w3 = reinterpret_cast<const int32_t*>(xr + 2 * K);
-          const double* sr = xd.scales.data() + 3 * (m0 + m) * B;
+          const double* sr = xd.scales.data() + 2 * (m0 + m) * B;
           const __m512d s = _mm512_set1_pd(sr[b]);
           __m512d a0 = _mm512_load_pd(acc[m]), a1 = _mm512_load_pd(acc[m] + 8);
           for (int h = 0; h < F::kHalves; ++h) {
@@ -712,6 +711,7 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
               T3 = _mm512_dpbusd_epi32(T3, u[j + 1], _mm512_set1_epi32(w3[j + 1]));
             }
             S1 = _mm512_add_epi32(S1, T1), S2 = _mm512_add_epi32(S2, T2), S3 = _mm512_add_epi32(S3, T3);
+            __m512d t0, t1;  // t of outputs 0-7 and 8-15, exact in double
             if constexpr (I::kOn) {
               // t = 2^16 S1 + 2^8 S2 + S3 (- k sum X) fits int32 (IDotInt): summed modulo 2^32, exact
               __m512i R = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(S1, 16), _mm512_slli_epi32(S2, 8)), S3);
@@ -720,29 +720,24 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
                 const int32_t sum = F::kHalves == 1 ? xs[b] : (h == 0 ? xs[B + b] : xs[b] - xs[B + b]);
                 R = _mm512_sub_epi32(R, _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(sum) * I::kCenter)));
               }
-              const __m512d t0 = _mm512_cvtepi32_pd(_mm512_castsi512_si256(R));
-              const __m512d t1 = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(R, 1));
-              a0 = _mm512_fmadd_pd(t0, _mm512_mul_pd(D[h][0], s), a0);
-              a1 = _mm512_fmadd_pd(t1, _mm512_mul_pd(D[h][1], s), a1);
-              if constexpr (!I::kFold) {
-                const __m512d sxv = _mm512_set1_pd(sr[B + b]);
-                a0 = _mm512_fmadd_pd(C[h][0], sxv, a0);
-                a1 = _mm512_fmadd_pd(C[h][1], sxv, a1);
-              }
-              continue;
+              t0 = _mm512_cvtepi32_pd(_mm512_castsi512_si256(R));
+              t1 = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(R, 1));
+            } else {
+              // t = 2^16 S1 + (2^8 S2 + S3): the parenthesis fits int32 (|S2|, |S3| < 2^21)
+              static_assert(F::kHalves == 1, "Q6_K's halves take IDotInt's path");
+              const __m512i R = _mm512_add_epi32(_mm512_slli_epi32(S2, 8), S3);
+              t0 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(S1)), k16,
+                                   _mm512_cvtepi32_pd(_mm512_castsi512_si256(R)));
+              t1 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(S1, 1)), k16,
+                                   _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(R, 1)));
             }
-            // t = 2^16 S1 + (2^8 S2 + S3): the parenthesis fits int32 (|S2|, |S3| < 2^21), t is exact in double
-            const __m512i R = _mm512_add_epi32(_mm512_slli_epi32(S2, 8), S3);
-            const __m512d t0 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(S1)), k16,
-                                               _mm512_cvtepi32_pd(_mm512_castsi512_si256(R)));
-            const __m512d t1 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(S1, 1)), k16,
-                                               _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(R, 1)));
-            const double sx = F::kHalves == 1 ? sr[B + b] : (h == 0 ? sr[2 * B + b] : sr[B + b] - sr[2 * B + b]);
-            const __m512d sxv = _mm512_set1_pd(sx);
             a0 = _mm512_fmadd_pd(t0, _mm512_mul_pd(D[h][0], s), a0);
             a1 = _mm512_fmadd_pd(t1, _mm512_mul_pd(D[h][1], s), a1);
-            a0 = _mm512_fmadd_pd(C[h][0], sxv, a0);
-            a1 = _mm512_fmadd_pd(C[h][1], sxv, a1);
+            if constexpr (!I::kFold) {  // C (sum X 2^-e)
+              const __m512d sxv = _mm512_set1_pd(sr[B + b]);
+              a0 = _mm512_fmadd_pd(C[h][0], sxv, a0);
+              a1 = _mm512_fmadd_pd(C[h][1], sxv, a1);
+            }
           }
           _mm512_store_pd(acc[m], a0);
           _mm512_store_pd(acc[m] + 8, a1);
