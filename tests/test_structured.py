@@ -265,25 +265,39 @@ def test_grammar_request_hitting_the_prefix_cache(tiny, tok):
     check_valid(kind, spec, tok, second.output_ids, second.finish_reason == "stop", eos)
 
 
-def test_server_engine_warms_the_grammar_matcher_at_start(tiny, tok):
-    """lp.serve's engine builds llguidance's tokenizer when it starts, before it serves (not in the
-    first grammar request, not beside serving where its GIL-holding build stalled the first steps),
-    and a grammar request then uses that one."""
+def test_server_engine_builds_the_grammar_matcher_once_idle(tiny, tok, monkeypatch):
+    """lp.serve's engine builds llguidance's tokenizer in its own loop once it has been idle
+    GRAMMAR_IDLE_S: not at start-up (a restart answers sooner), never beside serving (its
+    GIL-holding build stalled the steps in flight); a grammar request then uses that one."""
+    import threading
+    import time
+
+    from lp.server import batched
     from lp.server.batched import BatchedEngine
 
     _, runner = tiny
     eos = [tok.eos_token_id]
-    gm._TOKENIZERS.clear()
-    assert not gm.is_warm(tok, VOCAB, eos)
-    engine = BatchedEngine(runner, tok, eos, max_queue=2, max_batch=2, kv_tokens=1024, max_prefill_tokens=None)
-    assert gm.is_warm(tok, VOCAB, eos)
+    for idle, expect in ((30.0, False), (0.2, True)):
+        gm._TOKENIZERS.clear()
+        monkeypatch.setattr(batched, "GRAMMAR_IDLE_S", idle)
+        engine = BatchedEngine(runner, tok, eos, max_queue=2, max_batch=2, kv_tokens=1024, max_prefill_tokens=None)
+        assert not gm.is_warm(tok, VOCAB, eos)  # not at start-up
+        loop = threading.Thread(target=engine.run, daemon=True)
+        loop.start()
+        deadline = time.monotonic() + (20.0 if expect else 1.5)  # idle 1.5 s of a 30 s bound: nothing built
+        while not gm.is_warm(tok, VOCAB, eos) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gm.is_warm(tok, VOCAB, eos) == expect, idle
+        engine.request_stop()
+        loop.join(10)
+        assert not loop.is_alive()
     built = dict(gm._TOKENIZERS)
     rid = engine.batch.add(tok.encode("x"), DecodingConfig(max_new_tokens=4, grammar=compile_grammar(*GRAMMARS[
         "choice"])), eos, tok)
     while engine.batch.has_work:
         engine.batch.step()
     assert engine.batch.result(rid).output_ids
-    assert gm._TOKENIZERS == built  # the request found the tokenizer built at start-up
+    assert gm._TOKENIZERS == built  # the request found the tokenizer the idle loop built
 
 
 def test_a_tokenizer_asked_for_during_its_build_is_built_once(tok, monkeypatch, tmp_path):

@@ -130,12 +130,14 @@ def ll_tokenizer(hf_tokenizer, vocab_size: int, eos: Sequence[int] = ()):
 
 
 def _tokens_file(hf_tokenizer, vocab_size: int, eos) -> Path | None:
-    """Where the token bytes of this tokenizer are kept: ``$LP_CACHE/grammar/<sha256 of its JSON, the vocabulary
-    size and eos>.npz`` (None for a tokenizer without a Rust backend)."""
+    """Where the token bytes of this tokenizer are kept: ``$LP_CACHE/grammar/<sha256 of its JSON (or of the
+    file lp.model.tokenizer built it from, as it is), the vocabulary size and eos>.npz`` (None for a tokenizer
+    without a Rust backend)."""
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    h = hashlib.sha256(backend.to_str().encode())
+    fingerprint = getattr(hf_tokenizer, "_lp_fingerprint", None)  # lp.model.tokenizer: the file it was built from
+    h = hashlib.sha256(fingerprint.encode() if fingerprint else backend.to_str().encode())
     h.update(f"|{vocab_size}|{eos}|llguidance {getattr(llguidance, '__version__', '')}".encode())
     root = Path(os.environ.get("LP_CACHE", Path.home() / ".cache" / "lp"))
     return root / "grammar" / f"{h.hexdigest()[:32]}.npz"

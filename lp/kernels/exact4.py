@@ -723,16 +723,19 @@ class BlockHead(nn.Module):
         self.offsets = len(parts) == 3
         self.bits = 16 if len(parts) == 1 else 8  # (w16,): a file's F16 / BF16 tensor, 2 bytes a weight
         if self.bits == 16:
-            bf16 = q.dtype == torch.bfloat16
             self.register_buffer("p", pack16(q))
-            self.kernel = lambda x_MK, p, n: mm16(x_MK, p, n, bf16)
             self.dtype16 = q.dtype
             self.h8 = None
             return
         kind = Exact8xLinear if self.offsets else Exact8Linear
         self.register_buffer("p", kind.pack(*parts))
-        self.kernel = kind.kernel
         self.h8 = Head8(self.p, self.out_features, *parts) if screen and not self.offsets else None
+
+    def kernel(self, x_MK: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:
+        """The head's product (a method, not a stored lambda: a cached load pickles the module)."""
+        if self.bits == 16:
+            return mm16(x_MK, p, n, self.dtype16 == torch.bfloat16)
+        return (Exact8xLinear if self.offsets else Exact8Linear).kernel(x_MK, p, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from lp.kernels import linears

@@ -128,7 +128,9 @@ class ExactQLinear(Exact4Linear):
     def __init__(self, linears: list[nn.Linear], p: torch.Tensor, kind: int):
         super().__init__(linears, p)
         self.qkind = kind
-        self.kernel = lambda x_MK, p, n: mmq(x_MK, p, n, kind)  # Exact4Linear.forward calls it
+
+    def kernel(self, x_MK: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:  # Exact4Linear.forward calls it
+        return mmq(x_MK, p, n, self.qkind)
 
     @classmethod
     def of(cls, linears: list[nn.Linear]) -> ExactQLinear | None:
@@ -185,11 +187,13 @@ class QBlockHead(BlockHead):
         self.out_features, self.in_features = qparts[0].shape
         self.offsets, self.bits = True, 8
         self.register_buffer("p", packq(self.qkind, qparts))
-        self.kernel = lambda x_MK, p, n: mmq(x_MK, p, n, 8)
         self.h8 = None
         if screen:
             q, sc, d = qparts
             self.h8 = Head8(self.p, self.out_features, (q.to(torch.int16) - 32).to(torch.int8), scales16(sc, d), kind=8)
+
+    def kernel(self, x_MK: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:  # BlockHead.forward calls it
+        return mmq(x_MK, p, n, 8)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return rows8(self.p, ids, self.in_features)

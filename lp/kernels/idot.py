@@ -316,7 +316,9 @@ class IDotLinear(Exact4Linear):
         super().__init__(linears, p)
         self.ikind = kind
         self.bits = BITS[kind]
-        self.kernel = lambda x_MK, p, n: mmi(x_MK, p, n, kind)  # Exact4Linear.forward calls it
+
+    def kernel(self, x_MK: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:  # Exact4Linear.forward calls it
+        return mmi(x_MK, p, n, self.ikind)
 
     @classmethod
     def of(cls, linears: list[nn.Linear]) -> IDotLinear | None:
@@ -413,10 +415,12 @@ class IBlockHead(BlockHead):
         self.out_features, self.in_features = n, k
         self.offsets, self.bits = True, (16 if kind in HALF else 8)
         self.register_buffer("p", p)
-        self.kernel = lambda x_MK, p, n: mmi(x_MK, p, n, kind)
         # BlockHead.forward (and the runner, through exact4.head8) route greedy-only rows to h8.argmax_logits
         self.h8 = (IScreen(self, wnorm) if wnorm is not None and kind not in HALF and extension().screeni_available()
                    else None)
+
+    def kernel(self, x_MK: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:  # BlockHead.forward calls it
+        return mmi(x_MK, p, n, self.qkind)
 
     @classmethod
     def of(cls, parts) -> IBlockHead | None:

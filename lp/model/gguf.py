@@ -34,6 +34,11 @@ kept format stay blocks as well (``_ends_from_blocks``: lp.kernels.exact4's ``Bl
 computes what ``from_pretrained(gguf_file=...)`` on the same file computes in float32, up to the
 kernels' summation order.
 
+Under exact4 with a ``cache_dir`` the loaded model is kept beside the file's metadata
+(lp.model.packed: its packed tensors, fingerprinted by lp's kernel and loader sources, torch,
+transformers and the CPU's kernel paths) and served from that file by memory map, the first start
+included; a restart reads it in ~0.3 s instead of parsing, unpacking and packing the file again.
+
 Why: llama.cpp and Ollama users hold GGUF files; before this lp converted its default model once to
 a float32 folder and could not open any other GGUF. Legend: N output rows, K inputs, B blocks of
 32 along K.
@@ -51,6 +56,9 @@ import torch
 
 from lp.kernels.exact4 import trim_heap  # noqa: F401  (lp.serve, lp.server.batched: after a phase, a burst)
 from lp.kernels.exactq import KINDS, QParts
+from lp.model import packed
+from lp.model.tokenizer import keep as keep_tokenizer
+from lp.model.tokenizer import load_kept
 
 log = logging.getLogger(__name__)
 
@@ -438,19 +446,31 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
     dev = torch.device(device)
     torch_dtype = torch.float32 if dtype is None else dtype
     keep = dev.type == "cpu" and quant in ("auto", "exact4") and torch_dtype == torch.float32
-    model, info = _empty_model(file, cache_dir, tokenizer)
-    ends = _ends(model) if keep else {}  # the embedding's and head's weight names -> their module
-    file_blocks = _read_tensors(file, model, info, keep, ends)
-    _finish(file, model, quant, dev, file_blocks, ends)
+    kept_at = packed.path_for(metadata_dir(file, cache_dir), quant) if keep and cache_dir is not None else None
+    model = packed.read(kept_at) if kept_at is not None else None
+    built = model is None
+    if model is not None:  # a restart: the model as the first load packed it (lp.model.packed)
+        log.info("model.path=%s: the packed model kept by its first load (%s, %.0f MiB, mapped)", file, kept_at.name,
+                 kept_at.stat().st_size / 2**20)
+    else:
+        model, info = _empty_model(file, cache_dir, tokenizer)
+        ends = _ends(model) if keep else {}  # the embedding's and head's weight names -> their module
+        file_blocks = _read_tensors(file, model, info, keep, ends)
+        _finish(file, model, quant, dev, file_blocks, ends)
+        if kept_at is not None and packed.write(model, kept_at):
+            # served from the kept file from the first start on, as a restart is: its pages mapped, the
+            # build's heap (its unpacked copies among it) freed below rather than left to fragment
+            model = packed.read(kept_at) or model
     if torch_dtype != torch.float32:
         model.to(torch_dtype)
     model.to(dev).eval()
     model._lp_gguf = str(file)
     model._lp_gguf_id = f"{file.name}:{file.stat().st_size}"  # lp.model.calibrate keys its t(Q) cache by it
     tok = gguf_tokenizer(file, cache_dir) if tokenizer else None
-    import gc
+    if built:
+        import gc
 
-    gc.collect()  # the replaced linears and their unpacked codes sit in reference cycles (1B shape: ~650 MB)
+        gc.collect()  # the replaced linears and their unpacked codes sit in reference cycles (1B shape: ~650 MB)
     trim_heap()
     return model, tok
 
@@ -497,7 +517,9 @@ def _first_read(file: Path, meta: Path | None, tokenizer: bool):
             config.save_pretrained(tmp)
             (tmp / "gguf.json").write_text(json.dumps(info, default=str))
             if tokenizer:
-                _file_tokenizer(file).save_pretrained(tmp)
+                tok = _file_tokenizer(file)
+                tok.save_pretrained(tmp)
+                keep_tokenizer(tok, tmp)  # a restart loads its tokenizer.json as it is (lp.model.tokenizer)
 
         _save_dir(meta, write)
     return model, info
@@ -665,7 +687,7 @@ def _file_tokenizer(file: Path, cache_dir: Path | None = None):
 
     meta = metadata_dir(file, cache_dir) if cache_dir is not None else None
     if meta is not None and (meta / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(meta)
+        return load_kept(meta)
     tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     if not getattr(tok, "chat_template", None):
         template = file_fields(file, ("tokenizer.chat_template",)).get("tokenizer.chat_template")
@@ -681,6 +703,7 @@ def _file_tokenizer(file: Path, cache_dir: Path | None = None):
         for f in sorted(tmp.iterdir(), key=lambda f: f.name == "tokenizer_config.json"):  # the marker last
             os.replace(f, meta / f.name)
         shutil.rmtree(tmp, ignore_errors=True)
+        keep_tokenizer(tok, meta)
     return tok
 
 

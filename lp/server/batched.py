@@ -45,6 +45,8 @@ from lp.server.protocol import ApiError
 
 log = logging.getLogger("lp.serve")
 
+GRAMMAR_IDLE_S = 2.0  # seconds without requests after which rank 0 builds the grammar matcher (BatchedEngine)
+
 
 class BatchedEngine:
     def __init__(self, runner, tokenizer, eos: list[int], max_queue: int, max_batch: int, kv_tokens: int,
@@ -73,11 +75,17 @@ class BatchedEngine:
         self.stopping = False
         self.failed: str | None = None
         self._thread: threading.Thread | None = None  # the thread in run()
-        if tokenizer is not None:  # every LP rank warms its own (worker_loop): each holds the request's matcher
-            # the grammar matcher's one-time set-up (~0.6 s), at start-up rather than in the first
-            # structured request; before serving, not beside it: llguidance's tokenizer build holds the
-            # GIL, and beside serving it stalled the first requests' steps
-            _warm_grammar(tokenizer, runner.vocab_size, eos)
+        # the grammar matcher's one-time set-up (llguidance's tokenizer: 0.3 s for SmolLM2's 49,152 tokens,
+        # 1.2 s for Gemma-3's 262,144), paid before the first structured request but never beside serving
+        # (the build holds the GIL: beside the first requests it stalled their steps). Under LP every rank
+        # builds its own before serving (worker_loop); alone, the loop builds it once the server has been
+        # idle GRAMMAR_IDLE_S (a restart answers sooner; a grammar request arriving first builds it itself)
+        self._warm_later = None
+        if tokenizer is not None:
+            if group is not None:
+                _warm_grammar(tokenizer, runner.vocab_size, eos)
+            else:
+                self._warm_later = lambda: _warm_grammar(tokenizer, runner.vocab_size, eos)
 
     # -- API for the HTTP side ---------------------------------------------
 
@@ -126,10 +134,15 @@ class BatchedEngine:
         last = time.monotonic()  # the last message to the workers (LP)
         try:
             while True:
+                warm = False
                 with self._cond:
                     while not self._new and not self.batch.has_work and not self.stopping:
                         if self.channel is None:
-                            self._cond.wait()
+                            if self._warm_later is None:
+                                self._cond.wait()
+                            elif not self._cond.wait(timeout=GRAMMAR_IDLE_S) and not self._new:
+                                warm = True  # idle that long: the grammar matcher's set-up now
+                                break
                             continue
                         left = self.heartbeat_s - (time.monotonic() - last)
                         if left <= 0:
@@ -138,6 +151,10 @@ class BatchedEngine:
                     if self.stopping:
                         break
                     new, self._new = list(self._new), collections.deque()
+                if warm:
+                    self._warm_later, build = None, self._warm_later
+                    build()
+                    continue
                 for job in new:
                     self._join(job)
                 self._reap_cancelled()
@@ -286,7 +303,7 @@ def _warm_grammar(tokenizer, vocab_size: int, eos) -> None:
     from lp.grammar.matcher import warm
 
     try:
-        log.info("[lp.serve] start-up: the grammar matcher (llguidance's tokenizer) ready in %.1f s",
+        log.info("[lp.serve] the grammar matcher (llguidance's tokenizer) ready in %.1f s",
                  warm(tokenizer, vocab_size, eos))
         trim_heap()  # the build's copies of the vocabulary (Gemma-3's 262,144 tokens: ~180 MB) back to the OS
     except Exception:  # noqa: BLE001 - the first grammar request builds it again and reports its error
