@@ -66,6 +66,30 @@ def test_a_restart_loads_the_kept_tokenizer_json_as_it_is(tokenizer, tmp_path, m
     assert again.chat_template == ref.chat_template and again.eos_token_id == ref.eos_token_id
 
 
+def test_the_first_read_checks_against_what_a_restart_would_load(tokenizer, tmp_path, monkeypatch):
+    """The first read holds the direct load against the class's reload of the kept folder (what a
+    restart would otherwise load), not against the tokenizer transformers' GGUF reader built: those
+    differ (Gemma-3's file: ``add_bos_token`` True from the reader, False reloaded, the same
+    encodings), and the marker then said no for a tokenizer the restart loads the same."""
+    from lp.model import tokenizer as kept
+    from lp.model.gguf import metadata_dir
+    from lp.model.loader import default_cache_dir, load_model
+
+    monkeypatch.setenv("LP_CACHE", str(tmp_path / "cache"))
+    file = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", Q4_K_M, tokenizer, seed=3, tie=False)
+    refs, real = [], kept.difference
+
+    def spy(ref, tok):
+        refs.append(ref.name_or_path)
+        return real(ref, tok)
+
+    monkeypatch.setattr(kept, "difference", spy)
+    load_model(file, "auto", quant="none")
+    meta = metadata_dir(file, default_cache_dir())
+    assert len(refs) == 1 and Path(refs[0]).parent == meta.parent, refs  # the kept folder's reload (a temporary name)
+    assert json.loads((meta / kept.MARKER).read_text())["why"] is None
+
+
 def test_a_tokenizer_that_differs_keeps_its_class(tokenizer, tmp_path, monkeypatch):
     """Attributes the class set (a left padding side here) travel in the marker; a class that
     overrides a method, or a changed tokenizer.json, is loaded through the class (checked again)."""

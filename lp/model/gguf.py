@@ -517,9 +517,8 @@ def _first_read(file: Path, meta: Path | None, tokenizer: bool):
             config.save_pretrained(tmp)
             (tmp / "gguf.json").write_text(json.dumps(info, default=str))
             if tokenizer:
-                tok = _file_tokenizer(file)
-                tok.save_pretrained(tmp)
-                keep_tokenizer(tok, tmp)  # a restart loads its tokenizer.json as it is (lp.model.tokenizer)
+                _file_tokenizer(file).save_pretrained(tmp)
+                keep_tokenizer(None, tmp)  # a restart loads its tokenizer.json as it is (lp.model.tokenizer)
 
         _save_dir(meta, write)
     return model, info
@@ -703,7 +702,7 @@ def _file_tokenizer(file: Path, cache_dir: Path | None = None):
         for f in sorted(tmp.iterdir(), key=lambda f: f.name == "tokenizer_config.json"):  # the marker last
             os.replace(f, meta / f.name)
         shutil.rmtree(tmp, ignore_errors=True)
-        keep_tokenizer(tok, meta)
+        keep_tokenizer(None, meta)
     return tok
 
 

@@ -60,8 +60,14 @@ def load_kept(folder: Path):
 
 def keep(tok, folder: Path) -> str | None:
     """Check that ``folder``'s ``tokenizer.json`` loaded as it is (with ``tok``'s attributes) is ``tok``,
-    and write the marker saying so (or why not, returned)."""
+    and write the marker saying so (or why not, returned). ``tok`` None: the class's load of ``folder``,
+    what a restart would otherwise load (a tokenizer just saved there may differ from its reload: a GGUF
+    file's, read by transformers, says ``add_bos_token`` True and its reload False, the same encodings)."""
     folder = Path(folder)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(folder)
     why = _ineligible(tok)
     kwargs = None
     if why is None:
