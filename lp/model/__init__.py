@@ -1,6 +1,7 @@
 """The one folder that adapts transformers models: loading, the packed forward, its caches.
 
-Knows: loading a checkpoint (``loader``), running a packed step through the model's public
+Knows: loading a checkpoint (``loader``; a GGUF file as stored, ``gguf``; the loaded model kept and mapped
+on a restart, ``packed``; a kept tokenizer loaded as its JSON, ``tokenizer``), running a packed step through the model's public
 forward with explicit positions and a 4-D mask (``runner``), int8/int4 weights and the choice of
 ``model.quant`` (``quant``), the static packed K/V cache (``kv``) and the paged pool (``paged``),
 CUDA-graph stepping (``graphs``), the measured t(Q) curve (``calibrate``), and transformers
