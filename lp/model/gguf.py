@@ -460,7 +460,8 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None, device: str = "cpu",
         if kept_at is not None and packed.write(model, kept_at):
             # served from the kept file from the first start on, as a restart is: its pages mapped, the
             # build's heap (its unpacked copies among it) freed below rather than left to fragment
-            model = packed.read(kept_at) or model
+            mapped = packed.read(kept_at)
+            model = model if mapped is None else mapped
     if torch_dtype != torch.float32:
         model.to(torch_dtype)
     model.to(dev).eval()
