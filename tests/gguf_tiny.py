@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+# llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for v and down and the head, Q8_0 for the embedding
+Q4_K_M = {"attn": "Q4_K", "ffn": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "embd": "Q8_0", "output": "Q6_K"}
 TINY = {"hidden": 256, "ffn": 512, "heads": 4, "kv_heads": 2, "head_dim": 64, "layers": 2}
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 OTHERS = ("starcoder2", "stablelm")  # families lp runs on transformers' modules (LayerNorm, partial rotary, ...)

