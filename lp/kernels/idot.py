@@ -16,8 +16,14 @@ On AVX2 (no VNNI: an int8 digit's product takes vpmaddubsw + vpmaddwd, three dig
 widens the same packed codes to the file's float32 weights ``fma(D, u, C)`` in the kernel and sums
 ``w x`` in float32 multiply-adds, four partial sums per output (``reference_float``): at one row
 0.6-1.0x the digits' time, at 8-16 rows 0.5-0.9x (a Q5_0 / Q8_0 / Q4_K / Q6_K product, AMD EPYC
-Zen 3). The greedy head's screen (``IScreen``) stays on x's top int8 digit; its bound covers the
-float32 sums.
+Zen 3). The greedy head's screen (``IScreen``) stays on x's top int8 digit there; its bound covers
+the float32 sums. The AVX-512 build's screen takes X's top digit too (``SCREEN_DIGITS``: 2 takes
+X less its last digit, a bound ~2^7 tighter for twice the dots, measured 1.4x slower at 16 rows on
+Gemma-3's head), on the file's codes themselves: a head's greedy rows need no second copy of its
+weights. lp.model.gguf puts Q5_x / Q6_K heads here on AVX-512 too (exactq held a Q6_K head as bytes
+with an int8 screen beside them, two bytes a weight: a 128,256 x 2048 head 822 -> 484 MiB resident,
+one greedy row 8.2-9.5 ms against 9.4-10.8, 16 rows 36 against 24-28); Q8_0 / Q4_x heads stay on
+exact4's int8 screen there (one row faster on SmolLM2's and Gemma-3's heads, at a second copy).
 
 Why: the float kernels (exact4, exactq) widen each weight to float32 before the multiply-add: at one
 row that decode is the cost (bench/results/gguf_formats/exactq_kernels.md: bound by instructions,
@@ -404,10 +410,10 @@ def _staged(parts) -> nn.Linear | None:
 
 class IBlockHead(BlockHead):
     """An LM head (and the tied embedding's source) held as a GGUF file's codes on ``mmi``: its
-    products for any number of float32 rows (no greedy screen: every row's logits are the exact
-    product), its rows (``rows``) decoded from the same packed codes. Built by ``of`` from the
-    file's parts as lp.model.gguf reads them (4-bit, 8-bit or exactq ``QParts``; on AVX2 also a
-    F16 / BF16 tensor's 2-byte floats, kinds 32 / 33, without the screen)."""
+    products for any number of float32 rows, greedy-only rows through ``IScreen`` (kinds 20-31), its
+    rows (``rows``) decoded from the same packed codes. Built by ``of`` from the file's parts as
+    lp.model.gguf reads them (4-bit, 8-bit or exactq ``QParts``; on AVX2 also a F16 / BF16 tensor's
+    2-byte floats, kinds 32 / 33, without the screen)."""
 
     def __init__(self, p: torch.Tensor, kind: int, n: int, k: int, wnorm: torch.Tensor | None = None):
         nn.Module.__init__(self)
@@ -476,15 +482,18 @@ class IBlockHead(BlockHead):
                 f"GGUF codes on int8 dots (kind {self.qkind})")
 
 
-SCREEN_MAX_ROWS = 64  # more rows: the whole product (the screen's pass costs about a third of it a row)
+SCREEN_MAX_ROWS = 64  # more rows: the whole product (a row of the screen costs 1/3 of it on AVX2, 2/3 on AVX-512)
+SCREEN_DIGITS = 1  # x's top digits the AVX-512 screen takes (1 or 2; the AVX2 one: 1)
 SCREEN_MAX_GROUPS = 256  # groups of 16 tokens the exact pass may take (4096 tokens); more: the whole product
 
 
 class IScreen:
-    """``IBlockHead``'s greedy screen (``screeni``, idot's AVX2 build). The screen's product y1_v
-    uses x's top int8 digit per element (x' = 2^16 x1 2^-e per block, |x - x'| <= 2^-7 of the block's
-    largest |x|) on the exact codes; Cauchy-Schwarz bounds |y1_v - y_v| by ||w_v|| ||x - x'|| (with
-    slack for the double sums' roundings) plus the float32 roundings of y1 and of the exact logit
+    """``IBlockHead``'s greedy screen (``screeni``). The screen's product y1_v uses x's top int8
+    digit per element (x' = 2^16 x1 2^-e per block, |x - x'| <= 2^-7 of the block's largest |x|; in
+    the AVX-512 build mmi's own X, and with ``SCREEN_DIGITS`` 2 its top two, x' = (2^16 x1 + 2^8 x2)
+    2^-e, within 2^-14 of the block's largest), on the exact codes; Cauchy-Schwarz bounds
+    |y1_v - y_v| by ||w_v|| ||x - x'|| (with slack for the sums' roundings: float32 in the AVX2
+    product, double in the AVX-512 one) plus the float32 roundings of y1 and of the exact logit
     y_v (2^-20 |y1_v|). A token whose y1_v + E_v is below max_u (y1_u - E_u) is proved below the
     row's maximum. The kept tokens' groups of 16 then run ``mmi`` itself (each output's bits
     depend only on its own group's codes), so every value returned is the exact logit the whole
@@ -502,7 +511,8 @@ class IScreen:
         self.calls += 1
         if x_MK.dtype != torch.float32 or not 1 <= x_MK.shape[0] <= SCREEN_MAX_ROWS:
             return head.logits(x)
-        ok, groups = extension().screeni(x_MK, head.p, head.out_features, head.qkind, self.wnorm, SCREEN_MAX_GROUPS)
+        ok, groups = extension().screeni(x_MK, head.p, head.out_features, head.qkind, self.wnorm, SCREEN_MAX_GROUPS,
+                                         SCREEN_DIGITS)
         if not ok:
             return head.logits(x)
         self.screened += 1

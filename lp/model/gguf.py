@@ -771,16 +771,18 @@ def _ends_from_blocks(model, file_blocks: dict, ends: dict, exact: bool) -> None
 
 
 def _block_head(parts, screen: bool = True):
-    """The head (or embedding source) over a file tensor's blocks: exactq's ``QBlockHead`` for
-    ``QParts``, else lp.kernels.exact4's ``BlockHead`` over its 8-bit (or 16-bit) form; on a CPU
-    without AVX-512 (where those kernels run a scalar loop) lp.kernels.idot's ``IBlockHead``."""
+    """The head (or embedding source) over a file tensor's blocks: lp.kernels.idot's ``IBlockHead``
+    (the file's codes as stored, its greedy screen on them) for ``QParts`` (Q5_x, Q6_K: exactq's
+    ``QBlockHead`` held them as bytes, Q6_K with an int8 screen beside them: two bytes a weight) and,
+    on a CPU without AVX-512 (where exact4's kernels run a scalar loop), for every format idot takes;
+    else lp.kernels.exact4's ``BlockHead`` over its 8-bit (or 16-bit) form (Q8_0 / Q4_x: with AVX-512
+    VNNI its int8 screen, measured faster at one row than idot's on SmolLM2's and Gemma-3's heads)."""
     from lp.kernels.exact4 import BlockHead, eight_bit, extension
     from lp.kernels.exactq import QBlockHead
+    from lp.kernels.idot import IBlockHead
 
-    if not extension().avx512():  # the float kernels run a scalar loop here: idot's head where it takes the blocks
-        from lp.kernels.idot import IBlockHead
-
-        head = IBlockHead.of(parts)
+    if isinstance(parts, QParts) or not extension().avx512():
+        head = IBlockHead.of(parts)  # None where idot does not run (LP_IDOT=0, no VNNI / AVX2) or takes other blocks
         if head is not None:
             return head
     return QBlockHead(parts, screen) if isinstance(parts, QParts) else BlockHead(eight_bit(parts), screen)

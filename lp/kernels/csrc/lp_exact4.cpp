@@ -618,18 +618,70 @@ IDotX idot_prep(const float* x, int64_t M, int64_t K, int top = 22) {
   return out;
 }
 
+// One block of an idot group (the layout above): its 16 outputs' codes u (vector c: lanes 4 i + t hold output i's
+// u[4c + t]) and their D and C in double (outputs 0-7 and 8-15; Q6_K: of inputs 0-15, then 16-31); mmi's product
+// and the greedy screen's both decode a block here
+template <class F, int CODE, int SCALE>
+__attribute__((always_inline)) inline void idot_block(const uint8_t* e, const uint8_t* blk, __m512i (&u)[8],
+                                                      __m512d (&D)[2][2], __m512d (&C)[2][2]) {
+  const __m512i m4 = _mm512_set1_epi8(0x0f), one4 = _mm512_set1_epi8(16), one5 = _mm512_set1_epi8(32);
+  auto lo_pd = [](const __m512 v) { return _mm512_cvtps_pd(_mm512_castps512_ps256(v)); };
+  auto hi_pd = [](const __m512 v) {
+    return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  if constexpr (CODE == 3) {
+    for (int c = 0; c < 8; ++c) u[c] = _mm512_loadu_si512(blk + 64 * c);
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+      u[2 * c] = _mm512_and_si512(v, m4);
+      u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    for (int p = 0; p < CODE; ++p) {
+      const uint64_t* plane = reinterpret_cast<const uint64_t*>(blk + 256 + 64 * p);
+      const __m512i bit = p == 0 ? one4 : one5;
+      // the bit is 0 in the nibble code: a masked byte add sets it, one op (a masked move and an or: two)
+      for (int j = 0; j < 8; ++j) u[j] = _mm512_mask_add_epi8(u[j], plane[j], u[j], bit);
+    }
+  }
+  // the 16 outputs' D and C (double, outputs 0-7 and 8-15; Q6_K: of inputs 0-15, then 16-31)
+  const uint8_t* sc = blk + F::kCodes;
+  if constexpr (SCALE == 0 || SCALE == 1 || SCALE == 4) {
+    __m512 d, c;
+    if constexpr (SCALE == 4) {  // Q4_0 / Q5_0 / Q8_0: C = -8 / -16 / -128 D, exact
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+      c = _mm512_mul_ps(d, _mm512_set1_ps(CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f)));
+    } else if constexpr (SCALE == 0) {
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+      c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+    } else {
+      d = _mm512_loadu_ps(sc);
+      c = _mm512_loadu_ps(sc + 64);
+    }
+    D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);
+  } else if constexpr (SCALE == 2) {
+    const float* hd = reinterpret_cast<const float*>(e);
+    const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(hd), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+    const __m512 c = _mm512_mul_ps(_mm512_loadu_ps(hd + 16), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
+    D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);  // d sc, nm mn: exact
+  } else {
+    const __m512 hd = _mm512_loadu_ps(reinterpret_cast<const float*>(e));
+    const __m512 m32 = _mm512_set1_ps(-32.0f);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 d = _mm512_mul_ps(hd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * h)))));
+      const __m512 c = _mm512_mul_ps(d, m32);
+      D[h][0] = lo_pd(d), D[h][1] = hi_pd(d), C[h][0] = lo_pd(c), C[h][1] = hi_pd(c);
+    }
+  }
+}
+
 template <class F, int CODE, int SCALE>
 void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M, int64_t K, float* y, int64_t N,
                 int64_t n0, bool prefetch) {
   using I = IDotInt<CODE, SCALE>;
   const int64_t B = K / kBlock;
   alignas(64) double acc[kIdotRows][16];
-  const __m512i m4 = _mm512_set1_epi8(0x0f), one4 = _mm512_set1_epi8(16), one5 = _mm512_set1_epi8(32);
   const __m512d k16 = _mm512_set1_pd(65536.0);
-  auto lo_pd = [](const __m512 v) { return _mm512_cvtps_pd(_mm512_castps512_ps256(v)); };
-  auto hi_pd = [](const __m512 v) {
-    return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  };
   for (int64_t m0 = 0; m0 < M; m0 += kIdotRows) {
     const int64_t mt = std::min<int64_t>(kIdotRows, M - m0);
     for (int64_t m = 0; m < mt; ++m) {
@@ -644,51 +696,8 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
         if (prefetch && m0 == 0)
           for (int64_t l = 0; l < F::kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + l, _MM_HINT_T0);
         __m512i u[8];
-        if constexpr (CODE == 3) {
-          for (int c = 0; c < 8; ++c) u[c] = _mm512_loadu_si512(blk + 64 * c);
-        } else {
-          for (int c = 0; c < 4; ++c) {
-            const __m512i v = _mm512_loadu_si512(blk + 64 * c);
-            u[2 * c] = _mm512_and_si512(v, m4);
-            u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-          }
-          for (int p = 0; p < CODE; ++p) {
-            const uint64_t* plane = reinterpret_cast<const uint64_t*>(blk + 256 + 64 * p);
-            const __m512i bit = p == 0 ? one4 : one5;
-            // the bit is 0 in the nibble code: a masked byte add sets it, one op (a masked move and an or: two)
-            for (int j = 0; j < 8; ++j) u[j] = _mm512_mask_add_epi8(u[j], plane[j], u[j], bit);
-          }
-        }
-        // the 16 outputs' D and C (double, outputs 0-7 and 8-15; Q6_K: of inputs 0-15, then 16-31)
         __m512d D[2][2], C[2][2];
-        const uint8_t* sc = blk + F::kCodes;
-        if constexpr (SCALE == 0 || SCALE == 1 || SCALE == 4) {
-          __m512 d, c;
-          if constexpr (SCALE == 4) {  // Q4_0 / Q5_0 / Q8_0: C = -8 / -16 / -128 D, exact
-            d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-            c = _mm512_mul_ps(d, _mm512_set1_ps(CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f)));
-          } else if constexpr (SCALE == 0) {
-            d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-            c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
-          } else {
-            d = _mm512_loadu_ps(sc);
-            c = _mm512_loadu_ps(sc + 64);
-          }
-          D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);
-        } else if constexpr (SCALE == 2) {
-          const float* hd = reinterpret_cast<const float*>(e);
-          const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(hd), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
-          const __m512 c = _mm512_mul_ps(_mm512_loadu_ps(hd + 16), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
-          D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);  // d sc, nm mn: exact
-        } else {
-          const __m512 hd = _mm512_loadu_ps(reinterpret_cast<const float*>(e));
-          const __m512 m32 = _mm512_set1_ps(-32.0f);
-          for (int h = 0; h < 2; ++h) {
-            const __m512 d = _mm512_mul_ps(hd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * h)))));
-            const __m512 c = _mm512_mul_ps(d, m32);
-            D[h][0] = lo_pd(d), D[h][1] = hi_pd(d), C[h][0] = lo_pd(c), C[h][1] = hi_pd(c);
-          }
-        }
+        idot_block<F, CODE, SCALE>(e, blk, u, D, C);
         for (int64_t m = 0; m < mt; ++m) {
           const int8_t* xr = xd.digits.data() + 3 * (m0 + m) * K + b * kBlock;
           const int32_t* w1 = reinterpret_cast<const int32_t*>(xr);
@@ -750,6 +759,134 @@ void idot_group(const uint8_t* grp, int64_t entries, const IDotX& xd, int64_t M,
       _mm256_store_ps(out + 8, _mm512_cvtpd_ps(_mm512_load_pd(acc[m] + 8)));
       for (int i = 0; i < 16 && n0 + i < N; ++i) y[(m0 + m) * N + n0 + i] = out[i];
     }
+  }
+}
+
+// The greedy head's screen product (lp.kernels.idot.IScreen) in the AVX-512 build: x's top two digits alone,
+// X'' = 2^16 x1 + 2^8 x2 per block (mmi's X less its last digit x3), on the int8 dots: per block t = 2^16 S1 +
+// 2^8 S2, exact in double, and acc += t (D 2^-e) + C (sum X'' 2^-e) in double, rounded to float32 once.
+// sx: per row, sum X'' 2^-e over each block, then over each block's first 16 inputs (screen_prep)
+// The group's outputs y_v are not kept: per row, lo = max_v (y_v - E_v) and hi = max_v (y_v + E_v) over its 16
+// tokens go to gl / gu [M, groups] (E_v = 1.001 ||w_v|| R + 9.6e-7 |y_v|, R the row's resid; NaN where a y_v is
+// not finite), the selection idot_screen_run makes from them
+template <class F, int CODE, int SCALE, int DIG>
+void screen_group(const uint8_t* grp, int64_t entries, const IDotX& xd, const double* sx, const double* resid,
+                  const float* wn, int64_t M, int64_t K, float* gl, float* gu, int64_t N, int64_t g, int64_t G,
+                  bool prefetch) {
+  const int64_t n0 = 16 * g;
+  const int64_t B = K / kBlock;
+  alignas(64) double acc[kIdotRows][16];
+  const __m512d k16 = _mm512_set1_pd(65536.0), k8 = _mm512_set1_pd(256.0);
+  for (int64_t m0 = 0; m0 < M; m0 += kIdotRows) {
+    const int64_t mt = std::min<int64_t>(kIdotRows, M - m0);
+    for (int64_t m = 0; m < mt; ++m) {
+      _mm512_store_pd(acc[m], _mm512_setzero_pd());
+      _mm512_store_pd(acc[m] + 8, _mm512_setzero_pd());
+    }
+    for (int64_t en = 0; en < entries; ++en) {
+      const uint8_t* e = grp + en * F::kBytes;
+      for (int r = 0; r < F::kSuper; ++r) {
+        const int64_t b = en * F::kSuper + r;
+        const uint8_t* blk = e + F::kHead + r * F::kBlockBytes;
+        if (prefetch && m0 == 0)
+          for (int64_t l = 0; l < F::kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + l, _MM_HINT_T0);
+        __m512i u[8];
+        __m512d D[2][2], C[2][2];
+        idot_block<F, CODE, SCALE>(e, blk, u, D, C);
+        for (int64_t m = 0; m < mt; ++m) {
+          const int8_t* xr = xd.digits.data() + 3 * (m0 + m) * K + b * kBlock;
+          const int32_t* w1 = reinterpret_cast<const int32_t*>(xr);
+          const int32_t* w2 = reinterpret_cast<const int32_t*>(xr + K);
+          const double* sxr = sx + 2 * (m0 + m) * B;
+          const __m512d s = _mm512_set1_pd(xd.scales[2 * (m0 + m) * B + b]);
+          __m512d a0 = _mm512_load_pd(acc[m]), a1 = _mm512_load_pd(acc[m] + 8);
+          for (int h = 0; h < F::kHalves; ++h) {
+            constexpr int per = 8 / F::kHalves;
+            __m512i S1 = _mm512_setzero_si512(), S2 = S1, T1 = S1, T2 = S1;
+            for (int j = h * per; j < (h + 1) * per; j += 2) {
+              S1 = _mm512_dpbusd_epi32(S1, u[j], _mm512_set1_epi32(w1[j]));
+              T1 = _mm512_dpbusd_epi32(T1, u[j + 1], _mm512_set1_epi32(w1[j + 1]));
+              if constexpr (DIG == 2) {
+                S2 = _mm512_dpbusd_epi32(S2, u[j], _mm512_set1_epi32(w2[j]));
+                T2 = _mm512_dpbusd_epi32(T2, u[j + 1], _mm512_set1_epi32(w2[j + 1]));
+              }
+            }
+            S1 = _mm512_add_epi32(S1, T1);
+            __m512d t0, t1;
+            if constexpr (DIG == 2) {
+              // 2^16 S1 + 2^8 S2: both products exact, |t| < 2^43, so the one rounding of the fma is none
+              S2 = _mm512_add_epi32(S2, T2);
+              t0 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(S1)), k16,
+                                   _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(S2)), k8));
+              t1 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(S1, 1)), k16,
+                                   _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(S2, 1)), k8));
+            } else {
+              t0 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(S1)), k16);
+              t1 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(S1, 1)), k16);
+            }
+            const __m512d sxv = _mm512_set1_pd(F::kHalves == 1 ? sxr[b] : (h == 0 ? sxr[B + b] : sxr[b] - sxr[B + b]));
+            a0 = _mm512_fmadd_pd(t0, _mm512_mul_pd(D[h][0], s), a0);
+            a1 = _mm512_fmadd_pd(t1, _mm512_mul_pd(D[h][1], s), a1);
+            a0 = _mm512_fmadd_pd(C[h][0], sxv, a0);
+            a1 = _mm512_fmadd_pd(C[h][1], sxv, a1);
+          }
+          _mm512_store_pd(acc[m], a0);
+          _mm512_store_pd(acc[m] + 8, a1);
+        }
+      }
+    }
+    // the group's tokens (a tail group: its first N - n0), each E as the token-by-token loop computed it
+    const __mmask16 live = static_cast<__mmask16>(N - n0 >= 16 ? 0xffff : (1u << (N - n0)) - 1);
+    const __m512 wv = _mm512_maskz_loadu_ps(live, wn + n0), c1001 = _mm512_set1_ps(1.001f), c96 = _mm512_set1_ps(9.6e-7f);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t m = 0; m < mt; ++m) {
+      const __m512 y = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(_mm512_load_pd(acc[m]))),
+                                          _mm512_cvtpd_ps(_mm512_load_pd(acc[m] + 8)), 1);
+      const __m512 R = _mm512_set1_ps(static_cast<float>(resid[m0 + m]));
+      // e = 1.001 (w R) + 9.6e-7 |y|: the products and the sum rounded one by one (no fma), as in the loop before
+      const __m512 e = _mm512_add_ps(_mm512_mul_ps(c1001, _mm512_mul_ps(wv, R)), _mm512_mul_ps(c96, _mm512_abs_ps(y)));
+      const bool finite = (_mm512_mask_cmp_ps_mask(live, y, y, _CMP_UNORD_Q) |
+                           _mm512_mask_cmp_ps_mask(live, _mm512_abs_ps(y), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ)) == 0;
+      gl[(m0 + m) * G + g] = finite ? _mm512_mask_reduce_max_ps(live, _mm512_mask_sub_ps(ninf, live, y, e)) : NAN;
+      gu[(m0 + m) * G + g] = finite ? _mm512_mask_reduce_max_ps(live, _mm512_mask_add_ps(ninf, live, y, e)) : NAN;
+    }
+  }
+}
+
+// The screen's sums and bound from mmi's digits (idot_prep with the kind's top): sx [M, 2B] (sum X'' 2^-e over
+// each block, then over its first 16 inputs: integers times a power of two, exact in double) and per row
+// R = 1.001 ||(X - X'') 2^-e|| + 2^-30 ||X 2^-e||: X - X'' is the last digit x3, and the two products' double
+// sums (the screen's and mmi's: one rounding of 2^-53 a block and term, their sum of |terms| at most ||w|| ||X
+// 2^-e||) fit 2^-30 many times over; NaN for a row that is not finite
+void screen_prep(const IDotX& xd, int64_t M, int64_t K, int digits, std::vector<double>& sx, std::vector<double>& resid) {
+  const int64_t B = K / kBlock;
+  sx.assign(2 * M * B, 0.0);
+  resid.assign(M, 0.0);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* x1 = xd.digits.data() + 3 * m * K;
+    const int8_t* x2 = x1 + K;
+    const int8_t* x3 = x1 + 2 * K;
+    double r2 = 0.0, n2 = 0.0;
+    bool finite = true;
+    for (int64_t b = 0; b < B; ++b) {
+      const double sc = xd.scales[2 * m * B + b];
+      finite &= std::isfinite(sc);
+      int64_t all = 0, first = 0, last = 0, whole = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        const int64_t k = b * kBlock + i;
+        const int64_t X = 65536 * static_cast<int64_t>(x1[k]) + 256 * static_cast<int64_t>(x2[k]) + x3[k];
+        const int64_t top = digits == 2 ? X - x3[k] : 65536 * static_cast<int64_t>(x1[k]);
+        all += top;
+        if (i < 16) first += top;
+        last += (X - top) * (X - top);
+        whole += X * X;
+      }
+      sx[2 * m * B + b] = static_cast<double>(all) * sc;
+      sx[2 * m * B + B + b] = static_cast<double>(first) * sc;
+      r2 += static_cast<double>(last) * sc * sc;
+      n2 += static_cast<double>(whole) * sc * sc;
+    }
+    resid[m] = finite ? 1.001 * std::sqrt(r2) + std::ldexp(1.0, -30) * std::sqrt(n2) : NAN;
   }
 }
 
@@ -1278,7 +1415,7 @@ std::vector<int64_t> idot_layout(int64_t kind) {
   return {super, head, codes, codes + scales, head + super * (codes + scales)};
 }
 
-#if defined(LP_IDOT256)
+#if defined(LP_IDOT256) || defined(LP_IDOT512)
 // The greedy head's screen over idot codes (lp.kernels.idot.IBlockHead.argmax_logits): y1 = the product with x's
 // top digits alone (x' = 2^16 x1 2^-e per block), within E_v = ||w_v|| R + 2^-20 |y1_v| of the exact product's
 // float32 logit (R: ||x - x'|| with slack; Cauchy-Schwarz, then float32 roundings); a token can be a row's
@@ -1286,7 +1423,7 @@ std::vector<int64_t> idot_layout(int64_t kind) {
 // token of every row), ok false for a non-finite row or more than max_groups groups.
 template <int CODE, int SCALE>
 std::tuple<bool, at::Tensor> idot_screen_run(torch::Tensor x, const torch::Tensor& p, int64_t N, const torch::Tensor& wnorm,
-                                             int64_t max_groups) {
+                                             int64_t max_groups, int64_t digits) {
   using F = IDot<CODE, SCALE>;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "screeni: x must be [M, K] float32");
   TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(2) == F::kBytes &&
@@ -1296,22 +1433,60 @@ std::tuple<bool, at::Tensor> idot_screen_run(torch::Tensor x, const torch::Tenso
   const int64_t M = x.size(0), K = x.size(1), groups = p.size(0);
   TORCH_CHECK(K % (kBlock * F::kSuper) == 0 && p.size(1) == K / (kBlock * F::kSuper), "screeni: shapes do not match");
   x = x.contiguous();
+#if defined(LP_IDOT512)
+  const IDotX xd = idot_prep(x.data_ptr<float>(), M, K, IDotInt<CODE, SCALE>::kTop);  // mmi's own digits
+  std::vector<double> sx, resid;
+  TORCH_CHECK(digits == 1 || digits == 2, "screeni: digits must be 1 or 2, got ", digits);
+  screen_prep(xd, M, K, static_cast<int>(digits), sx, resid);
+#else
   const IDotX xd = idot_prep(x.data_ptr<float>(), M, K);
-  for (double r : xd.resid)
+  const std::vector<double>& resid = xd.resid;
+#endif
+  for (double r : resid)
     if (!std::isfinite(r)) return {false, at::Tensor()};
-  std::vector<float> y(M * N);
   const uint8_t* pp = p.data_ptr<uint8_t>();
   const int64_t group_bytes = p.size(1) * F::kBytes;
   const bool prefetch = g_prefetch.load(std::memory_order_relaxed);
+  const float* wn = wnorm.data_ptr<float>();
+#if defined(LP_IDOT512)
+  // per row and group of 16 tokens: max (y - E) and max (y + E); a row's low is the largest of the first, a
+  // group is kept where some row's second reaches that row's low (as the loops below do token by token)
+  std::vector<float> gl(M * groups), gu(M * groups);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      if (digits == 2)
+        screen_group<F, CODE, SCALE, 2>(pp + g * group_bytes, p.size(1), xd, sx.data(), resid.data(), wn, M, K,
+                                        gl.data(), gu.data(), N, g, groups, prefetch);
+      else
+        screen_group<F, CODE, SCALE, 1>(pp + g * group_bytes, p.size(1), xd, sx.data(), resid.data(), wn, M, K,
+                                        gl.data(), gu.data(), N, g, groups, prefetch);
+  });
+  std::vector<float> low(M, -INFINITY);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      if (std::isnan(gl[m * groups + g])) return {false, at::Tensor()};  // a logit that is not finite
+      low[m] = std::max(low[m], gl[m * groups + g]);
+    }
+  std::vector<int64_t> kept;
+  for (int64_t g = 0; g < groups; ++g) {
+    bool any = false;
+    for (int64_t m = 0; m < M && !any; ++m) any = gu[m * groups + g] >= low[m];
+    if (any) {
+      kept.push_back(g);
+      if (static_cast<int64_t>(kept.size()) > max_groups) return {false, at::Tensor()};
+    }
+  }
+  return {true, torch::tensor(kept, torch::kLong)};
+#else
+  std::vector<float> y(M * N);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       screen_group<F, CODE, SCALE>(pp + g * group_bytes, p.size(1), xd, M, K, y.data(), N, g * 16, prefetch);
   });
-  const float* wn = wnorm.data_ptr<float>();
   std::vector<float> low(M, -INFINITY);
   bool finite = true;
   for (int64_t m = 0; m < M; ++m) {
-    const float R = static_cast<float>(xd.resid[m]);
+    const float R = static_cast<float>(resid[m]);
     const float* ym = y.data() + m * N;
     float lo = -INFINITY;
     for (int64_t v = 0; v < N; ++v) {
@@ -1326,7 +1501,7 @@ std::tuple<bool, at::Tensor> idot_screen_run(torch::Tensor x, const torch::Tenso
   for (int64_t g = 0; g < groups; ++g) {
     bool any = false;
     for (int64_t m = 0; m < M && !any; ++m) {
-      const float R = static_cast<float>(xd.resid[m]);
+      const float R = static_cast<float>(resid[m]);
       for (int64_t v = g * 16; v < std::min(N, g * 16 + 16); ++v) {
         const float yv = y[m * N + v];
         if (yv + (1.001f * (wn[v] * R) + 9.6e-7f * std::fabs(yv)) >= low[m]) {
@@ -1341,29 +1516,30 @@ std::tuple<bool, at::Tensor> idot_screen_run(torch::Tensor x, const torch::Tenso
     }
   }
   return {true, torch::tensor(kept, torch::kLong)};
+#endif
 }
 #endif
 
 std::tuple<bool, at::Tensor> idot_screen(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind, torch::Tensor wnorm,
-                                         int64_t max_groups) {
+                                         int64_t max_groups, int64_t digits) {
   TORCH_CHECK(kind >= 20 && kind <= 31, "screeni: kind must be 20..31 (lp.kernels.idot), got ", kind);
-#if defined(LP_IDOT256)
+#if defined(LP_IDOT256) || defined(LP_IDOT512)
   switch (kind) {
-    case 20: return idot_screen_run<0, 0>(x, p, n, wnorm, max_groups);
-    case 21: return idot_screen_run<1, 0>(x, p, n, wnorm, max_groups);
-    case 22: return idot_screen_run<3, 0>(x, p, n, wnorm, max_groups);
-    case 23: return idot_screen_run<0, 2>(x, p, n, wnorm, max_groups);
-    case 24: return idot_screen_run<1, 2>(x, p, n, wnorm, max_groups);
-    case 25: return idot_screen_run<2, 3>(x, p, n, wnorm, max_groups);
-    case 26: return idot_screen_run<0, 1>(x, p, n, wnorm, max_groups);
-    case 27: return idot_screen_run<1, 1>(x, p, n, wnorm, max_groups);
-    case 28: return idot_screen_run<3, 1>(x, p, n, wnorm, max_groups);
-    case 29: return idot_screen_run<0, 4>(x, p, n, wnorm, max_groups);
-    case 30: return idot_screen_run<1, 4>(x, p, n, wnorm, max_groups);
-    default: return idot_screen_run<3, 4>(x, p, n, wnorm, max_groups);
+    case 20: return idot_screen_run<0, 0>(x, p, n, wnorm, max_groups, digits);
+    case 21: return idot_screen_run<1, 0>(x, p, n, wnorm, max_groups, digits);
+    case 22: return idot_screen_run<3, 0>(x, p, n, wnorm, max_groups, digits);
+    case 23: return idot_screen_run<0, 2>(x, p, n, wnorm, max_groups, digits);
+    case 24: return idot_screen_run<1, 2>(x, p, n, wnorm, max_groups, digits);
+    case 25: return idot_screen_run<2, 3>(x, p, n, wnorm, max_groups, digits);
+    case 26: return idot_screen_run<0, 1>(x, p, n, wnorm, max_groups, digits);
+    case 27: return idot_screen_run<1, 1>(x, p, n, wnorm, max_groups, digits);
+    case 28: return idot_screen_run<3, 1>(x, p, n, wnorm, max_groups, digits);
+    case 29: return idot_screen_run<0, 4>(x, p, n, wnorm, max_groups, digits);
+    case 30: return idot_screen_run<1, 4>(x, p, n, wnorm, max_groups, digits);
+    default: return idot_screen_run<3, 4>(x, p, n, wnorm, max_groups, digits);
   }
 #else
-  TORCH_CHECK(false, "screeni: built for idot's AVX2 form only (lp.kernels.idot.IBlockHead runs where exact4 lacks AVX-512)");
+  TORCH_CHECK(false, "screeni: this build runs neither of idot's forms (AVX-512 VNNI, or AVX2 with FMA and F16C)");
 #endif
 }
 
@@ -1377,7 +1553,7 @@ bool idot_float() {
 }
 
 bool idot_screen_available() {
-#if defined(LP_IDOT256)
+#if defined(LP_IDOT256) || defined(LP_IDOT512)
   return true;
 #else
   return false;
@@ -2314,8 +2490,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack16", &exact16_pack, "bfloat16 / float16 weights in the kernel layout");
   m.def("layoutq", &exactq_layout, "(blocks an entry, header bytes, block bytes, entry bytes) of exactq kind 4..8");
   m.def("screeni", &idot_screen, py::call_guard<py::gil_scoped_release>(),
-        "(ok, kept groups of 16): the idot head's greedy screen (x, p, n, kind, wnorm, max_groups)");
-  m.def("screeni_available", &idot_screen_available, "whether this build runs screeni (idot's AVX2 form)");
+        "(ok, kept groups of 16): the idot head's greedy screen (x, p, n, kind, wnorm, max_groups, digits: x's top "
+        "digits it takes, 1 or 2; the AVX2 build takes 1 whatever this says)",
+        py::arg("x"), py::arg("p"), py::arg("n"), py::arg("kind"), py::arg("wnorm"), py::arg("max_groups"), py::arg("digits") = 2);
+  m.def("screeni_available", &idot_screen_available, "whether this build runs screeni (either of idot's forms)");
   m.def("idot_float", &idot_float, "whether mmi's product is AVX2's float32 one (fdot_group) rather than the int8 digits' (and runs kinds 32 / 33)");
   m.def("rowsi", &idot_rows, "rows ids of an idot-packed weight (p, ids, n rows, kind) as float32 [len(ids), K]");
   m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31");
