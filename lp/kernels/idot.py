@@ -21,9 +21,9 @@ the float32 sums. The AVX-512 build's screen takes X's top digit too (``SCREEN_D
 X less its last digit, a bound ~2^7 tighter for twice the dots, measured 1.4x slower at 16 rows on
 Gemma-3's head), on the file's codes themselves: a head's greedy rows need no second copy of its
 weights. lp.model.gguf puts Q5_x / Q6_K heads here on AVX-512 too (exactq held a Q6_K head as bytes
-with an int8 screen beside them, two bytes a weight: a 128,256 x 2048 head 822 -> 484 MiB resident,
-one greedy row 8.2-9.5 ms against 9.4-10.8, 16 rows 36 against 24-28); Q8_0 / Q4_x heads stay on
-exact4's int8 screen there (one row faster on SmolLM2's and Gemma-3's heads, at a second copy).
+with an int8 screen beside them, two bytes a weight: a 128,256 x 2048 head 522 -> 208 MiB, one greedy
+row 9.2 ms against 9.6, 16 rows 42 against 28: bench.idot_head); Q8_0 / Q4_x heads stay on exact4's
+int8 screen there (one row faster on SmolLM2's and Gemma-3's heads, at a second copy).
 
 Why: the float kernels (exact4, exactq) widen each weight to float32 before the multiply-add: at one
 row that decode is the cost (bench/results/gguf_formats/exactq_kernels.md: bound by instructions,
