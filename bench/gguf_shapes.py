@@ -7,8 +7,12 @@ writes it for rows of 896, which K-quants cannot split: Q5_0 for attention and g
 Q6_K for down, a tied Q8_0 embedding) and a Llama-3.2-1B shape (hidden 2048, 16 layers, ffn 8192,
 32 / 8 heads; Q4_K, Q6_K for v and down, a tied Q6_K embedding). For each: ``llama-bench`` (tg32 and
 pp4-32, 2 threads; built by bench/llamacpp.sh) and lp's defaults, one packed forward of Q rows after a
-128-token prefix (lp.model.calibrate.measure), with the process's resident memory after the load.
+128-token prefix (lp.model.calibrate.measure: a single sequence's cache, every logit), the served
+one-token step (``serve_step``: lp.serve's BatchEngine on its paged pool, the greedy head: what
+llama-bench's tg compares with), with the process's resident memory after the load.
 Random weights: the steps' costs only, not lookahead's acceptance. Writes ``shapes.md`` into ``--out``.
+``--files A.gguf,B.gguf`` measures those files instead (real models in any block format, the same
+columns, the table ``files.md``), with each file's tensor formats.
 """
 
 from __future__ import annotations
@@ -41,7 +45,28 @@ def lp_curve(file: str, qs: str) -> dict:
                          compile=mc.compile, fused=mc.fused, head=mc.head)
     curve, _ = measure(runner, [int(q) for q in qs.split(",")], repeats=3)
     rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
-    return {"tq_ms": {q: round(t * 1e3, 1) for q, t in curve}, "rss_mib": rss}
+    return {"tq_ms": {q: round(t * 1e3, 1) for q, t in curve}, "rss_mib": rss, "serve_ms": serve_step(runner)}
+
+
+def serve_step(runner, prompt: int = 128, tokens: int = 32, repeats: int = 3) -> float:
+    """The median one-token step in ms on lp.serve's path (BatchEngine, the paged pool, the greedy
+    head), ``tokens`` plain steps after a ``prompt``-token random prompt, the fastest of ``repeats``."""
+    import statistics
+
+    import torch
+
+    from bench.step_profile import run_request
+    from lp.config import DecodingConfig
+    from lp.engine.batch import BatchEngine
+
+    engine = BatchEngine(runner, kv_tokens=4096, max_batch=1)
+    ids = torch.randint(runner.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    dcfg = DecodingConfig(mode="ar", max_new_tokens=tokens + 1)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        walls, _, _ = run_request(engine, ids, dcfg, [])
+        best = min(best, statistics.median(walls[1:]))
+    return round(best * 1e3, 2)
 
 
 def main() -> None:
@@ -50,6 +75,7 @@ def main() -> None:
     ap.add_argument("--qs", default="1,2,4,8,16,32")
     ap.add_argument("--out", default="bench/results/gguf_formats")
     ap.add_argument("--llamacpp-dir", default=None)
+    ap.add_argument("--files", default=None, help="comma-separated GGUF files to measure instead of the random shapes")
     ap.add_argument("--lp-only", default=None, help=argparse.SUPPRESS)  # the child process's file
     args = ap.parse_args()
     if args.lp_only:
@@ -62,12 +88,26 @@ def main() -> None:
     args.llamacpp_dir = args.llamacpp_dir or DEFAULT_DIR
     tok = tokenizer_fields(smollm2_path(), vocab=None)
     rows = ["| shape | file MiB | llama.cpp tg32 ms | llama.cpp pp4 / pp8 / pp16 / pp32 ms per step | lp t(Q) ms, Q = "
-            + args.qs.replace(",", " / ") + " | lp RSS MiB |", "|---|---|---|---|---|---|"]
+            + args.qs.replace(",", " / ") + " | lp served step ms | lp RSS MiB |", "|---|---|---|---|---|---|---|"]
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    for name, (arch, dims, kinds) in SHAPES.items():
-        file = Path(args.dir) / f"{name}.gguf"
-        if not file.exists():
-            write_tiny_gguf(file, arch, kinds, tok, tie=True, dims=dims)
+    if args.files:
+        from collections import Counter
+
+        from gguf import GGMLQuantizationType
+
+        from lp.model.gguf import file_tensors
+
+        files = [Path(f) for f in args.files.split(",")]
+        rows[0] = rows[0].replace("| shape |", "| file | formats |")
+        rows[1] = "|---" + rows[1]
+    else:
+        files = []
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+        for name, (arch, dims, kinds) in SHAPES.items():
+            files.append(Path(args.dir) / f"{name}.gguf")
+            if not files[-1].exists():
+                write_tiny_gguf(files[-1], arch, kinds, tok, tie=True, dims=dims)
+    for file in files:
         bench = binary(args.llamacpp_dir, "llama-bench", "--llamacpp-dir")
         env = dict(os.environ, LD_LIBRARY_PATH=str(Path(bench).parent))
         out = subprocess.run([bench, "-m", str(file), "-t", "2", "-p", "4,8,16,32", "-n", "32", "-r", "3", "-o", "json"],
@@ -78,12 +118,20 @@ def main() -> None:
         child = subprocess.run([sys.executable, "-m", "bench.gguf_shapes", "--lp-only", str(file), "--qs", args.qs],
                                capture_output=True, text=True, check=True).stdout
         lp = json.loads(child.strip().splitlines()[-1])
+        name = file.stem
+        if args.files:
+            kinds = Counter(GGMLQuantizationType(t.tensor_type).name for t in file_tensors(file)
+                            if t.tensor_type != GGMLQuantizationType.F32)
+            name += " | " + ", ".join(f"{k} {n}" for k, n in kinds.most_common())
         rows.append(f"| {name} | {file.stat().st_size / 2**20:.0f} | {tg:.1f} | {pp} | "
-                    f"{' / '.join(str(v) for v in lp['tq_ms'].values())} | {lp['rss_mib']} |")
+                    f"{' / '.join(str(v) for v in lp['tq_ms'].values())} | {lp['serve_ms']} | {lp['rss_mib']} |")
         print(rows[-1], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "shapes.md").write_text("# One step on real shapes, lp against llama.cpp\n\n`python -m bench.gguf_shapes` "
-                                              "(module doc: random weights, costs only)\n\n" + "\n".join(rows) + "\n")
+    from bench.envelope import command, commit, cpu_name
+
+    what = "real files" if args.files else "real shapes (module doc: random weights, costs only)"
+    (Path(args.out) / ("files.md" if args.files else "shapes.md")).write_text(
+        f"# One step on {what}, lp against llama.cpp\n\n`{command('bench.gguf_shapes', None)}` at {commit()}, {cpu_name()}\n\n" + "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,10 +20,11 @@ import torch
 
 from tests.gguf_tiny import random_blocks
 
-FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "F16", "BF16")
-# Q3_K is held as Q6_K's codes (lp.model.gguf.QKINDS): its bits are Q6_K's, not the file's 3.4375
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS", "F16", "BF16")
+# Q3_K is held as Q6_K's codes (lp.model.gguf.QKINDS): its bits are Q6_K's, not the file's 3.4375; IQ4_XS's
+# d (scale - 32) as one float32 D per 32 (5 bits a weight, the file's 4.25); without AVX-512 IQ4 takes a byte a code
 FILE_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625,
-             "Q3_K": 6.5625, "F16": 16.0, "BF16": 16.0}
+             "Q3_K": 6.5625, "IQ4_NL": 4.5, "IQ4_XS": 5.0, "F16": 16.0, "BF16": 16.0}
 
 
 @pytest.fixture(scope="module")
@@ -70,20 +71,27 @@ def test_idot_is_its_stated_arithmetic_rows_alone(fmt, idot):
     for n, k in ((13, 512), (40, 768)):  # 13: a padded group of 16 outputs
         raw = _blocks(fmt, n, k, rng)
         want_w = torch.from_numpy(np.ascontiguousarray(
-            gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[fmt]).reshape(n, k), dtype=np.float32))
+            gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[fmt]).reshape(n, k), dtype=np.float32)) + 0.0
+        # + 0.0: a zero weight's sign is not kept (IQ4_XS's zero scale gives 0 x value = -0.0 for a negative value;
+        # D u + C gives +0.0, the same in every product)
         lin = _linear(raw, fmt, n, k)
         kind, parts = idot.codes_of(lin)
-        assert kind in (*range(20, 26), 29, 30, 31, 32, 33), kind  # the float16 / code-scale kinds for every real format
-        assert torch.equal(idot.widened(kind, parts).view(torch.int32), want_w.view(torch.int32))
+        if fmt.startswith("IQ4"):  # the file's nibbles where the build runs them (AVX-512), else a byte a code
+            want = ((34 if fmt == "IQ4_NL" else 35),) if idot.iq4_kinds() else (31, 28)
+            assert kind in want, (fmt, kind)
+            if not idot.iq4_kinds():
+                pytest.skip("IQ4 nibbles run in idot's AVX-512 build (here: Q8_0's kinds, covered by Q8_0)")
+        assert kind in (*range(20, 26), 29, 30, 31, 32, 33, 34, 35), kind  # the float16 / code-scale kinds for every real format
+        assert torch.equal((idot.widened(kind, parts) + 0.0).view(torch.int32), want_w.view(torch.int32))
         cols = torch.tensor([0, 1, 31, 32, 200, 255, 256, k - 17, k - 1])  # the load's check widens these alone
-        assert torch.equal(idot.widened(kind, parts, cols).view(torch.int32), want_w[:, cols].view(torch.int32))
+        assert torch.equal((idot.widened(kind, parts, cols) + 0.0).view(torch.int32), want_w[:, cols].view(torch.int32))
         p = idot.packi(kind, parts)
         assert p.numel() * 8 / (n * k) <= FILE_BITS[fmt] * 1.06 * (-(-n // 16) * 16) / n, (fmt, p.numel())
         with pytest.MonkeyPatch.context() as mp:  # packed a slice of rows at a time: the same bytes
             mp.setattr(idot, "PACK_ROWS", 16)
             assert torch.equal(idot.packi(kind, parts), p)
         unit = torch.eye(k)[:: max(1, k // 97)]
-        assert torch.equal(idot.mmi(unit, p, n, kind), want_w[:, :: max(1, k // 97)].t())
+        assert torch.equal(idot.mmi(unit, p, n, kind) + 0.0, want_w[:, :: max(1, k // 97)].t())
         g = torch.Generator().manual_seed(n)
         for m in (1, 5, 40):
             x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k // 32).repeat_interleave(32)
@@ -123,20 +131,20 @@ def test_idot_rows_of_any_magnitude_and_a_nan_row_alone(idot):
 
 def test_idot_errors_name_the_kind(idot):
     p = torch.zeros(1, 1, 10, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="kind must be 20..33"):
+    with pytest.raises(RuntimeError, match="kind must be 20..35"):
         idot.mmi(torch.zeros(1, 32), p, 16, 19)
     with pytest.raises(RuntimeError, match="packed"):
         idot.mmi(torch.zeros(1, 32), p, 16, 20)
 
 
-@pytest.mark.parametrize("fmt", ("Q4_0", "Q4_1", "Q8_0", "Q6_K", "BF16"))
+@pytest.mark.parametrize("fmt", ("Q4_0", "Q4_1", "Q8_0", "Q6_K", "IQ4_XS", "BF16"))
 def test_idot_head_rows_and_products_are_the_files(fmt, idot):
     """``IBlockHead`` (a GGUF head and its tied embedding on idot, where the float kernels lack
     AVX-512): ``rows`` equal gguf.dequantize's rows (as floats: a Q6_K code of 32 gives +0.0 where
     d (q - 32) gives -0.0 for a negative d, as the product's unit rows do), the product equals ``reference``."""
     import gguf
 
-    from lp.model.gguf import KINDS, QParts, _read_blocks, blocksq_of
+    from lp.model.gguf import KEPT, KINDS, QParts, _read_blocks, blocksq_of
 
     if fmt == "BF16" and not idot.half_kinds():
         pytest.skip("16-bit floats run on idot in its AVX2 build without AVX-512 (with it: exact4's 16-bit BlockHead)")
@@ -146,7 +154,7 @@ def test_idot_head_rows_and_products_are_the_files(fmt, idot):
     want_w = torch.from_numpy(np.ascontiguousarray(
         gguf.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType[fmt]).reshape(n, k), dtype=np.float32))
     parts = (QParts(KINDS[fmt], blocksq_of(raw, fmt, n, k)) if fmt == "Q6_K"
-             else _read_blocks(raw, fmt, n, k, {"Q8_0": 8, "BF16": 16}.get(fmt, 4)))
+             else _read_blocks(raw, fmt, n, k, KEPT[fmt][2]))
     head = idot.IBlockHead.of(parts)
     assert head is not None
     with pytest.MonkeyPatch.context() as mp:  # built 16 rows at a time: the same packed bytes and row norms
@@ -157,7 +165,7 @@ def test_idot_head_rows_and_products_are_the_files(fmt, idot):
     if head.h8 is not None:
         assert torch.equal(sliced.h8.wnorm, head.h8.wnorm)
     ids = torch.tensor([[0, 17, 44], [31, 16, 15]])
-    assert torch.equal(head.rows(ids), want_w[ids])
+    assert torch.equal(head.rows(ids), want_w[ids] + 0.0)  # + 0.0: IQ4_XS's zero scale (test above)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
     kind, cparts = idot.codes_of(_linear(raw, fmt, n, k))
     assert torch.equal(head(x), idot.reference(x, kind, cparts))
@@ -166,7 +174,7 @@ def test_idot_head_rows_and_products_are_the_files(fmt, idot):
 
 
 @pytest.mark.parametrize("digits", (1, 2))
-@pytest.mark.parametrize("fmt", ("Q8_0", "Q6_K", "Q4_0"))
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q6_K", "Q4_0", "IQ4_XS"))
 def test_idot_head_screen_keeps_the_argmax_and_the_exact_logits(fmt, digits, idot, monkeypatch):
     """The idot head's greedy screen (both builds): every value it returns is the whole product's
     logit bit for bit, everything else -inf, and each row's argmax is the whole product's, also on
@@ -180,7 +188,7 @@ def test_idot_head_screen_keeps_the_argmax_and_the_exact_logits(fmt, digits, ido
     n, k = 1000, 512
     raw = random_blocks(fmt, n, k, 0.05, rng)
     parts = (QParts(KINDS[fmt], blocksq_of(raw, fmt, n, k)) if fmt == "Q6_K"
-             else _read_blocks(raw, fmt, n, k, 8 if fmt == "Q8_0" else 4))
+             else _read_blocks(raw, fmt, n, k, 4 if fmt == "Q4_0" else 8))
     head = idot.IBlockHead.of(parts)
     assert head.h8 is not None
     monkeypatch.setattr(idot, "SCREEN_DIGITS", digits)  # x's top digits the AVX-512 screen takes (AVX2: one)

@@ -34,10 +34,16 @@ Q4_K 4.75, Q6_K 6.6; scales float16 where the file's are).
 Kinds (csrc ``IDot<CODE, SCALE>``): 29 Q4_0, 30 Q5_0, 31 Q8_0 (D float16, C = -8 / -16 / -128 D
 formed in the kernel), 20 Q4_1, 21 Q5_1, 22 8-bit codes with D and C float16, 23 Q4_K, 24 Q5_K,
 25 Q6_K (and Q3_K, as lp.model.gguf holds it), and 26 / 27 / 28 as 20 / 21 / 22 with float32 scales
-(where a D or C is not a float16 value). On AVX2 also 32 / 33: 16-bit float weights (float16 /
+(where a D or C is not a float16 value). In the AVX-512 build also 34 / 35: IQ4_NL / IQ4_XS as the
+file's nibbles, each looked up in IQ4's sixteen int8 values (+ 128: one ``vpshufb`` a code vector)
+and then Q8_0's arithmetic (C = -128 D), D float16 (34: IQ4_NL's d) or float32 (35: IQ4_XS's exact
+d (scale - 32) per 32 inputs), 4.5 / 5 bits a weight; lp.model.gguf reads both as 8-bit values, and
+``codes_of`` takes the nibbles back where every value is one of IQ4's (elsewhere, and on AVX2, they
+run as kinds 31 / 28, a byte a code). On SmolLM2's and Gemma-3's IQ4_XS files one served step went
+7.8 -> 5.2 ms and 13.1 -> 10.0 ms (bench/results/gguf_formats/files.md). On AVX2 also 32 / 33: 16-bit float weights (float16 /
 bfloat16: a GGUF F16 / BF16 tensor, or a float32 weight whose every value is one, as a bf16 / fp16
 checkpoint holds), 2 bytes a weight, widened in the kernel (exact) and summed as ``reference_float``
-(with AVX-512 those run as exact4's ``Exact16Linear``). The greedy screen takes kinds 20-31 only.
+(with AVX-512 those run as exact4's ``Exact16Linear``). The greedy screen takes kinds 20-31, 34, 35.
 """
 
 from __future__ import annotations
@@ -52,9 +58,14 @@ from lp.kernels.exactq import grouped_rows, scales16, widenq
 
 GROUP, BLOCK = 16, 32
 BITS = {20: 5.0, 21: 6.0, 22: 9.0, 23: 4.75, 24: 5.75, 25: 6.625, 26: 6.0, 27: 7.0, 28: 10.0, 29: 4.5, 30: 5.5, 31: 8.5,
-        32: 16.0, 33: 16.0}
+        32: 16.0, 33: 16.0, 34: 4.5, 35: 5.0}
 HALF = {32: torch.float16, 33: torch.bfloat16}  # the 16-bit kinds (AVX2 build)
-OFFSET = {29: -8.0, 30: -16.0, 31: -128.0}  # C = OFFSET D: Q4_0, Q5_0, Q8_0 hold D alone
+OFFSET = {29: -8.0, 30: -16.0, 31: -128.0, 34: -128.0, 35: -128.0}  # C = OFFSET D: Q4_0, Q5_0, Q8_0, IQ4 hold D alone
+IQ4 = (34, 35)  # a nibble indexing IQ4's values (AVX-512 build): D float16 (IQ4_NL), float32 (IQ4_XS's d (scale - 32))
+# IQ4_NL / IQ4_XS's sixteen code values (gguf.quants.IQ4_NL.kvalues) + 128: what a kind-34 / 35 nibble stands for
+IQ4_CODES = torch.tensor((1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241), dtype=torch.uint8)
+_IQ4_INDEX = torch.full((256,), 255, dtype=torch.uint8)
+_IQ4_INDEX[IQ4_CODES.long()] = torch.arange(16, dtype=torch.uint8)
 
 
 def available() -> bool:
@@ -66,6 +77,24 @@ def available() -> bool:
 def mmi(x_MK: torch.Tensor, p: torch.Tensor, n: int, kind: int) -> torch.Tensor:
     """``x @ W.T`` [M, n] for float32 ``x`` [M, K] and W packed by ``packi``."""
     return torch.ops.lp_exact4.mmi(x_MK, p, n, kind)
+
+
+def iq4_kinds() -> bool:
+    """Whether IQ4 nibbles run on idot here (kinds 34 / 35: the AVX-512 VNNI build; elsewhere such a tensor
+    takes the 8-bit kinds, a byte a code)."""
+    return available() and bool(extension().idot_iq4())
+
+
+def _iq4_nibbles(u: torch.Tensor) -> torch.Tensor | None:
+    """The nibble [N, K] uint8 of 8-bit codes u (value + 128) that are all IQ4 values, else None."""
+    if not iq4_kinds():
+        return None
+    idx = _IQ4_INDEX[u[:1].long()]  # one row first: a Q8_0 tensor fails here, without a pass over the whole
+    if bool((idx == 255).any()):
+        return None
+    idx = _IQ4_INDEX[u.long()] if u.numel() * 8 <= 1 << 28 else torch.cat(
+        [_IQ4_INDEX[u[r:r + 4096].long()] for r in range(0, u.shape[0], 4096)])
+    return None if bool((idx == 255).any()) else idx
 
 
 def half_kinds() -> bool:
@@ -104,6 +133,9 @@ def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
             return None
         q8, d = b8
         u = q8.view(torch.uint8) ^ 0x80  # q + 128 as a byte (its sign bit flipped), no wider copy
+        nib = _iq4_nibbles(u)  # IQ4_NL / IQ4_XS: the file's nibbles, 4 bits a code
+        if nib is not None:
+            return (34 if _f16(d) else 35), (nib, d, d * -128.0)
         return _legacy(22, 31, 28, u, d, d * -128.0)
     if not isinstance(lin, nn.Linear) or lin.weight.dtype != torch.float32:
         return None
@@ -138,13 +170,16 @@ def widened(kind: int, parts: tuple, cols: torch.Tensor | None = None) -> torch.
             return widenq(7, parts)
         u, D, C = parts
         n, k = u.shape
+        if kind in IQ4:  # (v + 128) D needs up to 25 bits (IQ4_XS's 17-bit D): in float64, one rounding
+            w = _u(kind, u).double().reshape(n, -1, BLOCK) * D.double()[..., None] + C.double()[..., None]
+            return w.float().reshape(n, k)
         return (u.float().reshape(n, -1, BLOCK) * D[..., None] + C[..., None]).reshape(n, k)
     k = parts[0].shape[1]
 
     def at(t: torch.Tensor) -> torch.Tensor:  # a per-block tensor [N, K / size] at the columns' blocks
         return t[:, cols // (k // t.shape[1])]
 
-    u = parts[0][:, cols]
+    u = _u(kind, parts[0][:, cols])
     if kind in HALF:
         return u.float()
     if kind in (23, 24):  # widenq(5): D = d sc, C = nm mn per 32, then u D + C
@@ -152,7 +187,14 @@ def widened(kind: int, parts: tuple, cols: torch.Tensor | None = None) -> torch.
         return u.float() * (at(d) * at(sc).float()) + at(nm) * at(mn).float()
     if kind == 25:  # widenq(7): (u - 32) D16
         return (u.float() - 32) * at(scales16(*parts[1:]))
+    if kind in IQ4:
+        return (u.double() * at(parts[1]).double() + at(parts[2]).double()).float()
     return u.float() * at(parts[1]) + at(parts[2])
+
+
+def _u(kind: int, u: torch.Tensor) -> torch.Tensor:
+    """The unsigned codes the kernel multiplies: an IQ4 nibble's value + 128, else the codes as held."""
+    return IQ4_CODES[u.long()] if kind in IQ4 else u
 
 
 def _scales(kind: int, parts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +249,7 @@ def reference_digits(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tenso
     m, k = x.shape
     top, centre = INT32.get(kind, (22, 0))
     cap = 8355711.0 if top == 22 else 2.0 ** (top + 1) - 1
-    u = parts[0].to(torch.int64) - centre
+    u = _u(kind, parts[0]).to(torch.int64) - centre
     n = u.shape[0]
     xb = x.reshape(m, k // BLOCK, BLOCK)
     mx = xb.abs().amax(-1)
@@ -292,6 +334,9 @@ def _packi(kind: int, parts: tuple) -> torch.Tensor:
     if kind in (20, 21, 22):
         assert _f16(parts[1]) and _f16(parts[2]), "kinds 20-22 hold float16 scales"
         scales = [per_output(parts[1].half()), per_output(parts[2].half())]
+    elif kind == 35:  # IQ4 with float32 D; C = -128 D formed in the kernel
+        assert torch.equal(parts[2], parts[1] * OFFSET[kind])
+        scales = [per_output(parts[1].float())]
     elif kind in OFFSET:  # C = OFFSET D, formed in the kernel
         assert _f16(parts[1]) and torch.equal(parts[2], parts[1] * OFFSET[kind])
         scales = [per_output(parts[1].half())]
@@ -410,7 +455,7 @@ def _staged(parts) -> nn.Linear | None:
 
 class IBlockHead(BlockHead):
     """An LM head (and the tied embedding's source) held as a GGUF file's codes on ``mmi``: its
-    products for any number of float32 rows, greedy-only rows through ``IScreen`` (kinds 20-31), its
+    products for any number of float32 rows, greedy-only rows through ``IScreen`` (kinds 20-31, 34, 35), its
     rows (``rows``) decoded from the same packed codes. Built by ``of`` from the file's parts as
     lp.model.gguf reads them (4-bit, 8-bit or exactq ``QParts``; on AVX2 also a F16 / BF16 tensor's
     2-byte floats, kinds 32 / 33, without the screen)."""
@@ -459,7 +504,7 @@ class IBlockHead(BlockHead):
             if not torch.equal(mmi(unit_RK, pc, r1 - r0, kind), w[:, idx].t()):
                 return None
             probe_w.update({v: w[v - r0].clone() for v in probe if r0 <= v < r1})
-            if kind not in HALF:  # the screen's (kinds 20-31)
+            if kind not in HALF:  # the screen's (kinds 20-31, 34, 35)
                 norms.append(torch.linalg.vector_norm(w, dim=1, dtype=torch.float64))  # each token's ||w_v||
             del lin, rows, cparts, pc, w
             trim_heap()  # the slice's copies back to the OS before the next (glibc keeps them otherwise)

@@ -19,7 +19,8 @@ float32 rounding of an exact value:
   Q5_1 ``d * q + m``, Q5_K as Q4_K with 5-bit q, Q6_K ``(d * scale) * (q - 32)`` (a decoder
   linear; the embedding and head in these formats take the 8-bit kinds below);
 * 8-bit, ``q * d`` (``Exact8Linear``): Q8_0 ``d * q``; Q5_0 ``d * (q - 16)``; IQ4_NL ``d * value``
-  (q the code's int8 value); IQ4_XS ``(d * (scale - 32)) * value`` per 32;
+  (q the code's int8 value); IQ4_XS ``(d * (scale - 32)) * value`` per 32 (lp.kernels.idot's AVX-512
+  build takes IQ4's values back to the file's nibbles: kinds 34 / 35, 4.5 / 5 bits a weight);
 * 8-bit, ``fma(q, D, C)`` per 16 weights (``Exact8xLinear``): Q6_K ``(d * scale) * q``; Q5_K as
   Q4_K with 5-bit q; Q5_1 ``d * q + m``; Q2_K ``(d * scale) * q - dmin * min`` (its scale and min
   per 16: no idot kind takes it, float32 on AVX2);

@@ -536,17 +536,26 @@ struct WeightsQ {
 // holding output i's u[8c + t] (low) and u[8c + 4 + t] (high); then 1-2 planes of 8 x 64 bits, bit 4 i + t of
 // word 2c + h the code's bit 4 (5) of u[8c + 4h + t]; or 8 x 64 code bytes, vector c holding u[4c + t]) and the
 // scales (F16: D[16], C[16] float16; F32: float32; K: sc[16], mn[16] uint8; 6K: sc[16] of inputs 0-15, sc[16] of
-// 16-31, int8; D0: D[16] float16, C = -8 / -16 / -128 D). lp.kernels.idot.packi writes it; lp.kernels.idot.reference is this arithmetic in torch.
-template <int CODE, int SCALE>  // CODE 0 nibble, 1 nibble + 1 plane, 2 nibble + 2 planes, 3 bytes; SCALE 0 F16, 1 F32, 2 K, 3 6K, 4 D0
-struct IDot {
+// 16-31, int8; D0: D[16] float16, C = -8 / -16 / -128 D; D0F: D[16] float32, C = -128 D). lp.kernels.idot.packi
+// writes it; lp.kernels.idot.reference is this arithmetic in torch.
+// CODE 4 (IQ4_NL / IQ4_XS, AVX-512 build only): a nibble indexing IQ4's sixteen int8 values, u = value + 128 (one
+// vpshufb a code vector), C = -128 D: Q8_0's arithmetic at 4 bits a code.
+template <int CODE, int SCALE>  // CODE 0 nibble, 1 nibble + 1 plane, 2 nibble + 2 planes, 3 bytes, 4 IQ4 nibble;
+struct IDot {                   // SCALE 0 F16, 1 F32, 2 K, 3 6K, 4 D0, 5 D0F
   static constexpr int64_t kSuper = SCALE == 2 || SCALE == 3 ? 8 : 1;
   static constexpr int64_t kHead = SCALE == 2 ? 128 : (SCALE == 3 ? 64 : 0);
-  static constexpr int64_t kCodes = CODE == 3 ? 512 : 256 + CODE * 64;
-  static constexpr int64_t kScales = SCALE == 1 ? 128 : (SCALE == 0 ? 64 : 32);  // 4: D[16] float16 alone
+  static constexpr int kPlanes = CODE <= 2 ? CODE : 0;  // bit planes above the nibble
+  static constexpr int64_t kCodes = CODE == 3 ? 512 : 256 + kPlanes * 64;
+  static constexpr int64_t kScales = SCALE == 1 ? 128 : (SCALE == 0 || SCALE == 5 ? 64 : 32);  // 4: D[16] float16 alone
   static constexpr int64_t kBlockBytes = kCodes + kScales;
   static constexpr int64_t kBytes = kHead + kSuper * kBlockBytes;
   static constexpr int kHalves = SCALE == 3 ? 2 : 1;
 };
+
+// C = k D of the kinds that hold D alone (SCALE 4, 5): k by the code's width
+constexpr float code_offset(int code) { return code == 0 ? -8.0f : (code == 1 ? -16.0f : -128.0f); }
+// IQ4_NL / IQ4_XS's code values (gguf.quants.IQ4_NL.kvalues) plus 128: CODE 4's unsigned codes
+constexpr uint8_t kIq4Codes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 constexpr int kIdotRows = 32;  // rows a pass over a group's blocks holds accumulators for
 
@@ -637,20 +646,24 @@ __attribute__((always_inline)) inline void idot_block(const uint8_t* e, const ui
       u[2 * c] = _mm512_and_si512(v, m4);
       u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
     }
-    for (int p = 0; p < CODE; ++p) {
+    for (int p = 0; p < F::kPlanes; ++p) {
       const uint64_t* plane = reinterpret_cast<const uint64_t*>(blk + 256 + 64 * p);
       const __m512i bit = p == 0 ? one4 : one5;
       // the bit is 0 in the nibble code: a masked byte add sets it, one op (a masked move and an or: two)
       for (int j = 0; j < 8; ++j) u[j] = _mm512_mask_add_epi8(u[j], plane[j], u[j], bit);
     }
+    if constexpr (CODE == 4) {  // the nibble's IQ4 value + 128, looked up in each 128-bit lane
+      const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Codes)));
+      for (int j = 0; j < 8; ++j) u[j] = _mm512_shuffle_epi8(lut, u[j]);
+    }
   }
   // the 16 outputs' D and C (double, outputs 0-7 and 8-15; Q6_K: of inputs 0-15, then 16-31)
   const uint8_t* sc = blk + F::kCodes;
-  if constexpr (SCALE == 0 || SCALE == 1 || SCALE == 4) {
+  if constexpr (SCALE == 0 || SCALE == 1 || SCALE == 4 || SCALE == 5) {
     __m512 d, c;
-    if constexpr (SCALE == 4) {  // Q4_0 / Q5_0 / Q8_0: C = -8 / -16 / -128 D, exact
-      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-      c = _mm512_mul_ps(d, _mm512_set1_ps(CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f)));
+    if constexpr (SCALE == 4 || SCALE == 5) {  // Q4_0 / Q5_0 / Q8_0 / IQ4: C = -8 / -16 / -128 D, exact
+      d = SCALE == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc))) : _mm512_loadu_ps(sc);
+      c = _mm512_mul_ps(d, _mm512_set1_ps(code_offset(CODE)));
     } else if constexpr (SCALE == 0) {
       d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
       c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
@@ -1366,8 +1379,19 @@ torch::Tensor idot_run(torch::Tensor x, const torch::Tensor& p, int64_t N) {
 }
 #endif
 
-// kinds 20..31 (lp.kernels.idot's doc): (CODE, SCALE)
-constexpr int kIdotKinds[12][2] = {{0, 0}, {1, 0}, {3, 0}, {0, 2}, {1, 2}, {2, 3}, {0, 1}, {1, 1}, {3, 1}, {0, 4}, {1, 4}, {3, 4}};
+// kinds 20..35 (lp.kernels.idot's doc): (CODE, SCALE); 32 / 33 are the AVX2 build's 16-bit floats (no blocks), 34 / 35
+// the AVX-512 build's IQ4 nibbles (D float16 / float32)
+constexpr int kIdotKinds[16][2] = {{0, 0}, {1, 0}, {3, 0}, {0, 2}, {1, 2}, {2, 3}, {0, 1}, {1, 1}, {3, 1}, {0, 4}, {1, 4}, {3, 4},
+                                   {-1, -1}, {-1, -1}, {4, 4}, {4, 5}};
+
+// kinds whose blocks this build's mmi / screeni / rowsi take
+bool idot_block_kind(int64_t kind) {
+#if defined(LP_IDOT512)
+  return (kind >= 20 && kind <= 31) || kind == 34 || kind == 35;
+#else
+  return kind >= 20 && kind <= 31;
+#endif
+}
 
 bool idot_available() {
 #if defined(LP_IDOT512) || defined(LP_IDOT256)
@@ -1378,8 +1402,9 @@ bool idot_available() {
 }
 
 torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind) {
-  TORCH_CHECK(kind >= 20 && kind <= 33, "mmi: kind must be 20..33 (lp.kernels.idot), got ", kind);
-  if (kind >= 32) {  // 16-bit floats: 32 float16, 33 bfloat16
+  TORCH_CHECK(kind >= 20 && kind <= 35, "mmi: kind must be 20..35 (lp.kernels.idot), got ", kind);
+  TORCH_CHECK(kind <= 33 || idot_block_kind(kind), "mmi: kinds 34 / 35 (IQ4 nibbles) run in idot's AVX-512 build");
+  if (kind == 32 || kind == 33) {  // 16-bit floats: 32 float16, 33 bfloat16
 #if defined(LP_IDOT256)
     return idot16_run(x, p, n, kind == 33);
 #else
@@ -1399,6 +1424,10 @@ torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind)
     case 28: return idot_run<3, 1>(x, p, n);
     case 29: return idot_run<0, 4>(x, p, n);
     case 30: return idot_run<1, 4>(x, p, n);
+#if defined(LP_IDOT512)
+    case 34: return idot_run<4, 4>(x, p, n);
+    case 35: return idot_run<4, 5>(x, p, n);
+#endif
     default: return idot_run<3, 4>(x, p, n);
   }
 #else
@@ -1406,12 +1435,13 @@ torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind)
 #endif
 }
 
-// (blocks an entry, header bytes, code bytes a block, block bytes, entry bytes) of idot kind 20..31
+// (blocks an entry, header bytes, code bytes a block, block bytes, entry bytes) of idot kind 20..31 (34, 35)
 std::vector<int64_t> idot_layout(int64_t kind) {
-  TORCH_CHECK(kind >= 20 && kind <= 31, "layouti: kind must be 20..31, got ", kind);
+  TORCH_CHECK(idot_block_kind(kind), "layouti: kind must be 20..31 (34 / 35 with AVX-512: lp.kernels.idot), got ", kind);
   const int code = kIdotKinds[kind - 20][0], scale = kIdotKinds[kind - 20][1];
   const int64_t super = scale == 2 || scale == 3 ? 8 : 1, head = scale == 2 ? 128 : (scale == 3 ? 64 : 0);
-  const int64_t codes = code == 3 ? 512 : 256 + code * 64, scales = scale == 1 ? 128 : (scale == 0 ? 64 : 32);
+  const int64_t codes = code == 3 ? 512 : 256 + (code <= 2 ? code : 0) * 64,
+                scales = scale == 1 ? 128 : (scale == 0 || scale == 5 ? 64 : 32);
   return {super, head, codes, codes + scales, head + super * (codes + scales)};
 }
 
@@ -1522,7 +1552,7 @@ std::tuple<bool, at::Tensor> idot_screen_run(torch::Tensor x, const torch::Tenso
 
 std::tuple<bool, at::Tensor> idot_screen(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind, torch::Tensor wnorm,
                                          int64_t max_groups, int64_t digits) {
-  TORCH_CHECK(kind >= 20 && kind <= 31, "screeni: kind must be 20..31 (lp.kernels.idot), got ", kind);
+  TORCH_CHECK(idot_block_kind(kind), "screeni: kind must be 20..31 (34 / 35 with AVX-512: lp.kernels.idot), got ", kind);
 #if defined(LP_IDOT256) || defined(LP_IDOT512)
   switch (kind) {
     case 20: return idot_screen_run<0, 0>(x, p, n, wnorm, max_groups, digits);
@@ -1536,6 +1566,10 @@ std::tuple<bool, at::Tensor> idot_screen(torch::Tensor x, torch::Tensor p, int64
     case 28: return idot_screen_run<3, 1>(x, p, n, wnorm, max_groups, digits);
     case 29: return idot_screen_run<0, 4>(x, p, n, wnorm, max_groups, digits);
     case 30: return idot_screen_run<1, 4>(x, p, n, wnorm, max_groups, digits);
+#if defined(LP_IDOT512)
+    case 34: return idot_screen_run<4, 4>(x, p, n, wnorm, max_groups, digits);
+    case 35: return idot_screen_run<4, 5>(x, p, n, wnorm, max_groups, digits);
+#endif
     default: return idot_screen_run<3, 4>(x, p, n, wnorm, max_groups, digits);
   }
 #else
@@ -1587,15 +1621,16 @@ void idot_rows_run(const uint8_t* p, int64_t entries, const int64_t* ids, int64_
           } else {
             const uint8_t byte = blk[64 * (j / 2) + 4 * i + t];
             code = j % 2 ? byte >> 4 : byte & 0x0f;
-            for (int pl = 0; pl < CODE; ++pl) {
+            for (int pl = 0; pl < F::kPlanes; ++pl) {
               const uint64_t word = reinterpret_cast<const uint64_t*>(blk + 256 + 64 * pl)[j];
               if ((word >> (4 * i + t)) & 1u) code |= pl == 0 ? 16 : 32;
             }
           }
+          if constexpr (CODE == 4) code = kIq4Codes[code];
           float d, c;
-          if constexpr (SCALE == 4) {
-            d = half(sc, i);
-            c = d * (CODE == 0 ? -8.0f : (CODE == 1 ? -16.0f : -128.0f));
+          if constexpr (SCALE == 4 || SCALE == 5) {
+            d = SCALE == 4 ? half(sc, i) : reinterpret_cast<const float*>(sc)[i];
+            c = d * code_offset(CODE);
           } else if constexpr (SCALE == 0) {
             d = half(sc, i), c = half(sc + 32, i);
           } else if constexpr (SCALE == 1) {
@@ -1615,7 +1650,7 @@ void idot_rows_run(const uint8_t* p, int64_t entries, const int64_t* ids, int64_
 }
 
 torch::Tensor idot_rows(const torch::Tensor& p, const torch::Tensor& ids_in, int64_t N, int64_t kind) {
-  TORCH_CHECK(kind >= 20 && kind <= 31, "rowsi: kind must be 20..31 (lp.kernels.idot), got ", kind);
+  TORCH_CHECK(idot_block_kind(kind), "rowsi: kind must be 20..31 (34 / 35 with AVX-512: lp.kernels.idot), got ", kind);
   const std::vector<int64_t> lay = idot_layout(kind);
   TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(2) == lay[4] &&
                   p.size(0) == (N + 15) / 16, "rowsi: p must be a packed [groups, entries, ", lay[4], "] uint8 tensor of ", N, " rows");
@@ -1637,6 +1672,8 @@ torch::Tensor idot_rows(const torch::Tensor& p, const torch::Tensor& ids_in, int
     case 28: idot_rows_run<3, 1>(pp, entries, ip, n, K, N, op); break;
     case 29: idot_rows_run<0, 4>(pp, entries, ip, n, K, N, op); break;
     case 30: idot_rows_run<1, 4>(pp, entries, ip, n, K, N, op); break;
+    case 34: idot_rows_run<4, 4>(pp, entries, ip, n, K, N, op); break;
+    case 35: idot_rows_run<4, 5>(pp, entries, ip, n, K, N, op); break;
     default: idot_rows_run<3, 4>(pp, entries, ip, n, K, N, op); break;
   }
   return out;
@@ -2496,7 +2533,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screeni_available", &idot_screen_available, "whether this build runs screeni (either of idot's forms)");
   m.def("idot_float", &idot_float, "whether mmi's product is AVX2's float32 one (fdot_group) rather than the int8 digits' (and runs kinds 32 / 33)");
   m.def("rowsi", &idot_rows, "rows ids of an idot-packed weight (p, ids, n rows, kind) as float32 [len(ids), K]");
-  m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31");
+  m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31, 34, 35");
+  m.def("idot_iq4", []() { return idot_block_kind(34); }, "whether mmi runs IQ4 nibbles (kinds 34 / 35: the AVX-512 build)");
   m.def("idot", &idot_available, "whether this build runs lp.kernels.idot (AVX-512 VNNI and BW, or AVX2 with FMA and F16C)");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
