@@ -40,7 +40,13 @@ and then Q8_0's arithmetic (C = -128 D), D float16 (34: IQ4_NL's d) or float32 (
 d (scale - 32) per 32 inputs), 4.5 / 5 bits a weight; lp.model.gguf reads both as 8-bit values, and
 ``codes_of`` takes the nibbles back where every value is one of IQ4's (elsewhere, and on AVX2, they
 run as kinds 31 / 28, a byte a code). On SmolLM2's and Gemma-3's IQ4_XS files one served step went
-7.8 -> 5.2 ms and 13.1 -> 10.0 ms (bench/results/gguf_formats/files.md). On AVX2 also 32 / 33: 16-bit float weights (float16 /
+7.8 -> 5.2 ms and 13.1 -> 10.0 ms (bench/results/gguf_formats/files.md). And 36: Q3_K as 2-bit codes
+(2 x 64 bytes a block, bits 2h of byte 4 i + t of vector s holding u[4 (4 s + h) + t]) and one bit
+plane, u = q + 4, with Q6_K's scales and C = -4 D (3.6 bits a weight, the file's 3.44; elsewhere Q3_K
+runs as Q6_K's codes, kind 25, 6.6 bits): ``codes_of`` takes Q6_K parts whose codes all lie in
+28..35 (lp.model.gguf reads Q3_K as such parts) as kind 36, the same weights. On a Llama-3.2-1B-shaped
+Q3_K_M file (Q3_K q/k/o/gate/up) one served step went 29.4 -> 24.4 ms, llama.cpp's 29.9, and the
+process 1307 -> 1075 MiB. On AVX2 also 32 / 33: 16-bit float weights (float16 /
 bfloat16: a GGUF F16 / BF16 tensor, or a float32 weight whose every value is one, as a bf16 / fp16
 checkpoint holds), 2 bytes a weight, widened in the kernel (exact) and summed as ``reference_float``
 (with AVX-512 those run as exact4's ``Exact16Linear``). The greedy screen takes kinds 20-31, 34, 35.
@@ -58,10 +64,12 @@ from lp.kernels.exactq import grouped_rows, scales16, widenq
 
 GROUP, BLOCK = 16, 32
 BITS = {20: 5.0, 21: 6.0, 22: 9.0, 23: 4.75, 24: 5.75, 25: 6.625, 26: 6.0, 27: 7.0, 28: 10.0, 29: 4.5, 30: 5.5, 31: 8.5,
-        32: 16.0, 33: 16.0, 34: 4.5, 35: 5.0}
+        32: 16.0, 33: 16.0, 34: 4.5, 35: 5.0, 36: 3.625}
 HALF = {32: torch.float16, 33: torch.bfloat16}  # the 16-bit kinds (AVX2 build)
 OFFSET = {29: -8.0, 30: -16.0, 31: -128.0, 34: -128.0, 35: -128.0}  # C = OFFSET D: Q4_0, Q5_0, Q8_0, IQ4 hold D alone
 IQ4 = (34, 35)  # a nibble indexing IQ4's values (AVX-512 build): D float16 (IQ4_NL), float32 (IQ4_XS's d (scale - 32))
+Q3K = 36  # Q3_K as 2-bit codes and a bit plane (AVX-512 build), Q6_K's scales, C = -4 D
+SIXK = {25: 32, 36: 4}  # the kinds with Q6_K's scales (an int8 scale per 16, d per 256): their centre k, C = -k D
 # IQ4_NL / IQ4_XS's sixteen code values (gguf.quants.IQ4_NL.kvalues) + 128: what a kind-34 / 35 nibble stands for
 IQ4_CODES = torch.tensor((1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241), dtype=torch.uint8)
 _IQ4_INDEX = torch.full((256,), 255, dtype=torch.uint8)
@@ -80,8 +88,8 @@ def mmi(x_MK: torch.Tensor, p: torch.Tensor, n: int, kind: int) -> torch.Tensor:
 
 
 def iq4_kinds() -> bool:
-    """Whether IQ4 nibbles run on idot here (kinds 34 / 35: the AVX-512 VNNI build; elsewhere such a tensor
-    takes the 8-bit kinds, a byte a code)."""
+    """Whether IQ4 nibbles and Q3_K's 3-bit codes run on idot here (kinds 34..36: the AVX-512 VNNI build;
+    elsewhere IQ4 takes the 8-bit kinds, a byte a code, and Q3_K Q6_K's kind 25)."""
     return available() and bool(extension().idot_iq4())
 
 
@@ -126,7 +134,10 @@ def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
             return _legacy(21, 30, 27, u, D, C)
         if kind in (5, 6):
             return (23 if kind == 5 else 24), parts
-        return 25, parts  # 7, 8: Q6_K
+        u = parts[0]  # 7, 8: Q6_K's parts; Q3_K's (lp.model.gguf.QKINDS) hold u = q + 32 in 28..35
+        if iq4_kinds() and u.numel() and int(u.min()) >= 28 and int(u.max()) <= 35:
+            return Q3K, (u - 28, *parts[1:])  # 3 bits a code, the same weights: (u - 28 - 4) D = (u - 32) D
+        return 25, parts
     b8 = staged(lin, "_lp_blocks8")
     if b8 is not None:
         if len(b8) != 2:
@@ -168,6 +179,8 @@ def widened(kind: int, parts: tuple, cols: torch.Tensor | None = None) -> torch.
             return widenq(5, parts)
         if kind == 25:
             return widenq(7, parts)
+        if kind == Q3K:
+            return widenq(7, (parts[0] + 28, *parts[1:]))
         u, D, C = parts
         n, k = u.shape
         if kind in IQ4:  # (v + 128) D needs up to 25 bits (IQ4_XS's 17-bit D): in float64, one rounding
@@ -185,8 +198,8 @@ def widened(kind: int, parts: tuple, cols: torch.Tensor | None = None) -> torch.
     if kind in (23, 24):  # widenq(5): D = d sc, C = nm mn per 32, then u D + C
         _, sc, mn, d, nm = parts
         return u.float() * (at(d) * at(sc).float()) + at(nm) * at(mn).float()
-    if kind == 25:  # widenq(7): (u - 32) D16
-        return (u.float() - 32) * at(scales16(*parts[1:]))
+    if kind in SIXK:  # widenq(7): (u - 32) D16; Q3_K (u - 4) D16
+        return (u.float() - SIXK[kind]) * at(scales16(*parts[1:]))
     if kind in IQ4:
         return (u.double() * at(parts[1]).double() + at(parts[2]).double()).float()
     return u.float() * at(parts[1]) + at(parts[2])
@@ -204,10 +217,10 @@ def _scales(kind: int, parts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         D = d.double().repeat_interleave(8, dim=1) * sc.double()
         C = nm.double().repeat_interleave(8, dim=1) * mn.double()
         return D.repeat_interleave(2, dim=1), C.repeat_interleave(2, dim=1)
-    if kind == 25:
+    if kind in SIXK:
         _, sc, d = parts
         D = d.double().repeat_interleave(16, dim=1) * sc.double()
-        return D, -32.0 * D
+        return D, -float(SIXK[kind]) * D
     _, D, C = parts
     return D.double().repeat_interleave(2, dim=1), C.double().repeat_interleave(2, dim=1)
 
@@ -235,7 +248,7 @@ def reference_float(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tensor
 
 
 # The AVX-512 build's int32 block sums (csrc IDotInt): kind -> (X's top bit, centre k where C = -k D, or 0)
-INT32 = {29: (22, 8), 20: (21, 0), 23: (21, 0), 30: (21, 16), 21: (20, 0), 24: (20, 0), 25: (21, 32)}
+INT32 = {29: (22, 8), 20: (21, 0), 23: (21, 0), 30: (21, 16), 21: (20, 0), 24: (20, 0), 25: (21, 32), 36: (22, 4)}
 
 
 def reference_digits(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tensor:
@@ -258,7 +271,7 @@ def reference_digits(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tenso
     X = torch.round(torch.ldexp(xb, e.double()[..., None])).to(torch.int64)  # [M, B, 32]
     s = torch.ldexp(torch.ones_like(mx), -e.double())  # [M, B]
     D, C = _scales(kind, parts)  # [N, K / 16]
-    halves = 2 if kind == 25 else 1
+    halves = 2 if kind in SIXK else 1
     per = BLOCK // halves
     ub = u.reshape(n, k // per, per)
     Xh = X.reshape(m, k // per, per)
@@ -320,6 +333,17 @@ def _packi(kind: int, parts: tuple) -> torch.Tensor:
     u_G16B = grouped(u).reshape(g, GROUP, b, BLOCK)
     if kind in (22, 28, 31):  # vector c holds u[4c + t] of output i at byte 4 i + t
         codes = [u_G16B.reshape(g, GROUP, b, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, b, 512)]
+    elif kind == Q3K:  # bits 2h of byte 4 i + t of vector s: u[4 (4 s + h) + t]; then bit 2's plane
+        u5 = u_G16B.reshape(g, GROUP, b, 2, 4, 4)  # [g, i, b, s, h, t]
+        crumbs = u5[..., 0, :] & 0x03
+        for h in range(1, 4):
+            crumbs = crumbs | ((u5[..., h, :] & 0x03) << (2 * h))
+        codes = [crumbs.permute(0, 2, 3, 1, 4).reshape(g, b, 128)]
+        bit = ((u_G16B.reshape(g, GROUP, b, 8, 4) >> 2) & 1).permute(0, 2, 3, 1, 4).reshape(g, b, 64, 8)
+        byte = bit[..., 0].clone()
+        for j in range(1, 8):
+            byte |= bit[..., j] << j
+        codes.append(byte)
     else:
         u6 = u_G16B.reshape(g, GROUP, b, 4, 2, 4)  # [.., c, h, t]: u[8c + 4h + t]
         nib = (u6[..., 0, :] & 0x0F) | ((u6[..., 1, :] & 0x0F) << 4)  # [g, i, b, c, t]

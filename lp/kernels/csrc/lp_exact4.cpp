@@ -539,13 +539,16 @@ struct WeightsQ {
 // 16-31, int8; D0: D[16] float16, C = -8 / -16 / -128 D; D0F: D[16] float32, C = -128 D). lp.kernels.idot.packi
 // writes it; lp.kernels.idot.reference is this arithmetic in torch.
 // CODE 4 (IQ4_NL / IQ4_XS, AVX-512 build only): a nibble indexing IQ4's sixteen int8 values, u = value + 128 (one
-// vpshufb a code vector), C = -128 D: Q8_0's arithmetic at 4 bits a code.
-template <int CODE, int SCALE>  // CODE 0 nibble, 1 nibble + 1 plane, 2 nibble + 2 planes, 3 bytes, 4 IQ4 nibble;
-struct IDot {                   // SCALE 0 F16, 1 F32, 2 K, 3 6K, 4 D0, 5 D0F
+// vpshufb a code vector), C = -128 D: Q8_0's arithmetic at 4 bits a code. CODE 5 (Q3_K, AVX-512 build only): 2-bit
+// codes, 2 x 64 bytes (bits 2h, 2h + 1 of byte 4 i + t of vector s: output i's u[4 (4 s + h) + t]), then one plane
+// (bit 2, as the nibble kinds' planes), with Q6_K's scales (6K) and C = -4 D: 3.6 bits a weight (the file's 3.44).
+template <int CODE, int SCALE>  // CODE 0 nibble, 1 nibble + 1 plane, 2 nibble + 2 planes, 3 bytes, 4 IQ4 nibble,
+struct IDot {                   // 5 crumb + 1 plane; SCALE 0 F16, 1 F32, 2 K, 3 6K, 4 D0, 5 D0F
   static constexpr int64_t kSuper = SCALE == 2 || SCALE == 3 ? 8 : 1;
   static constexpr int64_t kHead = SCALE == 2 ? 128 : (SCALE == 3 ? 64 : 0);
-  static constexpr int kPlanes = CODE <= 2 ? CODE : 0;  // bit planes above the nibble
-  static constexpr int64_t kCodes = CODE == 3 ? 512 : 256 + kPlanes * 64;
+  static constexpr int kPlanes = CODE <= 2 ? CODE : (CODE == 5 ? 1 : 0);  // bit planes above the nibble (crumb)
+  static constexpr int64_t kLow = CODE == 5 ? 128 : 256;  // bytes of the low codes (nibbles, or crumbs)
+  static constexpr int64_t kCodes = CODE == 3 ? 512 : kLow + kPlanes * 64;
   static constexpr int64_t kScales = SCALE == 1 ? 128 : (SCALE == 0 || SCALE == 5 ? 64 : 32);  // 4: D[16] float16 alone
   static constexpr int64_t kBlockBytes = kCodes + kScales;
   static constexpr int64_t kBytes = kHead + kSuper * kBlockBytes;
@@ -553,7 +556,9 @@ struct IDot {                   // SCALE 0 F16, 1 F32, 2 K, 3 6K, 4 D0, 5 D0F
 };
 
 // C = k D of the kinds that hold D alone (SCALE 4, 5): k by the code's width
-constexpr float code_offset(int code) { return code == 0 ? -8.0f : (code == 1 ? -16.0f : -128.0f); }
+constexpr float code_offset(int code) {
+  return code == 0 ? -8.0f : (code == 1 ? -16.0f : (code == 2 ? -32.0f : (code == 5 ? -4.0f : -128.0f)));
+}
 // IQ4_NL / IQ4_XS's code values (gguf.quants.IQ4_NL.kvalues) plus 128: CODE 4's unsigned codes
 constexpr uint8_t kIq4Codes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
@@ -576,10 +581,11 @@ template <int CODE, int SCALE>
 struct IDotInt {
   // |t| < 2^31: 4-bit codes 23 bits centred (C = -8 D: |u - 8| <= 8, 32 inputs), 22 not; 5-bit codes 22 centred,
   // 21 not; Q6_K 22 (centred, 16 inputs a half)
-  static constexpr bool kOn = CODE <= 2 && SCALE != 1;
+  // Q3_K (CODE 5): 3-bit codes centred, |u - 4| <= 4 over 16 inputs a half: 22
+  static constexpr bool kOn = (CODE <= 2 || CODE == 5) && SCALE != 1;
   static constexpr bool kFold = kOn && (SCALE == 3 || SCALE == 4);  // C = -k D: t = sum (u - k) X, no C term
-  static constexpr int kCenter = CODE == 0 ? 8 : (CODE == 1 ? 16 : 32);
-  static constexpr int kTop = !kOn ? 22 : (CODE == 0 ? (kFold ? 22 : 21) : (CODE == 1 ? (kFold ? 21 : 20) : 21));
+  static constexpr int kCenter = static_cast<int>(-code_offset(CODE));
+  static constexpr int kTop = !kOn ? 22 : (CODE == 0 ? (kFold ? 22 : 21) : (CODE == 1 ? (kFold ? 21 : 20) : (CODE == 5 ? 22 : 21)));
 };
 
 IDotX idot_prep(const float* x, int64_t M, int64_t K, int top = 22) {
@@ -641,14 +647,25 @@ __attribute__((always_inline)) inline void idot_block(const uint8_t* e, const ui
   if constexpr (CODE == 3) {
     for (int c = 0; c < 8; ++c) u[c] = _mm512_loadu_si512(blk + 64 * c);
   } else {
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(blk + 64 * c);
-      u[2 * c] = _mm512_and_si512(v, m4);
-      u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if constexpr (CODE == 5) {  // crumbs: vector j from bits 2 (j % 4) of low vector j / 4
+      const __m512i m2 = _mm512_set1_epi8(0x03);
+      for (int s = 0; s < 2; ++s) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * s);
+        u[4 * s] = _mm512_and_si512(v, m2);
+        u[4 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 2), m2);
+        u[4 * s + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m2);
+        u[4 * s + 3] = _mm512_and_si512(_mm512_srli_epi16(v, 6), m2);
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+        u[2 * c] = _mm512_and_si512(v, m4);
+        u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      }
     }
     for (int p = 0; p < F::kPlanes; ++p) {
-      const uint64_t* plane = reinterpret_cast<const uint64_t*>(blk + 256 + 64 * p);
-      const __m512i bit = p == 0 ? one4 : one5;
+      const uint64_t* plane = reinterpret_cast<const uint64_t*>(blk + F::kLow + 64 * p);
+      const __m512i bit = CODE == 5 ? _mm512_set1_epi8(4) : (p == 0 ? one4 : one5);
       // the bit is 0 in the nibble code: a masked byte add sets it, one op (a masked move and an or: two)
       for (int j = 0; j < 8; ++j) u[j] = _mm512_mask_add_epi8(u[j], plane[j], u[j], bit);
     }
@@ -679,7 +696,7 @@ __attribute__((always_inline)) inline void idot_block(const uint8_t* e, const ui
     D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);  // d sc, nm mn: exact
   } else {
     const __m512 hd = _mm512_loadu_ps(reinterpret_cast<const float*>(e));
-    const __m512 m32 = _mm512_set1_ps(-32.0f);
+    const __m512 m32 = _mm512_set1_ps(code_offset(CODE));  // Q6_K -32, Q3_K -4
     for (int h = 0; h < 2; ++h) {
       const __m512 d = _mm512_mul_ps(hd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * h)))));
       const __m512 c = _mm512_mul_ps(d, m32);
@@ -1380,14 +1397,14 @@ torch::Tensor idot_run(torch::Tensor x, const torch::Tensor& p, int64_t N) {
 #endif
 
 // kinds 20..35 (lp.kernels.idot's doc): (CODE, SCALE); 32 / 33 are the AVX2 build's 16-bit floats (no blocks), 34 / 35
-// the AVX-512 build's IQ4 nibbles (D float16 / float32)
-constexpr int kIdotKinds[16][2] = {{0, 0}, {1, 0}, {3, 0}, {0, 2}, {1, 2}, {2, 3}, {0, 1}, {1, 1}, {3, 1}, {0, 4}, {1, 4}, {3, 4},
-                                   {-1, -1}, {-1, -1}, {4, 4}, {4, 5}};
+// the AVX-512 build's IQ4 nibbles (D float16 / float32), 36 its Q3_K crumbs
+constexpr int kIdotKinds[17][2] = {{0, 0}, {1, 0}, {3, 0}, {0, 2}, {1, 2}, {2, 3}, {0, 1}, {1, 1}, {3, 1}, {0, 4}, {1, 4}, {3, 4},
+                                   {-1, -1}, {-1, -1}, {4, 4}, {4, 5}, {5, 3}};
 
 // kinds whose blocks this build's mmi / screeni / rowsi take
 bool idot_block_kind(int64_t kind) {
 #if defined(LP_IDOT512)
-  return (kind >= 20 && kind <= 31) || kind == 34 || kind == 35;
+  return (kind >= 20 && kind <= 31) || (kind >= 34 && kind <= 36);
 #else
   return kind >= 20 && kind <= 31;
 #endif
@@ -1402,8 +1419,8 @@ bool idot_available() {
 }
 
 torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind) {
-  TORCH_CHECK(kind >= 20 && kind <= 35, "mmi: kind must be 20..35 (lp.kernels.idot), got ", kind);
-  TORCH_CHECK(kind <= 33 || idot_block_kind(kind), "mmi: kinds 34 / 35 (IQ4 nibbles) run in idot's AVX-512 build");
+  TORCH_CHECK(kind >= 20 && kind <= 36, "mmi: kind must be 20..36 (lp.kernels.idot), got ", kind);
+  TORCH_CHECK(kind <= 33 || idot_block_kind(kind), "mmi: kinds 34..36 (IQ4 nibbles, Q3_K crumbs) run in idot's AVX-512 build");
   if (kind == 32 || kind == 33) {  // 16-bit floats: 32 float16, 33 bfloat16
 #if defined(LP_IDOT256)
     return idot16_run(x, p, n, kind == 33);
@@ -1427,6 +1444,7 @@ torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind)
 #if defined(LP_IDOT512)
     case 34: return idot_run<4, 4>(x, p, n);
     case 35: return idot_run<4, 5>(x, p, n);
+    case 36: return idot_run<5, 3>(x, p, n);
 #endif
     default: return idot_run<3, 4>(x, p, n);
   }
@@ -1437,10 +1455,10 @@ torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind)
 
 // (blocks an entry, header bytes, code bytes a block, block bytes, entry bytes) of idot kind 20..31 (34, 35)
 std::vector<int64_t> idot_layout(int64_t kind) {
-  TORCH_CHECK(idot_block_kind(kind), "layouti: kind must be 20..31 (34 / 35 with AVX-512: lp.kernels.idot), got ", kind);
+  TORCH_CHECK(idot_block_kind(kind), "layouti: kind must be 20..31 (34..36 with AVX-512: lp.kernels.idot), got ", kind);
   const int code = kIdotKinds[kind - 20][0], scale = kIdotKinds[kind - 20][1];
   const int64_t super = scale == 2 || scale == 3 ? 8 : 1, head = scale == 2 ? 128 : (scale == 3 ? 64 : 0);
-  const int64_t codes = code == 3 ? 512 : 256 + (code <= 2 ? code : 0) * 64,
+  const int64_t codes = code == 3 ? 512 : (code == 5 ? 128 + 64 : 256 + (code <= 2 ? code : 0) * 64),
                 scales = scale == 1 ? 128 : (scale == 0 || scale == 5 ? 64 : 32);
   return {super, head, codes, codes + scales, head + super * (codes + scales)};
 }
@@ -1552,7 +1570,7 @@ std::tuple<bool, at::Tensor> idot_screen_run(torch::Tensor x, const torch::Tenso
 
 std::tuple<bool, at::Tensor> idot_screen(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind, torch::Tensor wnorm,
                                          int64_t max_groups, int64_t digits) {
-  TORCH_CHECK(idot_block_kind(kind), "screeni: kind must be 20..31 (34 / 35 with AVX-512: lp.kernels.idot), got ", kind);
+  TORCH_CHECK(idot_block_kind(kind), "screeni: kind must be 20..31 (34..36 with AVX-512: lp.kernels.idot), got ", kind);
 #if defined(LP_IDOT256) || defined(LP_IDOT512)
   switch (kind) {
     case 20: return idot_screen_run<0, 0>(x, p, n, wnorm, max_groups, digits);
@@ -1569,6 +1587,7 @@ std::tuple<bool, at::Tensor> idot_screen(torch::Tensor x, torch::Tensor p, int64
 #if defined(LP_IDOT512)
     case 34: return idot_screen_run<4, 4>(x, p, n, wnorm, max_groups, digits);
     case 35: return idot_screen_run<4, 5>(x, p, n, wnorm, max_groups, digits);
+    case 36: return idot_screen_run<5, 3>(x, p, n, wnorm, max_groups, digits);
 #endif
     default: return idot_screen_run<3, 4>(x, p, n, wnorm, max_groups, digits);
   }
@@ -1619,11 +1638,15 @@ void idot_rows_run(const uint8_t* p, int64_t entries, const int64_t* ids, int64_
           if constexpr (CODE == 3) {
             code = blk[64 * j + 4 * i + t];
           } else {
-            const uint8_t byte = blk[64 * (j / 2) + 4 * i + t];
-            code = j % 2 ? byte >> 4 : byte & 0x0f;
+            if constexpr (CODE == 5) {
+              code = (blk[64 * (j / 4) + 4 * i + t] >> (2 * (j % 4))) & 0x03;
+            } else {
+              const uint8_t byte = blk[64 * (j / 2) + 4 * i + t];
+              code = j % 2 ? byte >> 4 : byte & 0x0f;
+            }
             for (int pl = 0; pl < F::kPlanes; ++pl) {
-              const uint64_t word = reinterpret_cast<const uint64_t*>(blk + 256 + 64 * pl)[j];
-              if ((word >> (4 * i + t)) & 1u) code |= pl == 0 ? 16 : 32;
+              const uint64_t word = reinterpret_cast<const uint64_t*>(blk + F::kLow + 64 * pl)[j];
+              if ((word >> (4 * i + t)) & 1u) code |= CODE == 5 ? 4 : (pl == 0 ? 16 : 32);
             }
           }
           if constexpr (CODE == 4) code = kIq4Codes[code];
@@ -1640,7 +1663,7 @@ void idot_rows_run(const uint8_t* p, int64_t entries, const int64_t* ids, int64_
             d = hd[i] * static_cast<float>(sc[i]), c = hd[16 + i] * static_cast<float>(sc[16 + i]);
           } else {
             d = reinterpret_cast<const float*>(e)[i] * static_cast<float>(static_cast<int8_t>(sc[16 * (k / 16) + i]));
-            c = d * -32.0f;
+            c = d * code_offset(CODE);
           }
           out[r * K + b * kBlock + k] = static_cast<float>(static_cast<double>(d) * code + static_cast<double>(c));
         }
@@ -1650,7 +1673,7 @@ void idot_rows_run(const uint8_t* p, int64_t entries, const int64_t* ids, int64_
 }
 
 torch::Tensor idot_rows(const torch::Tensor& p, const torch::Tensor& ids_in, int64_t N, int64_t kind) {
-  TORCH_CHECK(idot_block_kind(kind), "rowsi: kind must be 20..31 (34 / 35 with AVX-512: lp.kernels.idot), got ", kind);
+  TORCH_CHECK(idot_block_kind(kind), "rowsi: kind must be 20..31 (34..36 with AVX-512: lp.kernels.idot), got ", kind);
   const std::vector<int64_t> lay = idot_layout(kind);
   TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(2) == lay[4] &&
                   p.size(0) == (N + 15) / 16, "rowsi: p must be a packed [groups, entries, ", lay[4], "] uint8 tensor of ", N, " rows");
@@ -1674,6 +1697,7 @@ torch::Tensor idot_rows(const torch::Tensor& p, const torch::Tensor& ids_in, int
     case 30: idot_rows_run<1, 4>(pp, entries, ip, n, K, N, op); break;
     case 34: idot_rows_run<4, 4>(pp, entries, ip, n, K, N, op); break;
     case 35: idot_rows_run<4, 5>(pp, entries, ip, n, K, N, op); break;
+    case 36: idot_rows_run<5, 3>(pp, entries, ip, n, K, N, op); break;
     default: idot_rows_run<3, 4>(pp, entries, ip, n, K, N, op); break;
   }
   return out;
@@ -2533,8 +2557,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screeni_available", &idot_screen_available, "whether this build runs screeni (either of idot's forms)");
   m.def("idot_float", &idot_float, "whether mmi's product is AVX2's float32 one (fdot_group) rather than the int8 digits' (and runs kinds 32 / 33)");
   m.def("rowsi", &idot_rows, "rows ids of an idot-packed weight (p, ids, n rows, kind) as float32 [len(ids), K]");
-  m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31, 34, 35");
-  m.def("idot_iq4", []() { return idot_block_kind(34); }, "whether mmi runs IQ4 nibbles (kinds 34 / 35: the AVX-512 build)");
+  m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31, 34..36");
+  m.def("idot_iq4", []() { return idot_block_kind(34); }, "whether mmi runs IQ4 nibbles and Q3_K crumbs (kinds 34..36: the AVX-512 build)");
   m.def("idot", &idot_available, "whether this build runs lp.kernels.idot (AVX-512 VNNI and BW, or AVX2 with FMA and F16C)");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
