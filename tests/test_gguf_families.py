@@ -97,13 +97,14 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
             assert (emb.source is head) == (arch in TIED)
             every = torch.arange(emb.num_embeddings)
             assert torch.equal(emb(every), ref.get_input_embeddings().weight)
-        if (fmt.startswith("IQ4") or fmt == "Q3_K") and idot.iq4_kinds():
+        if (fmt.startswith("IQ4") or fmt in ("Q3_K", "Q2_K")) and idot.iq4_kinds():
             from lp.kernels.fused import kernel_kind
 
-            # the file's nibbles (kinds 34 / 35), not a byte a code; Q3_K's 3-bit codes (36), not Q6_K's 6
-            want = (36,) if fmt == "Q3_K" else (34, 35)
+            # the file's nibbles (kinds 34 / 35), not a byte a code; Q3_K's 3-bit codes (36), not Q6_K's 6;
+            # Q2_K's 2-bit ones (37), not exact8x's byte and float32 scales
+            want, bits = {"Q3_K": ((36,), 3.625), "Q2_K": ((37,), 3.25)}.get(fmt, ((34, 35), 5.0))
             assert all(kernel_kind(m) in want for m in kernels), [kernel_kind(m) for m in kernels]
-            assert max(m.bits for m in kernels) <= (3.625 if fmt == "Q3_K" else 5.0)
+            assert max(m.bits for m in kernels) <= bits
         if arch == "qwen2":
             assert all(m.b is not None for m in kernels if len(m.splits) == 3)  # q/k/v biases on the kernel
     elif not kept:

@@ -46,7 +46,11 @@ plane, u = q + 4, with Q6_K's scales and C = -4 D (3.6 bits a weight, the file's
 runs as Q6_K's codes, kind 25, 6.6 bits): ``codes_of`` takes Q6_K parts whose codes all lie in
 28..35 (lp.model.gguf reads Q3_K as such parts) as kind 36, the same weights. On a Llama-3.2-1B-shaped
 Q3_K_M file (Q3_K q/k/o/gate/up) one served step went 29.4 -> 24.4 ms, llama.cpp's 29.9, and the
-process 1307 -> 1075 MiB. On AVX2 also 32 / 33: 16-bit float weights (float16 /
+process 1307 -> 1075 MiB. And 37: Q2_K as those 2-bit codes alone with Q4_K's scales per 16 inputs
+(a header d[16], nm[16] float32 a super-block; per block the 4-bit sc and m of each half as bytes),
+w = u (d sc) + nm mn; lp.model.gguf reads Q2_K as exact8x's per-16 products D, C, which ``_factor16``
+factors back exactly (3.25 bits a weight, the file's 2.625; exact8x held 12): on a 1B-shaped Q2_K
+file one served step went 47.4 -> 25.4 ms (llama.cpp 21.9), the process 1822 -> 990 MiB. On AVX2 also 32 / 33: 16-bit float weights (float16 /
 bfloat16: a GGUF F16 / BF16 tensor, or a float32 weight whose every value is one, as a bf16 / fp16
 checkpoint holds), 2 bytes a weight, widened in the kernel (exact) and summed as ``reference_float``
 (with AVX-512 those run as exact4's ``Exact16Linear``). The greedy screen takes kinds 20-31, 34, 35.
@@ -64,11 +68,12 @@ from lp.kernels.exactq import grouped_rows, scales16, widenq
 
 GROUP, BLOCK = 16, 32
 BITS = {20: 5.0, 21: 6.0, 22: 9.0, 23: 4.75, 24: 5.75, 25: 6.625, 26: 6.0, 27: 7.0, 28: 10.0, 29: 4.5, 30: 5.5, 31: 8.5,
-        32: 16.0, 33: 16.0, 34: 4.5, 35: 5.0, 36: 3.625}
+        32: 16.0, 33: 16.0, 34: 4.5, 35: 5.0, 36: 3.625, 37: 3.25}
 HALF = {32: torch.float16, 33: torch.bfloat16}  # the 16-bit kinds (AVX2 build)
 OFFSET = {29: -8.0, 30: -16.0, 31: -128.0, 34: -128.0, 35: -128.0}  # C = OFFSET D: Q4_0, Q5_0, Q8_0, IQ4 hold D alone
 IQ4 = (34, 35)  # a nibble indexing IQ4's values (AVX-512 build): D float16 (IQ4_NL), float32 (IQ4_XS's d (scale - 32))
 Q3K = 36  # Q3_K as 2-bit codes and a bit plane (AVX-512 build), Q6_K's scales, C = -4 D
+Q2K = 37  # Q2_K as 2-bit codes (AVX-512 build), Q4_K's scales per 16 inputs: (u, sc, mn, d, nm), w = u (d sc) + nm mn
 SIXK = {25: 32, 36: 4}  # the kinds with Q6_K's scales (an int8 scale per 16, d per 256): their centre k, C = -k D
 # IQ4_NL / IQ4_XS's sixteen code values (gguf.quants.IQ4_NL.kvalues) + 128: what a kind-34 / 35 nibble stands for
 IQ4_CODES = torch.tensor((1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241), dtype=torch.uint8)
@@ -103,6 +108,39 @@ def _iq4_nibbles(u: torch.Tensor) -> torch.Tensor | None:
     idx = _IQ4_INDEX[u.long()] if u.numel() * 8 <= 1 << 28 else torch.cat(
         [_IQ4_INDEX[u[r:r + 4096].long()] for r in range(0, u.shape[0], 4096)])
     return None if bool((idx == 255).any()) else idx
+
+
+def _factor16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(f [N, S] float32, s [N, 16 S] uint8) with f s == v exactly, s in 0..15, for v [N, 16 S] (a K-quant's
+    per-16 products d sc of a 4-bit sc and one d a super-block: Q2_K's D, and its C with nm = -dmin), else None."""
+    n, m = v.shape
+    if m % 16:
+        return None
+    vb = v.reshape(n, m // 16, 16)
+    top = vb.gather(-1, vb.abs().argmax(-1, keepdim=True))  # the largest |v| of each super-block, signed
+    f = torch.zeros_like(top)
+    done = top == 0
+    for cand in range(15, 0, -1):  # the scale of the largest: f = top / cand, exact where top = f cand
+        fc = top / cand
+        q = torch.round(vb / fc)
+        ok = (~done & ((q >= 0) & (q <= 15) & (fc * q == vb)).all(-1, keepdim=True))
+        f = torch.where(ok, fc, f)
+        done |= ok
+    if not bool(done.all()):
+        return None
+    s = torch.where(f == 0, 0.0, torch.round(vb / torch.where(f == 0, 1.0, f)))
+    return f[..., 0], s.to(torch.uint8).reshape(n, m)
+
+
+def _q2k(q: torch.Tensor, D: torch.Tensor, C: torch.Tensor) -> tuple[int, tuple] | None:
+    """Kind 37's parts of exact8x's (q, D, C) where q is 2-bit (Q2_K) and D, C factor as d sc, nm mn
+    (``_factor16``), else None."""
+    if not iq4_kinds() or q.dtype != torch.int8 or q.shape[1] % 256 or int(q.min()) < 0 or int(q.max()) > 3:
+        return None
+    dd, nn_ = _factor16(D), _factor16(C)
+    if dd is None or nn_ is None:
+        return None
+    return Q2K, (q.view(torch.uint8), dd[1], nn_[1], dd[0], nn_[0])
 
 
 def half_kinds() -> bool:
@@ -140,6 +178,8 @@ def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
         return 25, parts
     b8 = staged(lin, "_lp_blocks8")
     if b8 is not None:
+        if len(b8) == 3:  # exact8x's (q, D, C) per 16: Q2_K's 2-bit codes are the one idot kind of these
+            return _q2k(*b8)
         if len(b8) != 2:
             return None
         q8, d = b8
@@ -177,6 +217,10 @@ def widened(kind: int, parts: tuple, cols: torch.Tensor | None = None) -> torch.
             return parts[0].float()
         if kind in (23, 24):
             return widenq(5, parts)
+        if kind == Q2K:
+            u, sc, mn, d, nm = parts
+            D16, C16 = d.repeat_interleave(16, dim=1) * sc.float(), nm.repeat_interleave(16, dim=1) * mn.float()
+            return (u.float() * D16.repeat_interleave(16, dim=1) + C16.repeat_interleave(16, dim=1))
         if kind == 25:
             return widenq(7, parts)
         if kind == Q3K:
@@ -195,6 +239,9 @@ def widened(kind: int, parts: tuple, cols: torch.Tensor | None = None) -> torch.
     u = _u(kind, parts[0][:, cols])
     if kind in HALF:
         return u.float()
+    if kind == Q2K:  # per 16: D = d sc, C = nm mn, then u D + C
+        _, sc, mn, d, nm = parts
+        return u.float() * (at(d) * at(sc).float()) + at(nm) * at(mn).float()
     if kind in (23, 24):  # widenq(5): D = d sc, C = nm mn per 32, then u D + C
         _, sc, mn, d, nm = parts
         return u.float() * (at(d) * at(sc).float()) + at(nm) * at(mn).float()
@@ -217,6 +264,9 @@ def _scales(kind: int, parts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         D = d.double().repeat_interleave(8, dim=1) * sc.double()
         C = nm.double().repeat_interleave(8, dim=1) * mn.double()
         return D.repeat_interleave(2, dim=1), C.repeat_interleave(2, dim=1)
+    if kind == Q2K:
+        _, sc, mn, d, nm = parts
+        return d.double().repeat_interleave(16, dim=1) * sc.double(), nm.double().repeat_interleave(16, dim=1) * mn.double()
     if kind in SIXK:
         _, sc, d = parts
         D = d.double().repeat_interleave(16, dim=1) * sc.double()
@@ -271,7 +321,7 @@ def reference_digits(x_MK: torch.Tensor, kind: int, parts: tuple) -> torch.Tenso
     X = torch.round(torch.ldexp(xb, e.double()[..., None])).to(torch.int64)  # [M, B, 32]
     s = torch.ldexp(torch.ones_like(mx), -e.double())  # [M, B]
     D, C = _scales(kind, parts)  # [N, K / 16]
-    halves = 2 if kind in SIXK else 1
+    halves = 2 if kind in SIXK or kind == Q2K else 1
     per = BLOCK // halves
     ub = u.reshape(n, k // per, per)
     Xh = X.reshape(m, k // per, per)
@@ -333,17 +383,18 @@ def _packi(kind: int, parts: tuple) -> torch.Tensor:
     u_G16B = grouped(u).reshape(g, GROUP, b, BLOCK)
     if kind in (22, 28, 31):  # vector c holds u[4c + t] of output i at byte 4 i + t
         codes = [u_G16B.reshape(g, GROUP, b, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, b, 512)]
-    elif kind == Q3K:  # bits 2h of byte 4 i + t of vector s: u[4 (4 s + h) + t]; then bit 2's plane
+    elif kind in (Q3K, Q2K):  # bits 2h of byte 4 i + t of vector s: u[4 (4 s + h) + t]; Q3_K: then bit 2's plane
         u5 = u_G16B.reshape(g, GROUP, b, 2, 4, 4)  # [g, i, b, s, h, t]
         crumbs = u5[..., 0, :] & 0x03
         for h in range(1, 4):
             crumbs = crumbs | ((u5[..., h, :] & 0x03) << (2 * h))
         codes = [crumbs.permute(0, 2, 3, 1, 4).reshape(g, b, 128)]
-        bit = ((u_G16B.reshape(g, GROUP, b, 8, 4) >> 2) & 1).permute(0, 2, 3, 1, 4).reshape(g, b, 64, 8)
-        byte = bit[..., 0].clone()
-        for j in range(1, 8):
-            byte |= bit[..., j] << j
-        codes.append(byte)
+        if kind == Q3K:
+            bit = ((u_G16B.reshape(g, GROUP, b, 8, 4) >> 2) & 1).permute(0, 2, 3, 1, 4).reshape(g, b, 64, 8)
+            byte = bit[..., 0].clone()
+            for j in range(1, 8):
+                byte |= bit[..., j] << j
+            codes.append(byte)
     else:
         u6 = u_G16B.reshape(g, GROUP, b, 4, 2, 4)  # [.., c, h, t]: u[8c + 4h + t]
         nib = (u6[..., 0, :] & 0x0F) | ((u6[..., 1, :] & 0x0F) << 4)  # [g, i, b, c, t]
@@ -368,6 +419,9 @@ def _packi(kind: int, parts: tuple) -> torch.Tensor:
         scales = [per_output(parts[1].float()), per_output(parts[2].float())]
     elif kind in (23, 24):
         scales = [per_output(parts[1]), per_output(parts[2])]
+    elif kind == Q2K:  # sc of inputs 0-15, of 16-31, then mn alike
+        sc, mn = parts[1].reshape(n, b, 2), parts[2].reshape(n, b, 2)
+        scales = [per_output(t[..., h].contiguous()) for t in (sc, mn) for h in (0, 1)]
     else:
         sc = parts[1].reshape(n, b, 2)
         scales = [per_output(sc[..., 0].contiguous()), per_output(sc[..., 1].contiguous())]
@@ -375,7 +429,7 @@ def _packi(kind: int, parts: tuple) -> torch.Tensor:
     assert blocks.shape[-1] == block_bytes and sum(c.shape[-1] for c in codes) == code_bytes, blocks.shape
     entry = [blocks.reshape(g, s, supers * block_bytes)]
     if head:
-        floats = parts[3:] if kind in (23, 24) else parts[2:]
+        floats = parts[3:] if kind in (23, 24, Q2K) else parts[2:]
         entry = [grouped(t.float()).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(g, s, -1)
                  for t in floats] + entry
     out = torch.cat(entry, dim=-1).contiguous()
@@ -468,7 +522,7 @@ def _staged(parts) -> nn.Linear | None:
         lin._lp_weight16 = q
     elif isinstance(q, int):  # lp.model.gguf.QParts (kind, parts)
         lin._lp_blocksq = tuple(parts)
-    elif len(parts) == 2 and q.dtype == torch.int8:
+    elif len(parts) in (2, 3) and q.dtype == torch.int8:  # 3: exact8x's (q, D, C), of which Q2_K's (kind 37)
         lin._lp_blocks8 = tuple(parts)
     elif len(parts) == 3 and q.dtype == torch.uint8:
         lin._lp_blocks = tuple(parts)
