@@ -45,6 +45,10 @@ _F16 = {
     "Q3_K": [(108, 1 / (2.3 * 16.0))],
     "IQ4_NL": [(0, 1 / 65.0)],
     "IQ4_XS": [(0, 1 / (65.0 * 18.5))],  # d * (6-bit scale - 32) * code value
+    # codebooks: d (0.5 + scale) / 4 (IQ2; IQ3_XXS / 2) times grid values of ~8-43 (IQ3: 4-62), IQ3_S d (1 + 2 scale),
+    # IQ1_S d (2 s + 1) (grid +- 1/8), the ternary kinds d q
+    "IQ2_XXS": [(0, 1 / 50.0)], "IQ2_XS": [(0, 1 / 50.0)], "IQ2_S": [(0, 1 / 50.0)], "IQ3_XXS": [(0, 1 / 120.0)],
+    "IQ3_S": [(0, 1 / 128.0)], "IQ1_S": [(0, 1 / 8.0)], "TQ1_0": [(52, 1.25)], "TQ2_0": [(64, 1.25)],
 }
 
 

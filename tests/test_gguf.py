@@ -223,3 +223,22 @@ def test_file_tensors_read_the_index_gguf_reads(tmp_path):
     bad.write_bytes(b"GGML" + bytes(64))
     with pytest.raises(ValueError, match="bad.gguf is not a GGUF file"):
         file_tensors(bad)
+
+
+@pytest.mark.parametrize("kind", ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "TQ1_0", "TQ2_0"])
+def test_codebook_blocks_are_int8_codes_times_the_files_scales(kind):
+    """A codebook tensor (random blocks) as ``codes8_of`` holds it: int8 codes q and the file's own
+    scale D per 32 (16) inputs, widened to gguf.dequantize's weights bit for bit (the loader's check
+    too); a scale read a field off (a 32's scale taken for the next's) is not."""
+    from lp.kernels.exact4 import widen8
+    from lp.model.gguf import CODES8, codes8_of
+    from tests.gguf_tiny import random_blocks
+
+    n, k = 24, 512
+    raw = random_blocks(kind, n, k, 0.05, np.random.default_rng(3))
+    want = _dequantized(raw, kind, n, k)
+    parts = codes8_of(raw, kind, n, k)
+    assert parts is not None and len(parts) == (2 if CODES8[kind] == 32 else 3)
+    assert parts[0].dtype == torch.int8 and torch.equal(widen8(*parts), want + 0.0)
+    if kind not in ("TQ1_0", "TQ2_0"):  # (one scale for all 8 of a block's 32s there)
+        assert not torch.equal(widen8(parts[0], parts[1].roll(1, dims=1), *parts[2:]), want + 0.0)

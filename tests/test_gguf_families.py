@@ -27,7 +27,8 @@ import torch
 
 from tests.gguf_tiny import FAMILIES, OTHERS, Q4_K_M, write_tiny_gguf
 
-FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS",
+           "IQ2_XXS", "IQ2_XS", "IQ3_S", "IQ1_S")  # the last four: codebooks, int8 codes with the file's scales
 CASES = [(arch, "Q4_K_M") for arch in FAMILIES + OTHERS] + [("qwen2", kind) for kind in FORMATS] + \
         [("llama", "F16"), ("llama", "BF16"), ("qwen3", "Q6_K")]  # qwen3: a tied Q6_K embedding and head, one copy
 CPP_STACK = ("llama", "qwen2", "qwen3", "gemma3", "phi3")  # families lp.kernels.fused runs as its C++ layers (the others: its loop)
@@ -48,7 +49,7 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     from lp.kernels import idot
     from lp.kernels.exact4 import BlockHead, Exact4Linear, extension
     from lp.kernels.fused import FusedDecoder
-    from lp.model.gguf import KEPT
+    from lp.model.gguf import CODES8, KEPT
     from lp.model import calibrate
     from lp.model.loader import load_model
     from lp.model.runner import ModelRunner
@@ -67,7 +68,7 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
     linears = [m for m in ref.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     kernels = [m for m in model.modules() if isinstance(m, Exact4Linear)]
     on_kernels = sum(len(m.splits) for m in kernels)
-    kept = fmt == "Q4_K_M" or fmt in KEPT
+    kept = fmt == "Q4_K_M" or fmt in KEPT or fmt in CODES8
     avx512 = extension().avx512()
     fast = avx512 or idot.available()  # lp's exact kernels: AVX-512, or idot's AVX2 form
     if not avx512 and fast:  # AVX2: the formats idot takes, the rest float32
@@ -105,6 +106,11 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
             want, bits = {"Q3_K": ((36,), 3.625), "Q2_K": ((37,), 3.25)}.get(fmt, ((34, 35), 5.0))
             assert all(kernel_kind(m) in want for m in kernels), [kernel_kind(m) for m in kernels]
             assert max(m.bits for m in kernels) <= bits
+        if fmt in CODES8:  # a byte a weight and the file's scale per 32 (idot's 8-bit kinds) or 16 (exact8x)
+            from lp.kernels.fused import kernel_kind
+
+            want = (28, 31) if CODES8[fmt] == 32 and idot.available() else (1, 2) if avx512 else (22, 28, 31)
+            assert all(kernel_kind(m) in want for m in kernels), [kernel_kind(m) for m in kernels]
         if arch == "qwen2":
             assert all(m.b is not None for m in kernels if len(m.splits) == 3)  # q/k/v biases on the kernel
     elif not kept:
