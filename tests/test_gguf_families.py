@@ -101,9 +101,9 @@ def test_family_gguf_runs_exactly(arch, fmt, tokenizer, tmp_path, monkeypatch):
         if (fmt.startswith("IQ4") or fmt in ("Q3_K", "Q2_K")) and idot.iq4_kinds():
             from lp.kernels.fused import kernel_kind
 
-            # the file's nibbles (kinds 34 / 35), not a byte a code; Q3_K's 3-bit codes (36), not Q6_K's 6;
+            # the file's nibbles (kinds 34 / 38: IQ4_XS's d per 256, int8 scales), not a byte a code; Q3_K's 3-bit codes (36);
             # Q2_K's 2-bit ones (37), not exact8x's byte and float32 scales
-            want, bits = {"Q3_K": ((36,), 3.625), "Q2_K": ((37,), 3.25)}.get(fmt, ((34, 35), 5.0))
+            want, bits = {"Q3_K": ((36,), 3.625), "Q2_K": ((37,), 3.25), "IQ4_XS": ((38,), 4.375)}.get(fmt, ((34,), 4.5))
             assert all(kernel_kind(m) in want for m in kernels), [kernel_kind(m) for m in kernels]
             assert max(m.bits for m in kernels) <= bits
         if fmt in CODES8:  # a byte a weight and the file's scale per 32 (idot's 8-bit kinds) or 16 (exact8x)

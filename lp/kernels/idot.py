@@ -34,10 +34,14 @@ Q4_K 4.75, Q6_K 6.6; scales float16 where the file's are).
 Kinds (csrc ``IDot<CODE, SCALE>``): 29 Q4_0, 30 Q5_0, 31 Q8_0 (D float16, C = -8 / -16 / -128 D
 formed in the kernel), 20 Q4_1, 21 Q5_1, 22 8-bit codes with D and C float16, 23 Q4_K, 24 Q5_K,
 25 Q6_K (and Q3_K, as lp.model.gguf holds it), and 26 / 27 / 28 as 20 / 21 / 22 with float32 scales
-(where a D or C is not a float16 value). In the AVX-512 build also 34 / 35: IQ4_NL / IQ4_XS as the
+(where a D or C is not a float16 value). In the AVX-512 build also 34 / 38: IQ4_NL / IQ4_XS as the
 file's nibbles, each looked up in IQ4's sixteen int8 values (+ 128: one ``vpshufb`` a code vector)
-and then Q8_0's arithmetic (C = -128 D), D float16 (34: IQ4_NL's d) or float32 (35: IQ4_XS's exact
-d (scale - 32) per 32 inputs), 4.5 / 5 bits a weight; lp.model.gguf reads both as 8-bit values, and
+and then Q8_0's arithmetic (C = -128 D), D float16 (34: IQ4_NL's d) or, for IQ4_XS, d (scale - 32) per
+32 inputs as the file holds it (38: d float32 per 256 in the entry's header, the scale - 32 as an int8
+per block; D = d sc formed exactly in the kernel; ``_factor`` recovers d and sc from the loader's
+per-32 products; 35 holds D float32 per 32 where that fails), 4.5 / 4.375 (35: 5) bits a weight
+(38 against 35: a 16384 x 4096 matrix at one row 1.47 / 1.77 ms against 1.65 / 1.97, min / median,
+bit-equal results; 4 rows alike); lp.model.gguf reads both as 8-bit values, and
 ``codes_of`` takes the nibbles back where every value is one of IQ4's (elsewhere, and on AVX2, they
 run as kinds 31 / 28, a byte a code). On SmolLM2's and Gemma-3's IQ4_XS files one served step went
 7.8 -> 5.2 ms and 13.1 -> 10.0 ms (bench/results/gguf_formats/files.md). And 36: Q3_K as 2-bit codes
@@ -48,7 +52,7 @@ runs as Q6_K's codes, kind 25, 6.6 bits): ``codes_of`` takes Q6_K parts whose co
 Q3_K_M file (Q3_K q/k/o/gate/up) one served step went 29.4 -> 24.4 ms, llama.cpp's 29.9, and the
 process 1307 -> 1075 MiB. And 37: Q2_K as those 2-bit codes alone with Q4_K's scales per 16 inputs
 (a header d[16], nm[16] float32 a super-block; per block the 4-bit sc and m of each half as bytes),
-w = u (d sc) + nm mn; lp.model.gguf reads Q2_K as exact8x's per-16 products D, C, which ``_factor16``
+w = u (d sc) + nm mn; lp.model.gguf reads Q2_K as exact8x's per-16 products D, C, which ``_factor``
 factors back exactly (3.25 bits a weight, the file's 2.625; exact8x held 12): on a 1B-shaped Q2_K
 file one served step went 47.4 -> 25.4 ms (llama.cpp 21.9), the process 1822 -> 990 MiB. On AVX2 also 32 / 33: 16-bit float weights (float16 /
 bfloat16: a GGUF F16 / BF16 tensor, or a float32 weight whose every value is one, as a bf16 / fp16
@@ -68,10 +72,13 @@ from lp.kernels.exactq import grouped_rows, scales16, widenq
 
 GROUP, BLOCK = 16, 32
 BITS = {20: 5.0, 21: 6.0, 22: 9.0, 23: 4.75, 24: 5.75, 25: 6.625, 26: 6.0, 27: 7.0, 28: 10.0, 29: 4.5, 30: 5.5, 31: 8.5,
-        32: 16.0, 33: 16.0, 34: 4.5, 35: 5.0, 36: 3.625, 37: 3.25}
+        32: 16.0, 33: 16.0, 34: 4.5, 35: 5.0, 36: 3.625, 37: 3.25, 38: 4.375}
 HALF = {32: torch.float16, 33: torch.bfloat16}  # the 16-bit kinds (AVX2 build)
-OFFSET = {29: -8.0, 30: -16.0, 31: -128.0, 34: -128.0, 35: -128.0}  # C = OFFSET D: Q4_0, Q5_0, Q8_0, IQ4 hold D alone
-IQ4 = (34, 35)  # a nibble indexing IQ4's values (AVX-512 build): D float16 (IQ4_NL), float32 (IQ4_XS's d (scale - 32))
+OFFSET = {29: -8.0, 30: -16.0, 31: -128.0, 34: -128.0, 35: -128.0, 38: -128.0}  # C = OFFSET D: Q4_0, Q5_0, Q8_0, IQ4 hold D alone
+# a nibble indexing IQ4's values (AVX-512 build): D float16 (34: IQ4_NL), float32 (35), IQ4_XS's d per 256 times an
+# int8 scale per 32 (38: (u, sc int8 [N, K / 32], d float32 [N, K / 256]))
+IQ4 = (34, 35, 38)
+IQ4XS = 38
 Q3K = 36  # Q3_K as 2-bit codes and a bit plane (AVX-512 build), Q6_K's scales, C = -4 D
 Q2K = 37  # Q2_K as 2-bit codes (AVX-512 build), Q4_K's scales per 16 inputs: (u, sc, mn, d, nm), w = u (d sc) + nm mn
 SIXK = {25: 32, 36: 4}  # the kinds with Q6_K's scales (an int8 scale per 16, d per 256): their centre k, C = -k D
@@ -110,37 +117,40 @@ def _iq4_nibbles(u: torch.Tensor) -> torch.Tensor | None:
     return None if bool((idx == 255).any()) else idx
 
 
-def _factor16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(f [N, S] float32, s [N, 16 S] uint8) with f s == v exactly, s in 0..15, for v [N, 16 S] (a K-quant's
-    per-16 products d sc of a 4-bit sc and one d a super-block: Q2_K's D, and its C with nm = -dmin), else None."""
+def _factor(v: torch.Tensor, group: int = 16, lo: int = 0, hi: int = 15) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(f [N, S] float32, s [N, group S] float32 integers) with f s == v exactly in float32, s in lo..hi, for
+    v [N, group S]: a K-quant's products d sc of a small integer sc and one d a super-block (Q2_K's D per 16,
+    and its C with nm = -dmin: 0..15; IQ4_XS's d (scale - 32) per 32: -32..31), else None."""
     n, m = v.shape
-    if m % 16:
+    if m % group:
         return None
-    vb = v.reshape(n, m // 16, 16)
+    vb = v.reshape(n, m // group, group)
     top = vb.gather(-1, vb.abs().argmax(-1, keepdim=True))  # the largest |v| of each super-block, signed
     f = torch.zeros_like(top)
     done = top == 0
-    for cand in range(15, 0, -1):  # the scale of the largest: f = top / cand, exact where top = f cand
-        fc = top / cand
+    for cand in sorted((c for c in range(lo, hi + 1) if c), key=abs, reverse=True):
+        fc = top / cand  # the scale of the largest: f = top / cand, exact where top = f cand
         q = torch.round(vb / fc)
-        ok = (~done & ((q >= 0) & (q <= 15) & (fc * q == vb)).all(-1, keepdim=True))
+        ok = (~done & ((q >= lo) & (q <= hi) & (fc * q == vb)).all(-1, keepdim=True))
         f = torch.where(ok, fc, f)
         done |= ok
+        if bool(done.all()):
+            break
     if not bool(done.all()):
         return None
     s = torch.where(f == 0, 0.0, torch.round(vb / torch.where(f == 0, 1.0, f)))
-    return f[..., 0], s.to(torch.uint8).reshape(n, m)
+    return f[..., 0], s.reshape(n, m)
 
 
 def _q2k(q: torch.Tensor, D: torch.Tensor, C: torch.Tensor) -> tuple[int, tuple] | None:
     """Kind 37's parts of exact8x's (q, D, C) where q is 2-bit (Q2_K) and D, C factor as d sc, nm mn
-    (``_factor16``), else None."""
+    (``_factor``), else None."""
     if not iq4_kinds() or q.dtype != torch.int8 or q.shape[1] % 256 or int(q.min()) < 0 or int(q.max()) > 3:
         return None
-    dd, nn_ = _factor16(D), _factor16(C)
+    dd, nn_ = _factor(D), _factor(C)
     if dd is None or nn_ is None:
         return None
-    return Q2K, (q.view(torch.uint8), dd[1], nn_[1], dd[0], nn_[0])
+    return Q2K, (q.view(torch.uint8), dd[1].to(torch.uint8), nn_[1].to(torch.uint8), dd[0], nn_[0])
 
 
 def half_kinds() -> bool:
@@ -186,7 +196,12 @@ def codes_of(lin: nn.Module) -> tuple[int, tuple] | None:
         u = q8.view(torch.uint8) ^ 0x80  # q + 128 as a byte (its sign bit flipped), no wider copy
         nib = _iq4_nibbles(u)  # IQ4_NL / IQ4_XS: the file's nibbles, 4 bits a code
         if nib is not None:
-            return (34 if _f16(d) else 35), (nib, d, d * -128.0)
+            if _f16(d):
+                return 34, (nib, d, d * -128.0)
+            xs = _factor(d, 8, -32, 31)  # IQ4_XS's d (scale - 32) per 32 as the file holds it: d per 256, int8 scales
+            if xs is not None:
+                return IQ4XS, (nib, xs[1].to(torch.int8), xs[0])
+            return 35, (nib, d, d * -128.0)
         return _legacy(22, 31, 28, u, d, d * -128.0)
     if not isinstance(lin, nn.Linear) or lin.weight.dtype != torch.float32:
         return None
@@ -228,6 +243,7 @@ def widened(kind: int, parts: tuple, cols: torch.Tensor | None = None) -> torch.
         u, D, C = parts
         n, k = u.shape
         if kind in IQ4:  # (v + 128) D needs up to 25 bits (IQ4_XS's 17-bit D): in float64, one rounding
+            D, C = _dc(kind, parts)
             w = _u(kind, u).double().reshape(n, -1, BLOCK) * D.double()[..., None] + C.double()[..., None]
             return w.float().reshape(n, k)
         return (u.float().reshape(n, -1, BLOCK) * D[..., None] + C[..., None]).reshape(n, k)
@@ -248,8 +264,18 @@ def widened(kind: int, parts: tuple, cols: torch.Tensor | None = None) -> torch.
     if kind in SIXK:  # widenq(7): (u - 32) D16; Q3_K (u - 4) D16
         return (u.float() - SIXK[kind]) * at(scales16(*parts[1:]))
     if kind in IQ4:
-        return (u.double() * at(parts[1]).double() + at(parts[2]).double()).float()
+        D, C = _dc(kind, parts)
+        return (u.double() * at(D).double() + at(C).double()).float()
     return u.float() * at(parts[1]) + at(parts[2])
+
+
+def _dc(kind: int, parts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D, C) float32 [N, K / 32] of a per-32 kind's parts (kind 38: D = d sc, exact, C = -128 D)."""
+    if kind == IQ4XS:
+        _, sc, d = parts
+        D = d.repeat_interleave(8, dim=1) * sc.float()
+        return D, D * -128.0
+    return parts[1], parts[2]
 
 
 def _u(kind: int, u: torch.Tensor) -> torch.Tensor:
@@ -271,7 +297,7 @@ def _scales(kind: int, parts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         _, sc, d = parts
         D = d.double().repeat_interleave(16, dim=1) * sc.double()
         return D, -float(SIXK[kind]) * D
-    _, D, C = parts
+    D, C = _dc(kind, parts)
     return D.double().repeat_interleave(2, dim=1), C.double().repeat_interleave(2, dim=1)
 
 
@@ -409,6 +435,8 @@ def _packi(kind: int, parts: tuple) -> torch.Tensor:
     if kind in (20, 21, 22):
         assert _f16(parts[1]) and _f16(parts[2]), "kinds 20-22 hold float16 scales"
         scales = [per_output(parts[1].half()), per_output(parts[2].half())]
+    elif kind == IQ4XS:  # int8 scales per 32; d per 256 in the header; C = -128 D formed in the kernel
+        scales = [per_output(parts[1])]
     elif kind == 35:  # IQ4 with float32 D; C = -128 D formed in the kernel
         assert torch.equal(parts[2], parts[1] * OFFSET[kind])
         scales = [per_output(parts[1].float())]

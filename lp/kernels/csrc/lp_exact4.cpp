@@ -544,15 +544,16 @@ struct WeightsQ {
 // (bit 2, as the nibble kinds' planes), with Q6_K's scales (6K) and C = -4 D: 3.6 bits a weight (the file's 3.44).
 // CODE 6 (Q2_K, AVX-512 build only): the crumbs alone, with K16 scales: Q4_K's (a header d[16], nm[16] float32 per
 // super-block; D = d sc, C = nm mn) per 16 inputs (sc[16] of inputs 0-15, sc[16] of 16-31, then mn alike, uint8):
-// 3.25 bits a weight (the file's 2.625).
+// 3.25 bits a weight (the file's 2.625). SCALE 7 (XS, IQ4_XS): a header d[16] float32 per super-block, per block
+// sc[16] int8 (the file's scale - 32), D = d sc, C = -128 D: 4.375 bits a weight with CODE 4 (the file's 4.25).
 template <int CODE, int SCALE>  // CODE 0 nibble, 1 nibble + 1 plane, 2 nibble + 2 planes, 3 bytes, 4 IQ4 nibble,
-struct IDot {                   // 5 crumb + 1 plane, 6 crumb; SCALE 0 F16, 1 F32, 2 K, 3 6K, 4 D0, 5 D0F, 6 K16
-  static constexpr int64_t kSuper = SCALE == 2 || SCALE == 3 || SCALE == 6 ? 8 : 1;
-  static constexpr int64_t kHead = SCALE == 2 || SCALE == 6 ? 128 : (SCALE == 3 ? 64 : 0);
+struct IDot {                   // 5 crumb + 1 plane, 6 crumb; SCALE 0 F16, 1 F32, 2 K, 3 6K, 4 D0, 5 D0F, 6 K16, 7 XS
+  static constexpr int64_t kSuper = SCALE == 2 || SCALE == 3 || SCALE == 6 || SCALE == 7 ? 8 : 1;
+  static constexpr int64_t kHead = SCALE == 2 || SCALE == 6 ? 128 : (SCALE == 3 || SCALE == 7 ? 64 : 0);
   static constexpr int kPlanes = CODE <= 2 ? CODE : (CODE == 5 ? 1 : 0);  // bit planes above the nibble (crumb)
   static constexpr int64_t kLow = CODE == 5 || CODE == 6 ? 128 : 256;  // bytes of the low codes (nibbles, or crumbs)
   static constexpr int64_t kCodes = CODE == 3 ? 512 : kLow + kPlanes * 64;
-  static constexpr int64_t kScales = SCALE == 1 ? 128 : (SCALE == 0 || SCALE == 5 || SCALE == 6 ? 64 : 32);  // 4: D[16] float16 alone
+  static constexpr int64_t kScales = SCALE == 1 ? 128 : (SCALE == 0 || SCALE == 5 || SCALE == 6 ? 64 : (SCALE == 7 ? 16 : 32));
   static constexpr int64_t kBlockBytes = kCodes + kScales;
   static constexpr int64_t kBytes = kHead + kSuper * kBlockBytes;
   static constexpr int kHalves = SCALE == 3 || SCALE == 6 ? 2 : 1;
@@ -697,6 +698,11 @@ __attribute__((always_inline)) inline void idot_block(const uint8_t* e, const ui
     const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(hd), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
     const __m512 c = _mm512_mul_ps(_mm512_loadu_ps(hd + 16), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
     D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);  // d sc, nm mn: exact
+  } else if constexpr (SCALE == 7) {  // IQ4_XS: D = d sc (an 11-bit d times a 6-bit sc: exact), C = -128 D
+    const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(e)),
+                                   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+    const __m512 c = _mm512_mul_ps(d, _mm512_set1_ps(code_offset(CODE)));
+    D[0][0] = lo_pd(d), D[0][1] = hi_pd(d), C[0][0] = lo_pd(c), C[0][1] = hi_pd(c);
   } else if constexpr (SCALE == 6) {  // per 16 inputs: D = d sc, C = nm mn, exact
     const float* hd = reinterpret_cast<const float*>(e);
     for (int h = 0; h < 2; ++h) {
@@ -1409,14 +1415,15 @@ torch::Tensor idot_run(torch::Tensor x, const torch::Tensor& p, int64_t N) {
 #endif
 
 // kinds 20..35 (lp.kernels.idot's doc): (CODE, SCALE); 32 / 33 are the AVX2 build's 16-bit floats (no blocks), 34 / 35
-// the AVX-512 build's IQ4 nibbles (D float16 / float32), 36 / 37 its Q3_K / Q2_K crumbs
-constexpr int kIdotKinds[18][2] = {{0, 0}, {1, 0}, {3, 0}, {0, 2}, {1, 2}, {2, 3}, {0, 1}, {1, 1}, {3, 1}, {0, 4}, {1, 4}, {3, 4},
-                                   {-1, -1}, {-1, -1}, {4, 4}, {4, 5}, {5, 3}, {6, 6}};
+// the AVX-512 build's IQ4 nibbles (D float16 / float32), 36 / 37 its Q3_K / Q2_K crumbs, 38 IQ4_XS's nibbles with
+// its d per 256 and int8 scales per 32
+constexpr int kIdotKinds[19][2] = {{0, 0}, {1, 0}, {3, 0}, {0, 2}, {1, 2}, {2, 3}, {0, 1}, {1, 1}, {3, 1}, {0, 4}, {1, 4}, {3, 4},
+                                   {-1, -1}, {-1, -1}, {4, 4}, {4, 5}, {5, 3}, {6, 6}, {4, 7}};
 
 // kinds whose blocks this build's mmi / screeni / rowsi take
 bool idot_block_kind(int64_t kind) {
 #if defined(LP_IDOT512)
-  return (kind >= 20 && kind <= 31) || (kind >= 34 && kind <= 37);
+  return (kind >= 20 && kind <= 31) || (kind >= 34 && kind <= 38);
 #else
   return kind >= 20 && kind <= 31;
 #endif
@@ -1431,8 +1438,8 @@ bool idot_available() {
 }
 
 torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind) {
-  TORCH_CHECK(kind >= 20 && kind <= 37, "mmi: kind must be 20..37 (lp.kernels.idot), got ", kind);
-  TORCH_CHECK(kind <= 33 || idot_block_kind(kind), "mmi: kinds 34..37 (IQ4 nibbles, Q3_K / Q2_K crumbs) run in idot's AVX-512 build");
+  TORCH_CHECK(kind >= 20 && kind <= 38, "mmi: kind must be 20..38 (lp.kernels.idot), got ", kind);
+  TORCH_CHECK(kind <= 33 || idot_block_kind(kind), "mmi: kinds 34..38 (IQ4 nibbles, Q3_K / Q2_K crumbs) run in idot's AVX-512 build");
   if (kind == 32 || kind == 33) {  // 16-bit floats: 32 float16, 33 bfloat16
 #if defined(LP_IDOT256)
     return idot16_run(x, p, n, kind == 33);
@@ -1458,6 +1465,7 @@ torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind)
     case 35: return idot_run<4, 5>(x, p, n);
     case 36: return idot_run<5, 3>(x, p, n);
     case 37: return idot_run<6, 6>(x, p, n);
+    case 38: return idot_run<4, 7>(x, p, n);
 #endif
     default: return idot_run<3, 4>(x, p, n);
   }
@@ -1468,12 +1476,12 @@ torch::Tensor idot_mm(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind)
 
 // (blocks an entry, header bytes, code bytes a block, block bytes, entry bytes) of idot kind 20..31 (34, 35)
 std::vector<int64_t> idot_layout(int64_t kind) {
-  TORCH_CHECK(idot_block_kind(kind), "layouti: kind must be 20..31 (34..37 with AVX-512: lp.kernels.idot), got ", kind);
+  TORCH_CHECK(idot_block_kind(kind), "layouti: kind must be 20..31 (34..38 with AVX-512: lp.kernels.idot), got ", kind);
   const int code = kIdotKinds[kind - 20][0], scale = kIdotKinds[kind - 20][1];
-  const int64_t super = scale == 2 || scale == 3 || scale == 6 ? 8 : 1,
-                head = scale == 2 || scale == 6 ? 128 : (scale == 3 ? 64 : 0);
+  const int64_t super = scale == 2 || scale == 3 || scale == 6 || scale == 7 ? 8 : 1,
+                head = scale == 2 || scale == 6 ? 128 : (scale == 3 || scale == 7 ? 64 : 0);
   const int64_t codes = code == 3 ? 512 : (code == 5 ? 128 + 64 : (code == 6 ? 128 : 256 + (code <= 2 ? code : 0) * 64)),
-                scales = scale == 1 ? 128 : (scale == 0 || scale == 5 || scale == 6 ? 64 : 32);
+                scales = scale == 1 ? 128 : (scale == 0 || scale == 5 || scale == 6 ? 64 : (scale == 7 ? 16 : 32));
   return {super, head, codes, codes + scales, head + super * (codes + scales)};
 }
 
@@ -1584,7 +1592,7 @@ std::tuple<bool, at::Tensor> idot_screen_run(torch::Tensor x, const torch::Tenso
 
 std::tuple<bool, at::Tensor> idot_screen(torch::Tensor x, torch::Tensor p, int64_t n, int64_t kind, torch::Tensor wnorm,
                                          int64_t max_groups, int64_t digits) {
-  TORCH_CHECK(idot_block_kind(kind), "screeni: kind must be 20..31 (34..37 with AVX-512: lp.kernels.idot), got ", kind);
+  TORCH_CHECK(idot_block_kind(kind), "screeni: kind must be 20..31 (34..38 with AVX-512: lp.kernels.idot), got ", kind);
 #if defined(LP_IDOT256) || defined(LP_IDOT512)
   switch (kind) {
     case 20: return idot_screen_run<0, 0>(x, p, n, wnorm, max_groups, digits);
@@ -1603,6 +1611,7 @@ std::tuple<bool, at::Tensor> idot_screen(torch::Tensor x, torch::Tensor p, int64
     case 35: return idot_screen_run<4, 5>(x, p, n, wnorm, max_groups, digits);
     case 36: return idot_screen_run<5, 3>(x, p, n, wnorm, max_groups, digits);
     case 37: return idot_screen_run<6, 6>(x, p, n, wnorm, max_groups, digits);
+    case 38: return idot_screen_run<4, 7>(x, p, n, wnorm, max_groups, digits);
 #endif
     default: return idot_screen_run<3, 4>(x, p, n, wnorm, max_groups, digits);
   }
@@ -1676,6 +1685,9 @@ void idot_rows_run(const uint8_t* p, int64_t entries, const int64_t* ids, int64_
           } else if constexpr (SCALE == 2) {
             const float* hd = reinterpret_cast<const float*>(e);
             d = hd[i] * static_cast<float>(sc[i]), c = hd[16 + i] * static_cast<float>(sc[16 + i]);
+          } else if constexpr (SCALE == 7) {
+            d = reinterpret_cast<const float*>(e)[i] * static_cast<float>(static_cast<int8_t>(sc[i]));
+            c = d * code_offset(CODE);
           } else if constexpr (SCALE == 6) {
             const float* hd = reinterpret_cast<const float*>(e);
             const int h = k / 16;
@@ -1692,7 +1704,7 @@ void idot_rows_run(const uint8_t* p, int64_t entries, const int64_t* ids, int64_
 }
 
 torch::Tensor idot_rows(const torch::Tensor& p, const torch::Tensor& ids_in, int64_t N, int64_t kind) {
-  TORCH_CHECK(idot_block_kind(kind), "rowsi: kind must be 20..31 (34..37 with AVX-512: lp.kernels.idot), got ", kind);
+  TORCH_CHECK(idot_block_kind(kind), "rowsi: kind must be 20..31 (34..38 with AVX-512: lp.kernels.idot), got ", kind);
   const std::vector<int64_t> lay = idot_layout(kind);
   TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(2) == lay[4] &&
                   p.size(0) == (N + 15) / 16, "rowsi: p must be a packed [groups, entries, ", lay[4], "] uint8 tensor of ", N, " rows");
@@ -1718,6 +1730,7 @@ torch::Tensor idot_rows(const torch::Tensor& p, const torch::Tensor& ids_in, int
     case 35: idot_rows_run<4, 5>(pp, entries, ip, n, K, N, op); break;
     case 36: idot_rows_run<5, 3>(pp, entries, ip, n, K, N, op); break;
     case 37: idot_rows_run<6, 6>(pp, entries, ip, n, K, N, op); break;
+    case 38: idot_rows_run<4, 7>(pp, entries, ip, n, K, N, op); break;
     default: idot_rows_run<3, 4>(pp, entries, ip, n, K, N, op); break;
   }
   return out;
@@ -2577,8 +2590,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screeni_available", &idot_screen_available, "whether this build runs screeni (either of idot's forms)");
   m.def("idot_float", &idot_float, "whether mmi's product is AVX2's float32 one (fdot_group) rather than the int8 digits' (and runs kinds 32 / 33)");
   m.def("rowsi", &idot_rows, "rows ids of an idot-packed weight (p, ids, n rows, kind) as float32 [len(ids), K]");
-  m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31, 34..37");
-  m.def("idot_iq4", []() { return idot_block_kind(34); }, "whether mmi runs IQ4 nibbles and Q3_K / Q2_K crumbs (kinds 34..37: the AVX-512 build)");
+  m.def("layouti", &idot_layout, "(blocks an entry, header bytes, code bytes, block bytes, entry bytes) of idot kind 20..31, 34..38");
+  m.def("idot_iq4", []() { return idot_block_kind(34); }, "whether mmi runs IQ4 nibbles and Q3_K / Q2_K crumbs (kinds 34..38: the AVX-512 build)");
   m.def("idot", &idot_available, "whether this build runs lp.kernels.idot (AVX-512 VNNI and BW, or AVX2 with FMA and F16C)");
   m.def("avx512", &exact4_avx512, "whether this build runs the AVX-512 path");
   m.def("encode", &exact4_encode, "(ok, q, d, c): w's exact 4-bit blocks in one pass");
