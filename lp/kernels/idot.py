@@ -100,8 +100,8 @@ def mmi(x_MK: torch.Tensor, p: torch.Tensor, n: int, kind: int) -> torch.Tensor:
 
 
 def iq4_kinds() -> bool:
-    """Whether IQ4 nibbles and Q3_K's 3-bit codes run on idot here (kinds 34..36: the AVX-512 VNNI build;
-    elsewhere IQ4 takes the 8-bit kinds, a byte a code, and Q3_K Q6_K's kind 25)."""
+    """Whether the AVX-512 build's kinds run here: IQ4 nibbles (34, 35, 38), Q3_K's and Q2_K's 2-bit codes
+    (36, 37) (elsewhere IQ4 takes the 8-bit kinds, a byte a code, Q3_K Q6_K's kind 25, Q2_K exact8x)."""
     return available() and bool(extension().idot_iq4())
 
 
@@ -109,12 +109,11 @@ def _iq4_nibbles(u: torch.Tensor) -> torch.Tensor | None:
     """The nibble [N, K] uint8 of 8-bit codes u (value + 128) that are all IQ4 values, else None."""
     if not iq4_kinds():
         return None
-    idx = _IQ4_INDEX[u[:1].long()]  # one row first: a Q8_0 tensor fails here, without a pass over the whole
-    if bool((idx == 255).any()):
+    table = _IQ4_INDEX.numpy()
+    if (table[u[:1].numpy()] == 255).any():  # one row first: a Q8_0 tensor fails here, without a pass over the whole
         return None
-    idx = _IQ4_INDEX[u.long()] if u.numel() * 8 <= 1 << 28 else torch.cat(
-        [_IQ4_INDEX[u[r:r + 4096].long()] for r in range(0, u.shape[0], 4096)])
-    return None if bool((idx == 255).any()) else idx
+    idx = table[u.contiguous().numpy()]  # numpy's uint8-indexed lookup: ~4x torch's (an int64 copy of the indices)
+    return None if (idx == 255).any() else torch.from_numpy(idx)
 
 
 def _factor(v: torch.Tensor, group: int = 16, lo: int = 0, hi: int = 15) -> tuple[torch.Tensor, torch.Tensor] | None:
