@@ -262,12 +262,13 @@ def blocks8_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tenso
 def codes8_of(data: np.ndarray, kind: str, n: int, k: int) -> tuple | None:
     """A ``CODES8`` tensor [N, K] as int8 codes with its file's scales: (q int8 [N, K], D float32 [N, K / 32])
     for the per-32 formats (what ``blocks8_of`` gives for Q8_0), (q, D, C = -0.0) [N, K / 16] for IQ2_XS / IQ2_S
-    (``blocks8x_of``'s form); None where some weight is not D q with |q| <= 127 (then: float32)."""
+    (``blocks8x_of``'s form); None where the bytes are not N x K of ``kind`` or some weight is not D q with
+    |q| <= 127 (then: float32)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
     qtype = GGMLQuantizationType[kind]
     per_block, size = GGML_QUANT_SIZES[qtype]
-    if k % per_block:
+    if k % per_block or data.size != n * k // per_block * size:
         return None
     raw = np.ascontiguousarray(data).reshape(n * (k // per_block), size)
     f32 = np.float32
@@ -627,7 +628,7 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
     the module as they are stored (rows in transformers' order; read by lp.kernels.exact4.convert)
     and the embedding's and head's into the returned {hf name: blocks}; the rest dequantized and
     processed as transformers' GGUF loader does."""
-    from gguf import GGML_QUANT_SIZES, dequantize
+    from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from lp.kernels.exact4 import Staged
@@ -639,16 +640,7 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
     head = model.get_output_embeddings()
     file_blocks: dict = {}
     kept = dequantized = 0
-    qkinds = dict(QKINDS)
-    qhead = QHEAD
-    if keep:
-        from lp.kernels import idot
-        from lp.kernels.exact4 import extension
-
-        if idot.available():  # Q4_K as its codes too: idot runs them at 4.75 bits a weight, faster than exact4
-            qkinds["Q4_K"] = KINDS["Q4_K"]
-            if not extension().avx512():  # a Q5_1 / Q5_K head as codes too: idot's head takes them (_block_head)
-                qhead = QHEAD + ("Q5_1", "Q5_K")
+    qkinds, qhead = _coded_formats(keep)
     for t in file_tensors(file):
         kind = t.tensor_type.name
         hf = mapping.get(t.name)
@@ -662,8 +654,7 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
                 kept += 1
                 continue
         if keep and hf in ends and kind in CODES8:  # a codebook embedding / head: int8 codes, the file's scales
-            n, k = ends[hf].weight.shape
-            codes = codes8_of(t.data, kind, n, k) if t.data.size == n * k // 256 * GGML_QUANT_SIZES[t.tensor_type][1] else None
+            codes = codes8_of(t.data, kind, *ends[hf].weight.shape)
             if codes is not None:
                 file_blocks[hf] = codes
                 kept += 1
@@ -690,17 +681,12 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
                     owner._lp_blocks = Staged(unpack)
                 kept += 1
                 continue
-        if (keep and kind in CODES8 and hf and hf.endswith(".weight") and type(owner) is torch.nn.Linear
-                and owner is not head and owner.in_features % 256 == 0):
-            n, k = owner.out_features, owner.in_features
-            rows = _row_permutation(processor, t.name, n, mapping, parsed)
-            if rows is not None and t.data.size == n * k // 256 * GGML_QUANT_SIZES[t.tensor_type][1]:
-                data = t.data if np.array_equal(rows, np.arange(n)) else t.data.reshape(n, -1)[rows]
-                codes = codes8_of(data, kind, n, k)  # int8 codes and the file's scales: Exact8 / idot kinds
-                if codes is not None:
-                    owner._lp_blocks8 = codes
-                    kept += 1
-                    continue
+        if keep and kind in CODES8 and hf and hf.endswith(".weight") and type(owner) is torch.nn.Linear and owner is not head:
+            codes = _codebook_linear(t, owner, processor, mapping, parsed)  # Exact8 / idot kinds
+            if codes is not None:
+                owner._lp_blocks8 = codes
+                kept += 1
+                continue
         weights = dequantize(t.data, t.tensor_type)
         out = processor.process(weights=weights, name=t.name, tensor_key_mapping=mapping, parsed_parameters=parsed)
         hf = mapping.get(out.name)
@@ -712,6 +698,32 @@ def _read_tensors(file: Path, model, info: dict, keep: bool, ends: dict) -> dict
     log.info("model.path=%s: %d tensors kept as their blocks (%s), %d dequantized to float32 (as "
              "transformers' GGUF loader does)", file, kept, " / ".join(KEPT), dequantized)
     return file_blocks
+
+
+def _coded_formats(keep: bool) -> tuple[dict, tuple]:
+    """(the formats a decoder linear keeps as exactq / idot parts: format -> kind, the embedding / head formats
+    held as such parts) on this CPU."""
+    qkinds, qhead = dict(QKINDS), QHEAD
+    if keep:
+        from lp.kernels import idot
+        from lp.kernels.exact4 import extension
+
+        if idot.available():  # Q4_K as its codes too: idot runs them at 4.75 bits a weight, faster than exact4
+            qkinds["Q4_K"] = KINDS["Q4_K"]
+            if not extension().avx512():  # a Q5_1 / Q5_K head as codes too: idot's head takes them (_block_head)
+                qhead = QHEAD + ("Q5_1", "Q5_K")
+    return qkinds, qhead
+
+
+def _codebook_linear(t: FileTensor, owner, processor, mapping: dict, parsed: dict) -> tuple | None:
+    """A decoder linear's ``CODES8`` tensor as ``codes8_of``'s int8 codes and scales, its rows where the tensor
+    processor puts them (moved as the file's bytes, as the KEPT formats' are); None: dequantize it."""
+    n, k = owner.out_features, owner.in_features
+    rows = _row_permutation(processor, t.name, n, mapping, parsed)
+    if rows is None or t.data.size % n:
+        return None
+    data = t.data if np.array_equal(rows, np.arange(n)) else t.data.reshape(n, -1)[rows]
+    return codes8_of(data, t.tensor_type.name, n, k)
 
 
 def _finish(file: Path, model, quant: str, dev: torch.device, file_blocks: dict, ends: dict) -> None:
